@@ -1,0 +1,196 @@
+"""The gRPC service ``hlb.v1.Scheduler`` on grpc.aio, plus health and reflection.
+
+Handlers validate the request, then call the scheduling core under the daemon's lock. A refused
+request changes nothing and gets ``INVALID_ARGUMENT`` naming the field; an unknown task
+``NOT_FOUND``. ``PlaceBatch``, ``ScoreDevices`` and ``Explain`` answer ``UNIMPLEMENTED`` until
+the scheduling loop is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import NoReturn
+
+import grpc
+import structlog
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from daemon.errors import InvalidEventError, UnknownTaskError
+from daemon.scheduler import Decision, Scheduler
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = api.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+# Called with each task that Place accepted, so that it is also recorded on the tasks topic.
+OnSubmitted = Callable[[ev.TaskSpec], None]
+
+
+async def _abort(context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, details: str) -> NoReturn:
+    await context.abort(code, details)
+    raise AssertionError("unreachable: abort raises")
+
+
+class SchedulerService(api_grpc.SchedulerServicer):
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock, on_submitted: OnSubmitted) -> None:
+        self.scheduler = scheduler
+        self.lock = lock
+        self.on_submitted = on_submitted
+        self.staleness_ms: Callable[[], float] = lambda: -1.0
+
+    async def Place(
+        self, request: api.PlaceRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.PlaceResponse:
+        if not request.HasField("task"):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        try:
+            with self.lock:
+                is_new = request.task.id not in self.scheduler.graph.tasks
+                decision = self.scheduler.place(request.task, dry_run=request.dry_run)
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if is_new and not request.dry_run:
+            self.on_submitted(request.task)
+        return _place_response(decision)
+
+    async def GetPlacement(
+        self, request: api.GetPlacementRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.GetPlacementResponse:
+        if not request.task_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task_id: required")
+        try:
+            with self.lock:
+                decision = self.scheduler.lookup(request.task_id)
+        except UnknownTaskError as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        if decision.placement is not None:
+            return api.GetPlacementResponse(placement=decision.placement)
+        return api.GetPlacementResponse(pending=decision.pending)
+
+    async def WatchPlacements(
+        self, request: api.WatchPlacementsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> AsyncIterator[ev.Placement]:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify(_: ev.Placement) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing; the stream ends with it
+                loop.call_soon_threadsafe(wake.set)
+
+        next_sequence = max(1, request.from_sequence)
+        with self.lock:
+            unsubscribe = self.scheduler.ledger.subscribe(notify)
+        try:
+            while True:
+                wake.clear()
+                with self.lock:
+                    batch = self.scheduler.ledger.since(next_sequence)
+                for placement in batch:
+                    yield placement
+                    next_sequence = placement.sequence + 1
+                if not batch:
+                    await wake.wait()
+        finally:
+            with self.lock:
+                unsubscribe()
+
+    async def GetClusterState(
+        self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.ClusterState:
+        with self.lock:
+            return cluster_state(self.scheduler, self.staleness_ms())
+
+    async def PlaceBatch(
+        self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.PlaceBatchResponse:
+        await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "PlaceBatch is not implemented yet")
+
+    async def ScoreDevices(
+        self, request: api.ScoreDevicesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.ScoreDevicesResponse:
+        await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "ScoreDevices is not implemented yet")
+
+    async def Explain(
+        self, request: api.ExplainRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.ExplainResponse:
+        await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "Explain is not implemented yet")
+
+
+def _place_response(decision: Decision) -> api.PlaceResponse:
+    if decision.placement is not None:
+        return api.PlaceResponse(placement=decision.placement)
+    return api.PlaceResponse(pending=decision.pending)
+
+
+def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState:
+    """The summary ``GetClusterState`` returns; the caller holds the lock."""
+    graph = scheduler.graph
+    by_kind: dict[int, list[float]] = {}
+    healthy: dict[int, int] = {}
+    for device in graph.devices.values():
+        by_kind.setdefault(device.kind, []).append(device.load)
+        healthy[device.kind] = healthy.get(device.kind, 0) + (device.health != ev.HEALTH_FAILED)
+    loads = [load for values in by_kind.values() for load in values]
+    running = sum(1 for t in graph.tasks.values() if t.state.holds_devices)
+    return api.ClusterState(
+        devices=len(graph.devices),
+        hosts=len(graph.hosts),
+        kinds=[
+            api.KindSummary(
+                kind=ev.DeviceKind.ValueType(kind),
+                devices=len(v),
+                healthy=healthy[kind],
+                mean_utilization=sum(v) / len(v),
+            )
+            for kind, v in sorted(by_kind.items())
+        ],
+        pending_tasks=scheduler.pending_count,
+        running_tasks=running,
+        last_sequence=scheduler.ledger.last_sequence,
+        policy=scheduler.policy.name,
+        staleness_ms=staleness_ms,
+        mean_utilization=sum(loads) / len(loads) if loads else 0.0,
+    )
+
+
+class GrpcServer:
+    """The aio server with the Scheduler, health and (optionally) reflection services."""
+
+    def __init__(self, service: SchedulerService, listen: str, max_message_bytes: int, reflect: bool) -> None:
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        api_grpc.add_SchedulerServicer_to_server(service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if reflect:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen}")
+
+    async def start(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def set_serving(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,126 @@
+"""``hlb place``: talk to a running daemon over gRPC.
+
+Place one task (from flags or a JSON file in protobuf's JSON mapping of ``TaskSpec``), look up a
+task's placement, or watch placements as they are made. Tables by default, JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from google.protobuf import json_format
+
+from daemon.codec import to_json
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+
+KINDS = {name.removeprefix("DEVICE_KIND_").lower(): value for name, value in ev.DeviceKind.items() if value}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Place a task, look up a placement, or watch placements on a running daemon."
+    parser.add_argument("--target", default="127.0.0.1:50051", help="daemon gRPC address (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--file", type=Path, help="task spec as JSON (protobuf JSON mapping of hlb.v1.TaskSpec)")
+    what.add_argument("--get", metavar="TASK_ID", help="show the placement of a task, or why it is pending")
+    what.add_argument("--watch", action="store_true", help="stream placements as they are made")
+    parser.add_argument("--from-sequence", type=int, default=1, help="with --watch: first sequence number")
+    parser.add_argument("--count", type=int, default=0, help="with --watch: stop after this many (0: never)")
+    parser.add_argument("--id", help="task id (default: a new random id)")
+    parser.add_argument("--job", default="", help="job id")
+    parser.add_argument("--devices", type=int, default=1, help="gang size (default: %(default)s)")
+    parser.add_argument("--memory-gb", type=float, default=0.0, help="memory per device, GB")
+    parser.add_argument("--kind", action="append", choices=sorted(KINDS), default=[], help="allowed device kind")
+    parser.add_argument("--model", action="append", default=[], help="allowed device model (repeatable)")
+    parser.add_argument("--workload", default="", help="workload class, e.g. resnet50")
+    parser.add_argument("--priority", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
+
+
+def task_from_args(args: argparse.Namespace) -> ev.TaskSpec:
+    if args.file is not None:
+        try:
+            return json_format.Parse(args.file.read_text(), ev.TaskSpec())
+        except (OSError, json_format.ParseError) as exc:
+            raise SystemExit(f"hlb place: {args.file}: {exc}") from None
+    return ev.TaskSpec(
+        id=args.id or f"task-{uuid.uuid4().hex[:12]}",
+        job_id=args.job,
+        num_devices=args.devices,
+        memory_per_device_gb=args.memory_gb,
+        allowed_kinds=[KINDS[k] for k in args.kind],
+        allowed_models=args.model,
+        workload_class=args.workload,
+        priority=args.priority,
+        submit_time_ms=int(time.time() * 1000),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        try:
+            if args.watch:
+                watch(stub, args.from_sequence, args.count, args.json, sys.stdout)
+                return 0
+            if args.get:
+                got = stub.GetPlacement(api.GetPlacementRequest(task_id=args.get), timeout=args.timeout)
+                print_outcome(got.placement if got.HasField("placement") else got.pending, args.json, sys.stdout)
+                return 0
+            request = api.PlaceRequest(task=task_from_args(args), dry_run=args.dry_run)
+            placed = stub.Place(request, timeout=args.timeout)
+            print_outcome(placed.placement if placed.HasField("placement") else placed.pending, args.json, sys.stdout)
+            return 0
+        except grpc.RpcError as exc:
+            print(f"hlb place: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+def print_outcome(outcome: ev.Placement | api.Pending, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(to_json(outcome), file=out)
+    elif isinstance(outcome, ev.Placement):
+        print(PLACEMENT_HEADER, file=out)
+        print(placement_row(outcome), file=out)
+    else:
+        print(
+            f"task {outcome.task_id} is pending (queue position {outcome.queue_position}): {outcome.reason}", file=out
+        )
+
+
+PLACEMENT_HEADER = f"{'SEQ':>6}  {'TASK':<24} {'POLICY':<13} {'SCORE':>6}  DEVICES"
+
+
+def placement_row(placement: ev.Placement) -> str:
+    devices = ", ".join(placement.device_ids)
+    return f"{placement.sequence:>6}  {placement.task_id:<24} {placement.policy:<13} {placement.score:>6.3f}  {devices}"
+
+
+def stream_placements(stub: api_grpc.SchedulerStub, from_sequence: int) -> Iterator[ev.Placement]:
+    """Placements from ``from_sequence`` on, as the daemon makes them (blocks between them)."""
+    yield from stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=from_sequence))
+
+
+def watch(stub: api_grpc.SchedulerStub, from_sequence: int, count: int, as_json: bool, out: TextIO) -> int:
+    """Print placements as they arrive; stops after ``count`` (0: never). Returns how many were printed."""
+    printed = 0
+    if not as_json:
+        print(PLACEMENT_HEADER, file=out, flush=True)
+    for placement in stream_placements(stub, from_sequence):
+        print(to_json(placement) if as_json else placement_row(placement), file=out, flush=True)
+        printed += 1
+        if count and printed >= count:
+            break
+    return printed

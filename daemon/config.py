@@ -1,0 +1,145 @@
+"""hlb's settings: ``config.yaml`` overridden by ``HLB_`` environment variables.
+
+One loader for the whole program. Precedence, highest first: values passed in code, environment
+variables (``HLB_`` prefix, ``__`` between nested keys: ``HLB_KAFKA__BOOTSTRAP_SERVERS``), the
+YAML file, then the defaults below. Unknown keys are errors, so a typo in ``config.yaml`` stops
+the start instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
+
+from daemon.errors import ConfigError
+
+EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus keeps systemd from looping on it
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Topics(_Section):
+    telemetry: str = "hlb.telemetry"
+    tasks: str = "hlb.tasks"
+    placements: str = "hlb.placements"
+    dlq: str = "hlb.dlq"
+    inventory: str = "hlb.inventory"
+
+
+class KafkaSettings(_Section):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    group_id: str = "hlb"
+    topics: Topics = Topics()
+    batch_size: int = Field(1000, ge=1, le=1_000_000)
+    poll_timeout_s: float = Field(0.1, gt=0, le=10)
+    max_event_bytes: int = Field(1_048_576, ge=1024)
+    # Passed to librdkafka as they are (security.protocol, sasl.*, ssl.*): values are secrets.
+    client_config: dict[str, SecretStr] = Field(default_factory=dict)
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _has_host_port(cls, value: str) -> str:
+        for server in value.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {value!r}")
+        return value
+
+
+class GrpcSettings(_Section):
+    listen: str = "127.0.0.1:50051"
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    reflection: bool = True
+    grace_s: float = Field(5.0, ge=0)
+
+
+class SchedulerSettings(_Section):
+    policy: Literal["least-loaded"] = "least-loaded"
+
+
+class LogSettings(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class Settings(BaseSettings):
+    """Everything ``hlb serve`` reads at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="HLB_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        nested_model_default_partial_update=True,
+    )
+
+    cell: str = Field("default", min_length=1, max_length=128)
+    bus: Literal["kafka", "memory"] = "kafka"
+    state_dir: Path = Path(os.environ.get("STATE_DIRECTORY", ".cache/state"))
+    kafka: KafkaSettings = KafkaSettings()
+    grpc: GrpcSettings = GrpcSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    log: LogSettings = LogSettings()
+
+    _yaml_file: ClassVar[Path | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file))
+        return (*sources, file_secret_settings)
+
+
+def default_config_path() -> Path:
+    """Where the config lives when none is named: systemd's configuration directory, then /etc."""
+    conf_dir = os.environ.get("CONFIGURATION_DIRECTORY")
+    return Path(conf_dir) / "config.yaml" if conf_dir else Path("/etc/hlb/config.yaml")
+
+
+def load_settings(path: Path | None, **overrides: Any) -> Settings:
+    """Load and validate the settings, or raise ``ConfigError`` naming every bad key.
+
+    ``path`` None means no file: defaults and environment only. A named file that does not
+    exist is an error (pydantic-settings would silently skip it).
+    """
+    if path is not None and not path.is_file():
+        raise ConfigError(f"config file {path}: not found")
+    # The YAML source reads the file named on the class; a subclass keeps loads independent.
+    bound = type("Settings", (Settings,), {"_yaml_file": path})
+    try:
+        settings: Settings = bound(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+    except (SettingsError, OSError, ValueError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    return settings
+
+
+def _describe(exc: ValidationError, path: Path | None) -> str:
+    where = f"config file {path}" if path else "configuration"
+    lines = [f"{where}: {exc.error_count()} invalid value(s)"]
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        shown = "<secret>" if "client_config" in key else repr(error.get("input"))
+        lines.append(f"  {key}: {error['msg']} (got {shown}; env HLB_{key.upper().replace('.', '__')})")
+    return "\n".join(lines)

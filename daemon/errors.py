@@ -1,0 +1,49 @@
+"""hlb's errors, as one tree::
+
+HlbError
+├── ConfigError          settings that cannot be loaded or are invalid (exit code 78)
+├── EventError           an event that cannot be applied; it goes to the dead-letter topic
+│   ├── DecodeError      bytes that are neither the expected protobuf nor its JSON mapping
+│   └── InvalidEventError  decoded, but out of range, inconsistent or naming unknown ids
+├── RequestError         a gRPC request that is malformed (INVALID_ARGUMENT)
+├── UnknownTaskError     a task the daemon has never seen (NOT_FOUND)
+└── BrokerError          the local Kafka broker used by tests and the demo failed
+"""
+
+from __future__ import annotations
+
+
+class HlbError(Exception):
+    """Base of every error hlb raises on purpose."""
+
+
+class ConfigError(HlbError):
+    """The settings cannot be loaded; the message names each bad key."""
+
+
+class EventError(HlbError):
+    """An event cannot be applied. ``reason`` is a short stable code for counting and DLQ headers."""
+
+    reason = "invalid"
+
+
+class DecodeError(EventError):
+    reason = "decode"
+
+
+class InvalidEventError(EventError):
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RequestError(HlbError):
+    """A request that the API refuses; the message names the field."""
+
+
+class UnknownTaskError(HlbError):
+    """A task id that the daemon does not know."""
+
+
+class BrokerError(HlbError):
+    """The local Kafka broker could not be fetched, started or reached."""

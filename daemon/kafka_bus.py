@@ -1,0 +1,214 @@
+"""The Kafka implementation of the bus seam (confluent-kafka / librdkafka).
+
+The consumer runs on the ingest thread only. Offsets are stored by hand after a batch has been
+applied (``enable.auto.offset.store=false``) and committed in the background, which gives
+at-least-once delivery. Until the graph is snapshotted (a later step), the daemon's state lives
+in memory only, so every assigned partition is replayed from its beginning; the ledger makes the
+replay place nothing twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import structlog
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+
+from daemon.bus import RawEvent
+from daemon.config import KafkaSettings
+
+log = structlog.get_logger(__name__)
+
+
+ClientConfig = dict[str, str | int | float | bool]
+
+
+def _client_config(settings: KafkaSettings) -> ClientConfig:
+    config: ClientConfig = {"bootstrap.servers": settings.bootstrap_servers}
+    config.update({key: value.get_secret_value() for key, value in settings.client_config.items()})
+    return config
+
+
+def _raw(message: Message) -> RawEvent:
+    raw_headers = message.headers() or []
+    pairs = raw_headers.items() if isinstance(raw_headers, dict) else raw_headers
+    headers = tuple((k, v.encode() if isinstance(v, str) else v or b"") for k, v in pairs)
+    key, value = message.key(), message.value()
+    return RawEvent(
+        topic=message.topic() or "",
+        partition=message.partition() or 0,
+        offset=message.offset() or 0,
+        key=key.encode() if isinstance(key, str) else key,
+        value=value.encode() if isinstance(value, str) else value,
+        headers=headers,
+    )
+
+
+class KafkaBus:
+    def __init__(self, settings: KafkaSettings) -> None:
+        self.settings = settings
+
+    def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None:
+        """Create missing topics (one partition each for now); the compacted ones keep the latest per key."""
+        admin = AdminClient(_client_config(self.settings))
+        wanted = [NewTopic(t, num_partitions=1, replication_factor=-1) for t in topics]
+        wanted += [
+            NewTopic(t, num_partitions=1, replication_factor=-1, config={"cleanup.policy": "compact"})
+            for t in compacted
+        ]
+        for topic, future in admin.create_topics(wanted, request_timeout=15.0).items():
+            try:
+                future.result()
+                log.info("topic created", topic=topic)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+        self._wait_for_leaders(admin, [*topics, *compacted], timeout_s=30.0)
+
+    @staticmethod
+    def _wait_for_leaders(admin: AdminClient, topics: Sequence[str], timeout_s: float) -> None:
+        # A new topic answers NOT_LEADER_FOR_PARTITION until its partitions have a leader.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metadata = admin.list_topics(timeout=10.0).topics
+            missing = [
+                t for t in topics
+                if t not in metadata or metadata[t].error is not None
+                or any(p.leader < 0 for p in metadata[t].partitions.values())
+            ]  # fmt: skip
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"no leader yet for topics {missing}"))
+            time.sleep(0.2)
+
+    def source(self, topics: Sequence[str], group_id: str) -> KafkaSource:
+        return KafkaSource(self.settings, topics, group_id)
+
+    def publisher(self) -> KafkaPublisher:
+        return KafkaPublisher(self.settings)
+
+    def read_all(self, topic: str) -> list[RawEvent]:
+        """Every record of ``topic`` up to its high watermarks now, read without a consumer group."""
+        consumer = Consumer(
+            {
+                **_client_config(self.settings),
+                "group.id": "hlb-reader",
+                "enable.auto.commit": False,
+                "enable.partition.eof": False,
+            }
+        )
+        try:
+            metadata = consumer.list_topics(topic, timeout=15.0).topics[topic]
+            if metadata.error is not None:
+                if metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    return []
+                raise KafkaException(metadata.error)
+            ends: dict[int, int] = {}
+            for partition in metadata.partitions:
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=15.0)
+                if high > low:
+                    ends[partition] = high
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
+            records: list[RawEvent] = []
+            while ends:
+                for message in consumer.consume(1000, 1.0):
+                    if message.error() is not None:
+                        raise KafkaException(message.error())
+                    record = _raw(message)
+                    records.append(record)
+                    if record.offset + 1 >= ends.get(record.partition, 0):
+                        ends.pop(record.partition, None)
+            return records
+        finally:
+            consumer.close()
+
+
+class KafkaSource:
+    """A group consumer of the input topics, replaying each assigned partition from its start."""
+
+    def __init__(self, settings: KafkaSettings, topics: Sequence[str], group_id: str) -> None:
+        self._consumer = Consumer(
+            {
+                **_client_config(settings),
+                "group.id": group_id,
+                "enable.auto.offset.store": False,
+                "enable.auto.commit": True,
+                "auto.offset.reset": "earliest",
+                "partition.assignment.strategy": "cooperative-sticky",
+                "fetch.wait.max.ms": 50,
+            },
+            logger=structlog.stdlib.get_logger("librdkafka"),
+        )
+        self._consumer.subscribe(list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for partition in partitions:
+            partition.offset = OFFSET_BEGINNING
+        consumer.incremental_assign(partitions)
+        log.info("partitions assigned", partitions=[f"{p.topic}[{p.partition}]" for p in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        consumer.incremental_unassign(partitions)
+        log.info("partitions revoked", partitions=[f"{p.topic}[{p.partition}]" for p in partitions])
+
+    def next_batch(self, max_events: int, timeout_s: float) -> list[RawEvent]:
+        batch: list[RawEvent] = []
+        for message in self._consumer.consume(max_events, timeout_s):
+            error = message.error()
+            if error is None:
+                batch.append(_raw(message))
+            elif error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                log.debug("topic not there yet", topic=message.topic())
+            elif error.fatal():
+                raise KafkaException(error)
+            else:
+                log.warning("consumer error", error=str(error))
+        return batch
+
+    def commit(self, batch: Sequence[RawEvent]) -> None:
+        ends: dict[tuple[str, int], int] = {}
+        for record in batch:
+            key = (record.topic, record.partition)
+            ends[key] = max(ends.get(key, 0), record.offset + 1)
+        self._consumer.store_offsets(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()])
+
+    def close(self) -> None:
+        self._consumer.close()  # commits the stored offsets and leaves the group
+
+
+class KafkaPublisher:
+    def __init__(self, settings: KafkaSettings) -> None:
+        self._producer = Producer(
+            {**_client_config(settings), "linger.ms": 5, "enable.idempotence": True},
+            logger=structlog.stdlib.get_logger("librdkafka"),
+        )
+
+    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, headers=list(headers), on_delivery=_delivered)
+                break
+            except BufferError:  # local queue full: let librdkafka send some, then retry
+                self._producer.poll(0.1)
+        self._producer.poll(0)
+
+    def flush(self, timeout_s: float) -> int:
+        remaining: int = self._producer.flush(timeout_s)
+        return remaining
+
+
+def _delivered(error: KafkaError | None, message: Message) -> None:
+    if error is not None:
+        log.error("delivery failed", topic=message.topic(), error=str(error))

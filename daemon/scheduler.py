@@ -1,0 +1,221 @@
+"""The scheduling core: applies events to the graph, keeps the pending queue, makes decisions.
+
+Pure and single-threaded: callers (the ingest thread, gRPC handlers) serialize access with one
+lock. Time comes from an injected clock so that tests never sleep.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from daemon.errors import InvalidEventError, UnknownTaskError
+from daemon.graph import Device, InfraGraph, Task, TaskState, check_task_spec
+from daemon.ledger import PlacementLedger
+from daemon.policy import Exclusion, FeasibilityFilter, Policy, choose_gang
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+
+Clock = Callable[[], float]  # seconds since the Unix epoch
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer for one task: a placement, or why it waits (exactly one is set)."""
+
+    placement: ev.Placement | None = None
+    pending: api.Pending | None = None
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What the policy made of a task: feasible devices with scores (best first) and exclusions."""
+
+    ranked: list[tuple[Device, float]]
+    excluded: list[Exclusion]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        graph: InfraGraph,
+        policy: Policy,
+        ledger: PlacementLedger,
+        cell: str,
+        clock: Clock,
+        feasibility: FeasibilityFilter | None = None,
+    ) -> None:
+        self.graph = graph
+        self.policy = policy
+        self.ledger = ledger
+        self.cell = cell
+        self.clock = clock
+        self.feasibility = feasibility or FeasibilityFilter()
+        self._pending: dict[str, Task] = {}
+        # Ledger placements whose task or devices have not been replayed yet.
+        self._unbound: dict[str, ev.Placement] = {}
+
+    # -- events ----------------------------------------------------------------------------
+
+    def apply_telemetry(self, event: ev.TelemetryEvent) -> None:
+        self.graph.apply_telemetry(event)
+        if event.WhichOneof("payload") == "device_upsert" and self._unbound:
+            self._bind_restored()
+
+    def apply_task_event(self, event: ev.TaskEvent) -> None:
+        """Apply one lifecycle event. Raises ``InvalidEventError`` and changes nothing if it is bad."""
+        kind = event.WhichOneof("payload")
+        if kind is None:
+            raise InvalidEventError("task event without a payload", "empty")
+        if kind == "submitted":
+            self.submit(event.submitted, event.cell or self.cell)
+            return
+        task_id = {
+            "cancelled": event.cancelled.id,
+            "started": event.started.task_id,
+            "finished": event.finished.task_id,
+            "failed": event.failed.task_id,
+        }[kind]
+        task = self.graph.tasks.get(task_id)
+        if task is None:
+            raise InvalidEventError(f"{kind} event for unknown task {task_id!r}", "unknown_id")
+        if task.state.is_final:
+            return  # a replayed or late event for a task that has ended
+        if kind == "started":
+            if task.state == TaskState.PLACED:
+                task.state = TaskState.RUNNING
+        elif task.state == TaskState.PENDING:
+            if kind != "cancelled":
+                raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
+            self._pending.pop(task_id, None)
+            task.state = TaskState.CANCELLED
+        else:
+            final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
+            self.graph.release(task, final)
+
+    def submit(self, spec: ev.TaskSpec, cell: str) -> Task:
+        """Add a task to the graph and the queue, or bind it to its earlier placement on a replay."""
+        known = spec.id in self.graph.tasks
+        task = self.graph.add_task(spec, cell)
+        if known:
+            return task
+        earlier = self.ledger.get(spec.id)
+        if earlier is not None:
+            self._unbound[spec.id] = earlier
+            self._bind_restored()
+        else:
+            self._pending[spec.id] = task
+        return task
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def schedule_pending(self) -> list[ev.Placement]:
+        """Place every queued task that fits now, highest priority and earliest arrival first."""
+        placed: list[ev.Placement] = []
+        for task in self._queue():
+            decision = self._try_place(task, dry_run=False)
+            if decision.placement is not None:
+                placed.append(decision.placement)
+        return placed
+
+    def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:
+        """Decide for one task now (the gRPC ``Place``). Idempotent for a task already known."""
+        check_task_spec(spec)
+        known = self.graph.tasks.get(spec.id)
+        if known is not None:
+            if known.spec != spec:
+                raise InvalidEventError(f"task {spec.id} is already known with another spec", "duplicate_id")
+            return self.lookup(spec.id)
+        if dry_run:
+            probe = Task(spec=spec, cell=self.cell, arrival=0)
+            return self._try_place(probe, dry_run=True)
+        task = self.submit(spec, self.cell)
+        return self._try_place(task, dry_run=False)
+
+    def lookup(self, task_id: str) -> Decision:
+        placement = self.ledger.get(task_id)
+        if placement is not None:
+            return Decision(placement=placement)
+        task = self.graph.tasks.get(task_id)
+        if task is None:
+            raise UnknownTaskError(f"unknown task {task_id!r}")
+        if task.state == TaskState.PENDING:
+            return Decision(pending=self._pending_message(task))
+        reason = f"task is {task.state.value} and was never placed"
+        return Decision(pending=api.Pending(task_id=task_id, reason=reason, queue_position=0))
+
+    def candidates(self, spec: ev.TaskSpec) -> Candidates:
+        feasible, excluded = self.feasibility.split(spec, list(self.graph.devices.values()))
+        scores = self.policy.score(spec, feasible).tolist() if feasible else []
+        ranked = sorted(zip(feasible, scores, strict=True), key=lambda pair: -pair[1])
+        return Candidates(ranked=ranked, excluded=excluded)
+
+    def queue_position(self, task_id: str) -> int:
+        for position, task in enumerate(self._queue(), start=1):
+            if task.spec.id == task_id:
+                return position
+        return 0
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _queue(self) -> list[Task]:
+        return sorted(self._pending.values(), key=lambda t: (-t.spec.priority, t.arrival))
+
+    def _try_place(self, task: Task, dry_run: bool) -> Decision:
+        waiting_for = self._unfinished_dependency(task)
+        if waiting_for is not None:
+            task.pending_reason = f"waiting for dependency {waiting_for}"
+            return Decision(pending=self._pending_message(task))
+        feasible, excluded = self.feasibility.split(task.spec, list(self.graph.devices.values()))
+        gang, score = choose_gang(self.policy, task.spec, feasible)
+        if not gang:
+            task.pending_reason = _why_unplaceable(task, len(feasible), excluded)
+            return Decision(pending=self._pending_message(task))
+        placement = ev.Placement(
+            task_id=task.spec.id,
+            job_id=task.spec.job_id,
+            cell=task.cell,
+            device_ids=[d.id for d in gang],
+            policy=self.policy.name,
+            score=score,
+            decided_at_ms=int(self.clock() * 1000),
+        )
+        if dry_run:
+            return Decision(placement=placement)
+        self._pending.pop(task.spec.id, None)
+        self.graph.bind(task, tuple(d.id for d in gang))
+        return Decision(placement=self.ledger.record(placement))
+
+    def _unfinished_dependency(self, task: Task) -> str | None:
+        for dep in task.spec.dependencies:
+            upstream = self.graph.tasks.get(dep.task_id)
+            if upstream is None or upstream.state != TaskState.FINISHED:
+                return dep.task_id
+        return None
+
+    def _pending_message(self, task: Task) -> api.Pending:
+        position = self.queue_position(task.spec.id) if task.spec.id in self._pending else 0
+        return api.Pending(task_id=task.spec.id, reason=task.pending_reason, queue_position=position)
+
+    def _bind_restored(self) -> None:
+        for task_id, placement in list(self._unbound.items()):
+            task = self.graph.tasks[task_id]
+            if all(d in self.graph.devices for d in placement.device_ids):
+                self.graph.bind(task, tuple(placement.device_ids))
+                del self._unbound[task_id]
+
+
+def _why_unplaceable(task: Task, feasible: int, excluded: list[Exclusion]) -> str:
+    gang = task.gang_size
+    if feasible == 0 and not excluded:
+        return "no devices known yet"
+    if feasible == 0:
+        counts = Counter(exclusion.constraint for exclusion in excluded)
+        ruled_out = ", ".join(f"{constraint} {n}" for constraint, n in counts.most_common())
+        return f"no feasible device ({len(excluded)} ruled out by {ruled_out})"
+    return f"needs {gang} devices at once, {feasible} feasible now"

@@ -1,0 +1,283 @@
+"""``hlb agent``: a simulated telemetry agent and job submitter for a small heterogeneous cluster.
+
+It publishes the cluster's inventory (to the telemetry topic and the compacted inventory topic),
+periodic metrics per host, and a Poisson stream of task submissions. It also plays the executor:
+it reads the placement ledger, reports each of its tasks as started, and as finished once the
+task's runtime has passed, so that devices free up and the daemon keeps placing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from daemon.bus import EventBus, EventSource, Publisher
+from daemon.codec import decode
+from daemon.config import Topics
+from daemon.errors import EventError
+from hlb.v1 import events_pb2 as ev
+
+log = structlog.get_logger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class HostGroup:
+    """``hosts`` identical hosts, each with ``devices`` accelerators of one model."""
+
+    name: str
+    hosts: int
+    devices: int
+    kind: ev.DeviceKind.ValueType
+    model: str
+    memory_gb: float
+    peak_tflops: float
+    idle_power_w: float
+    peak_power_w: float
+    intra_link: ev.LinkKind.ValueType  # between devices of a host
+    intra_gbps: float
+
+
+# Nameplate figures from the vendors' spec sheets (dense FP16/BF16 tensor TFLOPS, TDP).
+DEMO_CLUSTER = (
+    HostGroup("v100", 2, 4, ev.DEVICE_KIND_GPU, "V100-SXM2-32GB", 32, 125, 40, 300, ev.LINK_KIND_NVLINK, 300),
+    HostGroup("a100", 1, 4, ev.DEVICE_KIND_GPU, "A100-SXM4-80GB", 80, 312, 50, 400, ev.LINK_KIND_NVLINK, 600),
+    HostGroup("t4", 1, 8, ev.DEVICE_KIND_GPU, "T4-16GB", 16, 65, 10, 70, ev.LINK_KIND_PCIE, 32),
+    HostGroup("tpu", 1, 4, ev.DEVICE_KIND_TPU, "TPU-v4", 32, 275, 90, 192, ev.LINK_KIND_PCIE, 64),
+)
+
+
+@dataclass(frozen=True)
+class WorkloadClass:
+    name: str
+    kind: ev.TaskKind.ValueType
+    memory_gb: float
+    allowed_kinds: tuple[ev.DeviceKind.ValueType, ...]
+    gangs: tuple[int, ...]
+    runtime_s: tuple[float, float]  # uniform range, seconds (demo scale)
+    weight: float
+    latency_slo_ms: float = 0.0
+
+
+DEMO_WORKLOADS = (
+    WorkloadClass("resnet50", ev.TASK_KIND_TRAINING, 12, (ev.DEVICE_KIND_GPU,), (1, 2, 4), (10, 40), 0.3),
+    WorkloadClass(
+        "bert-large", ev.TASK_KIND_TRAINING, 28, (ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU), (1, 2), (20, 60), 0.2
+    ),
+    WorkloadClass("llm-7b-finetune", ev.TASK_KIND_TRAINING, 70, (ev.DEVICE_KIND_GPU,), (2, 4), (30, 90), 0.1),
+    WorkloadClass("transformer-tpu", ev.TASK_KIND_TRAINING, 20, (ev.DEVICE_KIND_TPU,), (2, 4), (20, 60), 0.1),
+    WorkloadClass("resnet50-serving", ev.TASK_KIND_INFERENCE, 4, (), (1,), (5, 15), 0.3, latency_slo_ms=50),
+)
+
+
+def inventory_events(cell: str, groups: tuple[HostGroup, ...] = DEMO_CLUSTER) -> list[ev.TelemetryEvent]:
+    """The cluster as inventory events: one rack switch, hosts, devices and their links."""
+    events = [ev.TelemetryEvent(cell=cell, switch_upsert=ev.Switch(id=f"{cell}-rack0"))]
+    for group in groups:
+        for h in range(group.hosts):
+            host_id = f"{cell}-{group.name}-h{h}"
+            events.append(ev.TelemetryEvent(cell=cell, host_upsert=ev.Host(id=host_id, rack_id=f"{cell}-rack0")))
+            uplink = ev.Link(
+                id=f"{host_id}-up", src_id=host_id, dst_id=f"{cell}-rack0", kind=ev.LINK_KIND_ETHERNET,
+                bandwidth_gbps=100, latency_us=5,
+            )  # fmt: skip
+            events.append(ev.TelemetryEvent(cell=cell, link_upsert=uplink))
+            for d in range(group.devices):
+                device = ev.Device(
+                    id=f"{host_id}-d{d}", host_id=host_id, kind=group.kind, model=group.model,
+                    memory_gb=group.memory_gb, peak_tflops=group.peak_tflops,
+                    idle_power_w=group.idle_power_w, peak_power_w=group.peak_power_w,
+                )  # fmt: skip
+                events.append(ev.TelemetryEvent(cell=cell, device_upsert=device))
+                link = ev.Link(
+                    id=f"{device.id}-host", src_id=device.id, dst_id=host_id, kind=group.intra_link,
+                    bandwidth_gbps=group.intra_gbps, latency_us=1,
+                )  # fmt: skip
+                events.append(ev.TelemetryEvent(cell=cell, link_upsert=link))
+    return events
+
+
+class Agent:
+    """Publishes inventory, metrics and tasks; turns its tasks' placements into started/finished."""
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        placements: EventSource,
+        topics: Topics,
+        cell: str,
+        seed: int = 0,
+        rate_per_s: float = 1.0,
+        metrics_interval_s: float = 1.0,
+        max_tasks: int = 0,
+        clock: Clock = time.time,
+    ) -> None:
+        self.publisher = publisher
+        self.placements = placements
+        self.topics = topics
+        self.cell = cell
+        self.rng = np.random.default_rng(seed)
+        self.rate_per_s = rate_per_s
+        self.metrics_interval_s = metrics_interval_s
+        self.max_tasks = max_tasks
+        self.clock = clock
+        self.inventory = inventory_events(cell)
+        self.devices = [e.device_upsert for e in self.inventory if e.HasField("device_upsert")]
+        self.submitted: dict[str, ev.TaskSpec] = {}
+        self.busy: dict[str, float] = {}  # device id -> memory in use, GB
+        self._finishing: list[tuple[float, str, tuple[str, ...]]] = []  # heap of (time, task, devices)
+        self._next_metrics = 0.0
+        self._next_task = 0.0
+        self._seq = 0
+
+    def _key(self) -> bytes:
+        return self.cell.encode()
+
+    def _publish_telemetry(self, event: ev.TelemetryEvent) -> None:
+        event.event_time_ms = int(self.clock() * 1000)
+        event.source = "hlb-agent"
+        self.publisher.publish(self.topics.telemetry, self._key(), event.SerializeToString())
+
+    def _publish_task_event(self, event: ev.TaskEvent) -> None:
+        event.cell, event.event_time_ms, event.source = self.cell, int(self.clock() * 1000), "hlb-agent"
+        self.publisher.publish(self.topics.tasks, self._key(), event.SerializeToString())
+
+    def publish_inventory(self) -> None:
+        for event in self.inventory:
+            self._publish_telemetry(event)
+            entity = getattr(event, event.WhichOneof("payload") or "")
+            self.publisher.publish(self.topics.inventory, entity.id.encode(), event.SerializeToString())
+
+    def publish_metrics(self) -> None:
+        batch = ev.MetricsBatch()
+        for device in self.devices:
+            used = self.busy.get(device.id, 0.0)
+            busy = used > 0
+            utilization = float(self.rng.uniform(0.7, 0.95) if busy else self.rng.uniform(0.0, 0.05))
+            power = device.idle_power_w + utilization * (device.peak_power_w - device.idle_power_w)
+            batch.devices.append(
+                ev.DeviceMetrics(
+                    device_id=device.id, utilization=utilization, memory_used_gb=min(used, device.memory_gb),
+                    power_w=power, temperature_c=35 + 40 * utilization, health=ev.HEALTH_HEALTHY,
+                )
+            )  # fmt: skip
+        self._publish_telemetry(ev.TelemetryEvent(metrics_batch=batch))
+
+    def new_task(self) -> ev.TaskSpec:
+        weights = np.array([w.weight for w in DEMO_WORKLOADS])
+        workload = DEMO_WORKLOADS[int(self.rng.choice(len(DEMO_WORKLOADS), p=weights / weights.sum()))]
+        self._seq += 1
+        runtime = float(self.rng.uniform(*workload.runtime_s))
+        return ev.TaskSpec(
+            id=f"{self.cell}-t{self._seq:05d}-{int(self.rng.integers(1 << 30)):08x}",
+            job_id=f"{self.cell}-j{self._seq:05d}",
+            kind=workload.kind,
+            workload_class=workload.name,
+            num_devices=int(self.rng.choice(workload.gangs)),
+            memory_per_device_gb=workload.memory_gb,
+            work_ref_s=round(runtime, 1),
+            allowed_kinds=workload.allowed_kinds,
+            latency_slo_ms=workload.latency_slo_ms,
+            priority=int(self.rng.integers(0, 3)),
+            submit_time_ms=int(self.clock() * 1000),
+        )
+
+    def submit(self, spec: ev.TaskSpec) -> None:
+        self.submitted[spec.id] = spec
+        self._publish_task_event(ev.TaskEvent(submitted=spec))
+
+    def _follow_placements(self, now: float) -> None:
+        records = self.placements.next_batch(1000, 0.0)
+        for record in records:
+            try:
+                placement = decode(record.value, ev.Placement, 1 << 20)
+            except EventError:
+                continue
+            spec = self.submitted.get(placement.task_id)
+            if spec is None or placement.task_id in {t for _, t, _ in self._finishing}:
+                continue
+            devices = tuple(placement.device_ids)
+            for device_id in devices:
+                self.busy[device_id] = self.busy.get(device_id, 0.0) + spec.memory_per_device_gb
+            self._publish_task_event(ev.TaskEvent(started=ev.TaskStarted(task_id=spec.id, device_ids=devices)))
+            heapq.heappush(self._finishing, (now + spec.work_ref_s, spec.id, devices))
+        if records:
+            self.placements.commit(records)
+
+    def _finish_due(self, now: float) -> None:
+        while self._finishing and self._finishing[0][0] <= now:
+            _, task_id, devices = heapq.heappop(self._finishing)
+            spec = self.submitted.pop(task_id)
+            for device_id in devices:
+                self.busy[device_id] = max(0.0, self.busy.get(device_id, 0.0) - spec.memory_per_device_gb)
+            self._publish_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=task_id)))
+
+    def step(self) -> None:
+        """One round: follow placements, finish due tasks, publish metrics and submissions when due."""
+        now = self.clock()
+        self._follow_placements(now)
+        self._finish_due(now)
+        if now >= self._next_metrics:
+            self.publish_metrics()
+            self._next_metrics = now + self.metrics_interval_s
+        if self._next_task == 0.0:
+            self._next_task = now
+        while now >= self._next_task and (not self.max_tasks or self._seq < self.max_tasks):
+            self.submit(self.new_task())
+            self._next_task += float(self.rng.exponential(1.0 / self.rate_per_s))
+
+    def run(self, stop: threading.Event, duration_s: float = 0.0, tick_s: float = 0.1) -> None:
+        """Publish the inventory, then step until ``stop`` is set or ``duration_s`` has passed."""
+        self.publish_inventory()
+        end = self.clock() + duration_s if duration_s > 0 else float("inf")
+        while not stop.is_set() and self.clock() < end:
+            self.step()
+            stop.wait(tick_s)
+        self.publisher.flush(10.0)
+        self.placements.close()
+
+
+def make_agent(bus: EventBus, topics: Topics, cell: str, seed: int, rate_per_s: float, max_tasks: int = 0) -> Agent:
+    bus.ensure_topics([topics.telemetry, topics.tasks, topics.placements], [topics.inventory])
+    placements = bus.source([topics.placements], f"hlb-agent-{cell}-{seed}-{time.time_ns()}")
+    return Agent(bus.publisher(), placements, topics, cell, seed, rate_per_s, max_tasks=max_tasks)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Publish a small heterogeneous cluster's inventory, telemetry and tasks to Kafka."
+    parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config (Kafka and topics)")
+    parser.add_argument("--rate", type=float, default=1.0, help="task submissions per second (Poisson)")
+    parser.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
+    parser.add_argument("--tasks", type=int, default=0, help="stop submitting after this many tasks (0: never)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from daemon.config import EX_CONFIG, load_settings
+    from daemon.errors import ConfigError
+    from daemon.logs import configure_logging
+    from daemon.service import make_bus
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"hlb agent: {exc}")
+        return EX_CONFIG
+    configure_logging(settings.log.level, settings.log.format)
+    agent = make_agent(make_bus(settings), settings.kafka.topics, settings.cell, args.seed, args.rate, args.tasks)
+    stop = threading.Event()
+    try:
+        agent.run(stop, args.duration)
+    except KeyboardInterrupt:
+        stop.set()
+    log.info("agent stopped", submitted=agent._seq)
+    return 0

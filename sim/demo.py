@@ -1,0 +1,127 @@
+"""``hlb demo``: a real broker, the daemon and a simulated agent, with placements shown live.
+
+Kafka is used wherever it can run (Java found): the demo starts a single-node broker from Apache
+Kafka's jars, the daemon consumes from it and the agent publishes to it. On a machine without
+Java the daemon and the agent share the in-memory event bus instead (the twin the unit tests
+use), and the demo says so. The placement table comes over gRPC (``WatchPlacements``), as any
+client would see it. Stops after ``--duration`` seconds or on Ctrl-C; logs go to ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+
+from daemon.bus import EventBus, MemoryBus
+from daemon.client import PLACEMENT_HEADER, placement_row
+from daemon.config import EX_CONFIG, Settings, load_settings
+from daemon.errors import BrokerError, ConfigError
+from daemon.logs import configure_logging
+from daemon.service import Daemon, make_bus
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+from sim.agent import make_agent
+from sim.kafka_local import LocalBroker, free_port, java_available
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Start Kafka, the daemon and a simulated agent, and show placements arriving."
+    parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config to start from")
+    parser.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
+    parser.add_argument("--rate", type=float, default=2.0, help="task submissions per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory", action="store_true", help="use the in-memory bus even if Kafka could run")
+    parser.add_argument("--workdir", type=Path, default=Path(".demo"), help="broker data and logs")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config if args.config.exists() else None)
+    except ConfigError as exc:
+        print(f"hlb demo: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    log_path = args.workdir / "hlb.log"
+    use_kafka = settings.bus == "kafka" and not args.memory
+    if use_kafka and not java_available():
+        print("hlb demo: Java not found, so no Kafka broker can run here: using the in-memory event bus.")
+        use_kafka = False
+    broker = LocalBroker(args.workdir / "kafka") if use_kafka else None
+    try:
+        if broker is not None:
+            print("hlb demo: starting a Kafka broker (the first run fetches its jars with Maven)...", flush=True)
+            broker.start()
+            print(f"hlb demo: Kafka broker ready on {broker.bootstrap}", flush=True)
+        overrides = {
+            "bus": "kafka" if broker else "memory",
+            "grpc": {"listen": f"127.0.0.1:{free_port()}"},
+            "kafka": {"bootstrap_servers": broker.bootstrap} if broker else {},
+        }
+        settings = load_settings(args.config if args.config.exists() else None, **overrides)
+        with log_path.open("a") as log_file:
+            configure_logging(settings.log.level, "json", log_file)
+            bus = make_bus(settings) if broker else MemoryBus()
+            print(f"hlb demo: daemon and agent logs in {log_path}", flush=True)
+            return asyncio.run(_demo(settings, bus, args.duration, args.rate, args.seed, sys.stdout))
+    except (BrokerError, ConfigError) as exc:
+        print(f"hlb demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+async def _demo(settings: Settings, bus: EventBus, duration_s: float, rate: float, seed: int, out: TextIO) -> int:
+    stop = asyncio.Event()
+    daemon = Daemon(settings, bus)
+    serving = asyncio.create_task(daemon.run(stop))
+    await asyncio.wait([serving, asyncio.create_task(daemon.ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        await serving  # start-up failed: raise its error
+    agent = make_agent(bus, settings.kafka.topics, settings.cell, seed, rate)
+    agent_stop = threading.Event()
+    agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="hlb-agent", daemon=True)
+    agent_thread.start()
+    target = f"127.0.0.1:{daemon.port}"
+    print(f"hlb demo: daemon serving gRPC on {target}; bus: {settings.bus}; placements as they happen:", file=out)
+    print(PLACEMENT_HEADER, file=out, flush=True)
+    placed: Counter[str] = Counter()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+
+        async def show() -> None:
+            async for placement in stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=1)):
+                placed[placement.device_ids[0].rsplit("-h", 1)[0] if placement.device_ids else "?"] += 1
+                print(placement_row(placement), file=out, flush=True)
+
+        watcher = asyncio.create_task(show())
+        try:
+            await asyncio.wait([watcher, serving], timeout=duration_s if duration_s > 0 else None)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            state = await stub.GetClusterState(api.GetClusterStateRequest(), timeout=5.0)
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await watcher
+    agent_stop.set()
+    await asyncio.to_thread(agent_thread.join, 15.0)
+    stop.set()
+    await serving
+    by_group = ", ".join(f"{group}: {n}" for group, n in sorted(placed.items()))
+    print(
+        f"hlb demo: {state.last_sequence} placements ({by_group}); {state.pending_tasks} pending, "
+        f"{state.running_tasks} running on {state.devices} devices",
+        file=out,
+    )
+    return 0 if state.last_sequence > 0 else 1
