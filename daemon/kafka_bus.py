@@ -117,7 +117,7 @@ class KafkaBus:
                 raise KafkaException(metadata.error)
             ends: dict[int, int] = {}
             for partition in metadata.partitions:
-                low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=15.0)
+                low, high = _watermarks(consumer, TopicPartition(topic, partition), timeout_s=30.0)
                 if high > low:
                     ends[partition] = high
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
@@ -133,6 +133,29 @@ class KafkaBus:
             return records
         finally:
             consumer.close()
+
+
+_LEADER_SETTLING = (
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._TIMED_OUT,
+)
+
+
+def _watermarks(consumer: Consumer, partition: TopicPartition, timeout_s: float) -> tuple[int, int]:
+    """Low and high offsets of a partition, retrying while a new topic's leader settles."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(partition, timeout=10.0)
+            return low, high
+        except KafkaException as exc:
+            error = exc.args[0]
+            settling = error.retriable() or error.code() in _LEADER_SETTLING
+            if not settling or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 class KafkaSource:

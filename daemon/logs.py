@@ -31,7 +31,10 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Processor = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
-    tail: list[Processor] = [] if console else [structlog.processors.dict_tracebacks]
+    # Structured tracebacks without local variables: locals could hold secrets.
+    no_locals = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+    tracebacks = structlog.processors.ExceptionRenderer(no_locals)
+    tail: list[Processor] = [] if console else [tracebacks]
     structlog.configure(
         processors=[*shared, structlog.processors.StackInfoRenderer(), *tail, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),

@@ -1,0 +1,47 @@
+# hlb's two commands: `make demo` runs the product, `make test` passes the tests.
+# Both set everything up on a fresh machine (Python 3.11+; Java 17 and Maven for Kafka).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hlb-installed
+DURATION ?= 0
+PYTEST_ARGS ?=
+
+.PHONY: help install kafka lint test demo proto clean
+
+help:
+	@echo "make demo [DURATION=60]  start Kafka, the daemon and a simulated agent; show placements"
+	@echo "make test                 set up, start Kafka, run ruff, mypy and the whole test suite"
+	@echo "make proto                regenerate the checked-in code from proto/hlb/v1/*.proto"
+	@echo "make clean                remove the virtualenv, caches and demo files"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(STAMP)
+
+# Apache Kafka's jars from Maven Central into .cache/kafka (skipped where Java is missing).
+kafka: install
+	@if command -v java >/dev/null 2>&1; then $(PY) -m sim.kafka_local fetch; \
+	else echo "java not found: the Kafka broker cannot run here"; fi
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: install kafka lint
+	$(PY) -m sim.kafka_local exec -- $(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install kafka
+	$(PY) -m daemon.cli demo --duration $(DURATION)
+
+proto: install
+	$(PY) proto/generate.py
+
+clean:
+	rm -rf $(VENV) .cache .demo .pytest_cache .mypy_cache .ruff_cache *.egg-info

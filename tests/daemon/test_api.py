@@ -1,0 +1,169 @@
+"""The gRPC API on a real server over loopback, with the daemon on the in-memory bus."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from daemon.bus import MemoryBus
+from daemon.config import load_settings
+from daemon.service import Daemon
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+from sim.agent import inventory_events
+from sim.kafka_local import free_port
+
+
+@dataclass
+class Running:
+    daemon: Daemon
+    bus: MemoryBus
+    channel: grpc.Channel
+    stub: api_grpc.SchedulerStub
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    settings = load_settings(None, bus="memory", grpc={"listen": f"127.0.0.1:{free_port()}"})
+    bus = MemoryBus()
+    for event in inventory_events("default"):
+        bus.publish(settings.kafka.topics.telemetry, b"default", event.SerializeToString())
+    daemon = Daemon(settings, bus, clock=lambda: 1_800_000_000.0)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(daemon.run(stop),), daemon=True)
+    thread.start()
+    ready = asyncio.run_coroutine_threadsafe(daemon.ready.wait(), loop)
+    ready.result(timeout=30)
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        # Inventory applied: the cluster state shows every device.
+        for _ in range(200):
+            if stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).devices == 24:
+                break
+            threading.Event().wait(0.05)
+        yield Running(daemon, bus, channel, stub)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_place_returns_a_feasible_placement_and_publishes_it(running: Running) -> None:
+    spec = ev.TaskSpec(id="p1", num_devices=2, memory_per_device_gb=70, allowed_kinds=[ev.DEVICE_KIND_GPU])
+    reply = running.stub.Place(api.PlaceRequest(task=spec), timeout=5)
+    assert reply.HasField("placement")
+    assert reply.placement.sequence == 1
+    assert all("a100" in d for d in reply.placement.device_ids)
+    got = running.stub.GetPlacement(api.GetPlacementRequest(task_id="p1"), timeout=5)
+    assert got.placement == reply.placement
+    topics = running.daemon.settings.kafka.topics
+    published = [ev.Placement.FromString(r.value or b"") for r in running.bus.read_all(topics.placements)]
+    assert published == [reply.placement]
+    # The accepted task is also recorded on the tasks topic, so a restart can replay it.
+    submitted = [ev.TaskEvent.FromString(r.value or b"") for r in running.bus.read_all(topics.tasks)]
+    assert [e.submitted.id for e in submitted] == ["p1"]
+
+
+def test_place_is_idempotent_for_the_same_task(running: Running) -> None:
+    spec = ev.TaskSpec(id="same", memory_per_device_gb=1)
+    first = running.stub.Place(api.PlaceRequest(task=spec), timeout=5)
+    second = running.stub.Place(api.PlaceRequest(task=spec), timeout=5)
+    assert first.placement == second.placement
+    assert running.stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).last_sequence == 1
+
+
+def test_dry_run_places_nothing(running: Running) -> None:
+    reply = running.stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="dry"), dry_run=True), timeout=5)
+    assert reply.HasField("placement")
+    assert reply.placement.sequence == 0
+    with pytest.raises(grpc.RpcError) as missing:
+        running.stub.GetPlacement(api.GetPlacementRequest(task_id="dry"), timeout=5)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_unplaceable_task_is_pending_with_its_queue_position(running: Running) -> None:
+    spec = ev.TaskSpec(id="huge", memory_per_device_gb=500)
+    reply = running.stub.Place(api.PlaceRequest(task=spec), timeout=5)
+    assert reply.HasField("pending")
+    assert reply.pending.queue_position == 1
+    assert "memory" in reply.pending.reason
+    got = running.stub.GetPlacement(api.GetPlacementRequest(task_id="huge"), timeout=5)
+    assert got.pending.queue_position == 1
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (api.PlaceRequest(), "task"),
+        (api.PlaceRequest(task=ev.TaskSpec(id="")), "task: empty id"),
+        (api.PlaceRequest(task=ev.TaskSpec(id="m", memory_per_device_gb=-2)), "memory_per_device_gb"),
+    ],
+)
+def test_invalid_place_requests_name_the_field_and_change_nothing(
+    running: Running, request_: api.PlaceRequest, field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        running.stub.Place(request_, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (refused.value.details() or "")
+    state = running.stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
+    assert (state.pending_tasks, state.running_tasks, state.last_sequence) == (0, 0, 0)
+
+
+def test_get_placement_validates_and_reports_unknown_tasks(running: Running) -> None:
+    with pytest.raises(grpc.RpcError) as empty:
+        running.stub.GetPlacement(api.GetPlacementRequest(), timeout=5)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as unknown:
+        running.stub.GetPlacement(api.GetPlacementRequest(task_id="nope"), timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_watch_placements_resumes_from_a_sequence_without_gaps(running: Running) -> None:
+    for i in range(5):
+        running.stub.Place(api.PlaceRequest(task=ev.TaskSpec(id=f"w{i}", memory_per_device_gb=1)), timeout=5)
+    stream = running.stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=3), timeout=10)
+    seen = [p.sequence for p in itertools.islice(stream, 3)]
+    # A placement made while the stream is open arrives on it too.
+    running.stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="late", memory_per_device_gb=1)), timeout=5)
+    [late] = itertools.islice(stream, 1)
+    stream.cancel()  # type: ignore[no-untyped-call]
+    assert seen == [3, 4, 5]
+    assert (late.sequence, late.task_id) == (6, "late")
+
+
+def test_tasks_arriving_on_the_bus_are_placed_and_visible_over_grpc(running: Running) -> None:
+    topics = running.daemon.settings.kafka.topics
+    event = ev.TaskEvent(submitted=ev.TaskSpec(id="from-bus", allowed_kinds=[ev.DEVICE_KIND_TPU]))
+    running.bus.publish(topics.tasks, b"default", event.SerializeToString())
+    stream = running.stub.WatchPlacements(api.WatchPlacementsRequest(), timeout=10)
+    [placement] = itertools.islice(stream, 1)
+    stream.cancel()  # type: ignore[no-untyped-call]
+    assert placement.task_id == "from-bus"
+    assert all("tpu" in d for d in placement.device_ids)
+
+
+def test_unimplemented_rpcs_say_so(running: Running) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        running.stub.PlaceBatch(api.PlaceBatchRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_health_and_reflection_are_served(running: Running) -> None:
+    health = health_pb2_grpc.HealthStub(running.channel)
+    for service in ("", "hlb.v1.Scheduler"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+    replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    names = {s.name for s in next(replies).list_services_response.service}
+    assert {"hlb.v1.Scheduler", "grpc.health.v1.Health"} <= names

@@ -1,0 +1,74 @@
+"""Configuration: config.yaml, then HLB_ environment variables; bad values name their key, exit 78."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.config import EX_CONFIG, load_settings
+from daemon.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_config_yaml_loads_with_its_documented_defaults() -> None:
+    settings = load_settings(REPO / "config.yaml")
+    assert settings.bus == "kafka"
+    assert settings.kafka.topics.placements == "hlb.placements"
+    assert settings.grpc.listen == "127.0.0.1:50051"
+
+
+def test_environment_overrides_yaml_with_double_underscore_nesting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("kafka:\n  bootstrap_servers: yaml-host:9092\n  batch_size: 10\n")
+    monkeypatch.setenv("HLB_KAFKA__BOOTSTRAP_SERVERS", "env-host:9093")
+    settings = load_settings(config)
+    assert settings.kafka.bootstrap_servers == "env-host:9093"
+    assert settings.kafka.batch_size == 10  # the rest of the section still comes from the file
+
+
+def test_an_invalid_value_names_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("kafka:\n  batch_size: -3\n")
+    with pytest.raises(ConfigError, match=r"kafka\.batch_size"):
+        load_settings(config)
+
+
+def test_an_unknown_key_is_an_error_not_silently_ignored(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("grpc:\n  lisen: 127.0.0.1:1\n")
+    with pytest.raises(ConfigError, match=r"grpc\.lisen"):
+        load_settings(config)
+
+
+def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "absent.yaml")
+
+
+def test_secrets_in_client_config_are_not_shown_in_errors(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("kafka:\n  client_config:\n    sasl.password: [hunter2]\n")
+    with pytest.raises(ConfigError) as error:
+        load_settings(config)
+    assert "hunter2" not in str(error.value)
+
+
+def test_serve_with_a_bad_value_exits_78_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("log:\n  level: loud\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == EX_CONFIG
+    assert "log.level" in result.stderr
