@@ -29,6 +29,7 @@ from daemon.ledger import PlacementLedger
 from daemon.logs import configure_logging
 from daemon.policy import make_policy
 from daemon.scheduler import Clock, Scheduler
+from daemon.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -57,6 +58,7 @@ class Daemon:
         self.publisher = bus.publisher()
         self.ready = asyncio.Event()
         self.port = 0
+        self.notifier = SystemdNotifier()
 
     def _publish_placement(self, placement: ev.Placement) -> None:
         self.publisher.publish(
@@ -106,13 +108,18 @@ class Daemon:
         self.ingest.start()
         await server.set_serving()
         self.ready.set()
-        log.info(
-            "serving", listen=grpc_settings.listen, port=server.port, bus=self.settings.bus, cell=self.settings.cell
-        )
+        log.info("serving", listen=grpc_settings.listen, port=server.port, bus=self.settings.bus)
+        self.notifier.ready(f"serving on {grpc_settings.listen}, ledger at sequence {self.ledger.last_sequence}")
+        pinger = WatchdogPinger(self.notifier)
+        stopped = asyncio.ensure_future(stop.wait())
         try:
-            while not stop.is_set() and self.ingest.is_alive():
-                await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=1.0)
+            while not stopped.done() and self.ingest.is_alive():
+                # The watchdog is fed from this loop, so a stuck event loop stops the pings.
+                pinger.tick(time.monotonic())
+                await asyncio.wait([stopped], timeout=min(1.0, pinger.interval_s or 1.0))
         finally:
+            stopped.cancel()
+            self.notifier.stopping("finishing in-flight requests")
             log.info("stopping")
             await server.stop(grpc_settings.grace_s)
             await asyncio.to_thread(self.ingest.stop)
@@ -148,6 +155,8 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    # Without a handler SIGHUP (systemctl reload) would end the process.
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("reload is not supported yet; restart to apply"))
     daemon = Daemon(settings, make_bus(settings))
     try:
         await daemon.run(stop)
