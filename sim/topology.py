@@ -1,0 +1,466 @@
+"""Topology: devices in hosts, hosts in racks, racks under a spine, and the links between them.
+
+An :class:`Inventory` is plain, frozen data. It comes from an inventory file (format
+``hlb-inventory/1``, documented in ``sim/data/README.md`` under "Inventory file") or from a
+builder (:func:`build_cluster`, :func:`homogeneous_cluster`, :func:`mixed_cluster`,
+:func:`pai_cluster`), and turns into hlb.v1 telemetry events with :meth:`Inventory.to_events`.
+
+Links form a tree: every device hangs off its host (NVLink or PCIe, ``Host.device_link``), every
+host off its rack switch (``Host.uplink``), every rack off its parent switch (``Switch.uplink``).
+Bandwidths are in Gbit/s (``bandwidth_gbps``) and latencies in microseconds (``latency_us``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hlb.v1 import events_pb2
+from sim.catalogue import Catalogue, shared_data_dir
+
+INVENTORY_FORMAT = "hlb-inventory/1"
+PAI_MACHINE_SPEC_PATH = Path(__file__).parent / "data" / "pai" / "pai_machine_spec.csv"
+
+DEVICE_KINDS: dict[str, events_pb2.DeviceKind.ValueType] = {
+    "gpu": events_pb2.DEVICE_KIND_GPU,
+    "tpu": events_pb2.DEVICE_KIND_TPU,
+    "fpga": events_pb2.DEVICE_KIND_FPGA,
+    "asic": events_pb2.DEVICE_KIND_ASIC,
+    "cpu": events_pb2.DEVICE_KIND_CPU,
+}
+LINK_KINDS: dict[str, events_pb2.LinkKind.ValueType] = {
+    "nvlink": events_pb2.LINK_KIND_NVLINK,
+    "pcie": events_pb2.LINK_KIND_PCIE,
+    "infiniband": events_pb2.LINK_KIND_INFINIBAND,
+    "ethernet": events_pb2.LINK_KIND_ETHERNET,
+}
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """What a link is made of: kind (nvlink, pcie, infiniband, ethernet), Gbit/s and µs."""
+
+    kind: str
+    bandwidth_gbps: float
+    latency_us: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ValueError(f"link kind {self.kind!r} is not one of {sorted(LINK_KINDS)}")
+        if self.bandwidth_gbps <= 0 or self.latency_us < 0:
+            raise ValueError(f"link bandwidth must be > 0 and latency >= 0, got {self}")
+
+
+# Nominal figures: NVLink 2/3/4 aggregate per GPU (300/600/900 GB/s), PCIe 3.0 x16 (~16 GB/s),
+# InfiniBand EDR/HDR/NDR, Ethernet. Latencies are typical one-hop figures.
+NVLINK2 = LinkSpec("nvlink", 2400.0, 1.0)
+NVLINK3 = LinkSpec("nvlink", 4800.0, 1.0)
+NVLINK4 = LinkSpec("nvlink", 7200.0, 1.0)
+PCIE3 = LinkSpec("pcie", 128.0, 1.5)
+PCIE4 = LinkSpec("pcie", 256.0, 1.5)
+ETHERNET_25G = LinkSpec("ethernet", 25.0, 10.0)
+ETHERNET_100G = LinkSpec("ethernet", 100.0, 5.0)
+INFINIBAND_100G = LinkSpec("infiniband", 100.0, 1.5)
+INFINIBAND_200G = LinkSpec("infiniband", 200.0, 1.5)
+INFINIBAND_400G = LinkSpec("infiniband", 400.0, 1.5)
+SPINE_400G = LinkSpec("ethernet", 400.0, 3.0)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator; figures come from the catalogue profile of its model."""
+
+    id: str
+    host_id: str
+    model: str
+    kind: str
+    memory_gb: float
+    peak_tflops: float
+    idle_power_w: float
+    peak_power_w: float
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Host:
+    """A machine holding devices, attached to the rack switch ``rack_id``."""
+
+    id: str
+    rack_id: str
+    cpu_cores: float
+    memory_gb: float
+    device_link: LinkSpec
+    uplink: LinkSpec
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A rack switch or a spine; ``uplink`` joins it to ``parent_id`` (None at the top)."""
+
+    id: str
+    parent_id: str = ""
+    uplink: LinkSpec | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between two endpoints (device, host or switch ids)."""
+
+    id: str
+    src_id: str
+    dst_id: str
+    spec: LinkSpec
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Switches (parents first), hosts, devices, and extra links beyond the tree."""
+
+    switches: tuple[Switch, ...]
+    hosts: tuple[Host, ...]
+    devices: tuple[Device, ...]
+    extra_links: tuple[Link, ...] = ()
+
+    def __post_init__(self) -> None:
+        switch_ids = {s.id for s in self.switches}
+        host_ids = {h.id for h in self.hosts}
+        ids = [s.id for s in self.switches] + [h.id for h in self.hosts] + [d.id for d in self.devices]
+        if len(ids) != len(set(ids)):
+            duplicates = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"duplicate ids in inventory: {duplicates[:5]}")
+        for switch in self.switches:
+            if switch.parent_id and switch.parent_id not in switch_ids:
+                raise ValueError(f"switch {switch.id!r}: unknown parent {switch.parent_id!r}")
+        for host in self.hosts:
+            if host.rack_id not in switch_ids:
+                raise ValueError(f"host {host.id!r}: unknown rack {host.rack_id!r}")
+        for device in self.devices:
+            if device.host_id not in host_ids:
+                raise ValueError(f"device {device.id!r}: unknown host {device.host_id!r}")
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """Every link: device-host, host-rack, switch-parent, then the extra links."""
+        hosts = {h.id: h for h in self.hosts}
+        tree = [Link(f"{d.id}~{d.host_id}", d.id, d.host_id, hosts[d.host_id].device_link) for d in self.devices]
+        tree += [Link(f"{h.id}~{h.rack_id}", h.id, h.rack_id, h.uplink) for h in self.hosts]
+        tree += [
+            Link(f"{s.id}~{s.parent_id}", s.id, s.parent_id, s.uplink)
+            for s in self.switches
+            if s.parent_id and s.uplink is not None
+        ]
+        return (*tree, *self.extra_links)
+
+    def device_count(self, model: str | None = None) -> int:
+        return sum(1 for d in self.devices if model is None or d.model == model)
+
+    def to_events(
+        self, cell: str, event_time_ms: int = 0, source: str = "sim.topology"
+    ) -> list[events_pb2.TelemetryEvent]:
+        """Upsert events in an order that never names an entity before it exists."""
+        events: list[events_pb2.TelemetryEvent] = []
+
+        def event() -> events_pb2.TelemetryEvent:
+            message = events_pb2.TelemetryEvent(cell=cell, event_time_ms=event_time_ms, source=source)
+            events.append(message)
+            return message
+
+        for switch in self.switches:
+            event().switch_upsert.CopyFrom(events_pb2.Switch(id=switch.id, parent_id=switch.parent_id))
+        for host in self.hosts:
+            event().host_upsert.CopyFrom(
+                events_pb2.Host(
+                    id=host.id,
+                    rack_id=host.rack_id,
+                    cpu_cores=host.cpu_cores,
+                    memory_gb=host.memory_gb,
+                    labels=dict(host.labels),
+                )
+            )
+        for device in self.devices:
+            event().device_upsert.CopyFrom(
+                events_pb2.Device(
+                    id=device.id,
+                    host_id=device.host_id,
+                    kind=DEVICE_KINDS[device.kind],
+                    model=device.model,
+                    memory_gb=device.memory_gb,
+                    peak_tflops=device.peak_tflops,
+                    idle_power_w=device.idle_power_w,
+                    peak_power_w=device.peak_power_w,
+                    labels=dict(device.labels),
+                )
+            )
+        for link in self.links:
+            event().link_upsert.CopyFrom(
+                events_pb2.Link(
+                    id=link.id,
+                    src_id=link.src_id,
+                    dst_id=link.dst_id,
+                    kind=LINK_KINDS[link.spec.kind],
+                    bandwidth_gbps=link.spec.bandwidth_gbps,
+                    latency_us=link.spec.latency_us,
+                )
+            )
+        return events
+
+
+def device_from_catalogue(
+    catalogue: Catalogue, device_id: str, host_id: str, model: str, labels: Mapping[str, str] | None = None
+) -> Device:
+    """A device of ``model`` with the catalogue's memory, peak TFLOPS and power."""
+    profile = catalogue.profile(model)
+    return Device(
+        id=device_id,
+        host_id=host_id,
+        model=model,
+        kind=profile.kind,
+        memory_gb=profile.memory_gb,
+        peak_tflops=profile.peak_tflops,
+        idle_power_w=profile.idle_power_w,
+        peak_power_w=profile.peak_power_w,
+        labels=dict(labels or {}),
+    )
+
+
+# ---------------------------------------------------------------- inventory file
+
+
+def load_inventory(path: Path, catalogue: Catalogue) -> Inventory:
+    """Read an ``hlb-inventory/1`` JSON file; device figures come from ``catalogue``."""
+    try:
+        return inventory_from_document(json.loads(path.read_text()), catalogue)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: not a valid inventory file: {error}") from error
+
+
+def write_inventory(path: Path, inventory: Inventory) -> None:
+    path.write_text(json.dumps(inventory_to_document(inventory), indent=1) + "\n")
+
+
+def inventory_from_document(document: Mapping[str, Any], catalogue: Catalogue) -> Inventory:
+    if document.get("format") != INVENTORY_FORMAT:
+        raise ValueError(f"format is {document.get('format')!r}, expected {INVENTORY_FORMAT!r}")
+    switches = tuple(
+        Switch(s["id"], s.get("parent", ""), _link_spec(s["uplink"]) if "uplink" in s else None)
+        for s in document["switches"]
+    )
+    hosts: list[Host] = []
+    devices: list[Device] = []
+    for entry in document["hosts"]:
+        host = Host(
+            id=entry["id"],
+            rack_id=entry["rack"],
+            cpu_cores=float(entry.get("cpu_cores", 0.0)),
+            memory_gb=float(entry.get("memory_gb", 0.0)),
+            device_link=_link_spec(
+                entry.get("device_link", {"kind": "pcie", "bandwidth_gbps": 128.0, "latency_us": 1.5})
+            ),
+            uplink=_link_spec(entry["uplink"]),
+            labels=dict(entry.get("labels", {})),
+        )
+        hosts.append(host)
+        on_host = 0
+        for group in entry.get("devices", []):
+            if "count" in group:
+                ids = [f"{host.id}/dev{on_host + i}" for i in range(int(group["count"]))]
+            else:
+                ids = [str(group["id"])]
+            on_host += len(ids)
+            devices += [
+                device_from_catalogue(catalogue, device_id, host.id, group["model"], group.get("labels"))
+                for device_id in ids
+            ]
+    extra = tuple(Link(link["id"], link["src"], link["dst"], _link_spec(link)) for link in document.get("links", []))
+    return Inventory(switches, tuple(hosts), tuple(devices), extra)
+
+
+def inventory_to_document(inventory: Inventory) -> dict[str, Any]:
+    """The file form: every device written with its id, so that reading it back is exact."""
+    by_host: dict[str, list[Device]] = {}
+    for device in inventory.devices:
+        by_host.setdefault(device.host_id, []).append(device)
+    switches: list[dict[str, Any]] = []
+    for switch in inventory.switches:
+        entry: dict[str, Any] = {"id": switch.id}
+        if switch.parent_id:
+            entry["parent"] = switch.parent_id
+        if switch.uplink is not None:
+            entry["uplink"] = _link_dict(switch.uplink)
+        switches.append(entry)
+    hosts: list[dict[str, Any]] = []
+    for host in inventory.hosts:
+        entry = {
+            "id": host.id,
+            "rack": host.rack_id,
+            "cpu_cores": host.cpu_cores,
+            "memory_gb": host.memory_gb,
+            "device_link": _link_dict(host.device_link),
+            "uplink": _link_dict(host.uplink),
+        }
+        if host.labels:
+            entry["labels"] = dict(host.labels)
+        entry["devices"] = [
+            {"id": d.id, "model": d.model, **({"labels": dict(d.labels)} if d.labels else {})}
+            for d in by_host.get(host.id, [])
+        ]
+        hosts.append(entry)
+    links = [{"id": k.id, "src": k.src_id, "dst": k.dst_id, **_link_dict(k.spec)} for k in inventory.extra_links]
+    return {"format": INVENTORY_FORMAT, "switches": switches, "hosts": hosts, "links": links}
+
+
+def _link_spec(entry: Mapping[str, Any]) -> LinkSpec:
+    return LinkSpec(str(entry["kind"]), float(entry["bandwidth_gbps"]), float(entry["latency_us"]))
+
+
+def _link_dict(spec: LinkSpec) -> dict[str, Any]:
+    return {"kind": spec.kind, "bandwidth_gbps": spec.bandwidth_gbps, "latency_us": spec.latency_us}
+
+
+# ---------------------------------------------------------------- builders
+
+
+@dataclass(frozen=True)
+class HostShape:
+    """A kind of machine: which devices it holds and how they and it are connected."""
+
+    model: str
+    devices_per_host: int
+    cpu_cores: float
+    memory_gb: float
+    device_link: LinkSpec
+    uplink: LinkSpec
+
+
+# Typical server shapes per model (DGX-1/DGX A100/DGX H100-like for SXM parts, 4-8 card PCIe
+# servers otherwise, TPU v4/v5e hosts with 4 chips, Gaudi2 HLS with 8 OAMs).
+STANDARD_HOST_SHAPES: dict[str, HostShape] = {
+    "V100-SXM2-16GB": HostShape("V100-SXM2-16GB", 8, 64, 488, NVLINK2, INFINIBAND_100G),
+    "V100-SXM2-32GB": HostShape("V100-SXM2-32GB", 8, 96, 768, NVLINK2, INFINIBAND_100G),
+    "P100-PCIE-16GB": HostShape("P100-PCIE-16GB", 4, 32, 244, PCIE3, ETHERNET_25G),
+    "K80-GK210": HostShape("K80-GK210", 8, 32, 488, PCIE3, ETHERNET_25G),
+    "A100-SXM4-80GB": HostShape("A100-SXM4-80GB", 8, 128, 2048, NVLINK3, INFINIBAND_200G),
+    "H100-SXM5-80GB": HostShape("H100-SXM5-80GB", 8, 112, 2048, NVLINK4, INFINIBAND_400G),
+    "T4": HostShape("T4", 4, 48, 192, PCIE3, ETHERNET_25G),
+    "TPU-v4": HostShape("TPU-v4", 4, 240, 400, PCIE4, ETHERNET_100G),
+    "TPU-v5e": HostShape("TPU-v5e", 4, 112, 192, PCIE4, ETHERNET_100G),
+    "Gaudi2-HL225H": HostShape("Gaudi2-HL225H", 8, 160, 1024, LinkSpec("ethernet", 2100.0, 2.0), ETHERNET_100G),
+    "Alveo-U280": HostShape("Alveo-U280", 4, 32, 256, PCIE3, ETHERNET_100G),
+}
+
+
+def build_cluster(
+    catalogue: Catalogue,
+    host_groups: Sequence[tuple[HostShape, int]],
+    hosts_per_rack: int = 16,
+    rack_uplink: LinkSpec = SPINE_400G,
+    host_labels: Sequence[Mapping[str, str]] | None = None,
+) -> Inventory:
+    """Racks under one spine, filled with hosts in the given order (``(shape, host count)``).
+
+    Host ids are ``rack-RRR/host-HH``; device ids ``<host>/devN``. A rack holds one device model
+    only (hosts without devices count as a model of their own), so that a rack is a homogeneous
+    failure and bandwidth domain.
+    """
+    if hosts_per_rack < 1:
+        raise ValueError("hosts_per_rack must be >= 1")
+    switches: list[Switch] = [Switch("spine")]
+    hosts: list[Host] = []
+    devices: list[Device] = []
+    labels_iter = iter(host_labels) if host_labels is not None else None
+    rack_model, rack_fill = None, hosts_per_rack
+    for shape, count in host_groups:
+        for _ in range(count):
+            if rack_fill == hosts_per_rack or shape.model != rack_model:
+                switches.append(Switch(f"rack-{len(switches) - 1:03d}", "spine", rack_uplink))
+                rack_model, rack_fill = shape.model, 0
+            rack = switches[-1].id
+            host_id = f"{rack}/host-{rack_fill:02d}"
+            rack_fill += 1
+            labels = dict(next(labels_iter)) if labels_iter is not None else {}
+            hosts.append(Host(host_id, rack, shape.cpu_cores, shape.memory_gb, shape.device_link, shape.uplink, labels))
+            devices += [
+                device_from_catalogue(catalogue, f"{host_id}/dev{i}", host_id, shape.model)
+                for i in range(shape.devices_per_host)
+            ]
+    return Inventory(tuple(switches), tuple(hosts), tuple(devices))
+
+
+def homogeneous_cluster(catalogue: Catalogue, model: str, num_devices: int, hosts_per_rack: int = 16) -> Inventory:
+    """``num_devices`` devices of one model on its standard hosts (the last host may hold fewer)."""
+    return mixed_cluster(catalogue, {model: num_devices}, hosts_per_rack)
+
+
+def mixed_cluster(catalogue: Catalogue, devices_per_model: Mapping[str, int], hosts_per_rack: int = 16) -> Inventory:
+    """A heterogeneous cluster: per model, full standard hosts and one partly filled host."""
+    groups: list[tuple[HostShape, int]] = []
+    for model, count in devices_per_model.items():
+        shape = STANDARD_HOST_SHAPES[model]
+        full_hosts, remainder = divmod(count, shape.devices_per_host)
+        groups.append((shape, full_hosts))
+        if remainder:
+            groups.append((replace(shape, devices_per_host=remainder), 1))
+    return build_cluster(catalogue, groups, hosts_per_rack)
+
+
+# Gavel's simulated heterogeneous cluster (traces/msr/cluster_specs_heterogeneous.json, "300:300:300"
+# = V100:P100:K80 GPUs).
+GAVEL_HETEROGENEOUS_DEVICES: dict[str, int] = {"V100-SXM2-16GB": 300, "P100-PCIE-16GB": 300, "K80-GK210": 300}
+
+# PAI gpu_type -> catalogue model. MISC machines hold older K40m/K80/M60 cards; they are modelled
+# as Gavel's K80 (the oldest generation measured). The network is not published: hosts get the
+# standard shape's links (an assumption) and racks of 16 hosts of one gpu_type.
+PAI_MODELS: dict[str, str] = {
+    "V100": "V100-SXM2-16GB",
+    "V100M32": "V100-SXM2-32GB",
+    "P100": "P100-PCIE-16GB",
+    "T4": "T4",
+    "MISC": "K80-GK210",
+}
+
+
+def pai_cluster(catalogue: Catalogue, spec_path: Path = PAI_MACHINE_SPEC_PATH, hosts_per_rack: int = 16) -> Inventory:
+    """The Alibaba PAI GPU cluster (v2020 trace) from its machine spec table.
+
+    One host per machine row (``machine, gpu_type, cap_cpu, cap_mem, cap_gpu``; no header), with
+    ``cap_gpu`` devices; CPU-only machines become hosts without devices. Hosts keep the machine
+    hash and gpu_type as labels ``pai_machine`` and ``pai_gpu_type``.
+    """
+    with spec_path.open(newline="") as handle:
+        rows = [row for row in csv.reader(handle) if row]
+    by_type: dict[str, list[list[str]]] = {}
+    for row in rows:
+        by_type.setdefault(row[1], []).append(row)
+    groups: list[tuple[HostShape, int]] = []
+    labels: list[dict[str, str]] = []
+    for gpu_type in sorted(by_type):
+        for shape, members in _pai_shapes(gpu_type, by_type[gpu_type]):
+            groups.append((shape, len(members)))
+            labels += [{"pai_machine": row[0], "pai_gpu_type": gpu_type} for row in members]
+    return build_cluster(catalogue, groups, hosts_per_rack, host_labels=labels)
+
+
+def _pai_shapes(gpu_type: str, rows: Iterable[list[str]]) -> list[tuple[HostShape, list[list[str]]]]:
+    """Group one gpu_type's machines by (cores, memory, GPUs), each group one host shape."""
+    shapes: dict[tuple[float, float, int], list[list[str]]] = {}
+    for row in rows:
+        shapes.setdefault((float(row[2]), float(row[3]), int(row[4])), []).append(row)
+    result = []
+    for (cpu, memory, gpus), members in sorted(shapes.items()):
+        if gpu_type == "CPU" or gpus == 0:
+            shape = HostShape("", 0, cpu, memory, PCIE3, ETHERNET_25G)
+        else:
+            standard = STANDARD_HOST_SHAPES[PAI_MODELS[gpu_type]]
+            shape = HostShape(standard.model, gpus, cpu, memory, standard.device_link, standard.uplink)
+        result.append((shape, members))
+    return result
+
+
+def shared_pai_machine_spec() -> Path:
+    """The PAI machine spec table in the public data folder (may not exist)."""
+    return shared_data_dir() / "alibaba-pai-gpu-v2020" / "pai_machine_spec.csv"
