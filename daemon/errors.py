@@ -7,7 +7,7 @@ HlbError
 │   └── InvalidEventError  decoded, but out of range, inconsistent or naming unknown ids
 ├── RequestError         a gRPC request that is malformed (INVALID_ARGUMENT)
 ├── UnknownTaskError     a task the daemon has never seen (NOT_FOUND)
-└── BrokerError          the local Kafka broker used by tests and the demo failed
+└── BrokerError          Kafka cannot be reached or set up, or the local broker failed to start
 """
 
 from __future__ import annotations
@@ -46,4 +46,4 @@ class UnknownTaskError(HlbError):
 
 
 class BrokerError(HlbError):
-    """The local Kafka broker could not be fetched, started or reached."""
+    """Kafka cannot be reached or set up, or the local broker could not be fetched or started."""

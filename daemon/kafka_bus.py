@@ -27,6 +27,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from daemon.bus import RawEvent
 from daemon.config import KafkaSettings
+from daemon.errors import BrokerError
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +62,13 @@ class KafkaBus:
 
     def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None:
         """Create missing topics (one partition each for now); the compacted ones keep the latest per key."""
-        admin = AdminClient(_client_config(self.settings))
+        admin = AdminClient(_client_config(self.settings), logger=structlog.stdlib.get_logger("librdkafka"))
+        try:
+            self._create(admin, topics, compacted)
+        except KafkaException as exc:
+            raise BrokerError(f"cannot set up topics on Kafka at {self.settings.bootstrap_servers}: {exc}") from None
+
+    def _create(self, admin: AdminClient, topics: Sequence[str], compacted: Sequence[str]) -> None:
         wanted = [NewTopic(t, num_partitions=1, replication_factor=-1) for t in topics]
         wanted += [
             NewTopic(t, num_partitions=1, replication_factor=-1, config={"cleanup.policy": "compact"})

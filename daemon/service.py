@@ -22,7 +22,7 @@ from daemon.api import GrpcServer, SchedulerService
 from daemon.bus import EventBus, MemoryBus
 from daemon.codec import decode
 from daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
-from daemon.errors import ConfigError, EventError
+from daemon.errors import BrokerError, ConfigError, EventError
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, IngestThread
 from daemon.ledger import PlacementLedger
@@ -160,6 +160,9 @@ async def _serve(settings: Settings) -> int:
     daemon = Daemon(settings, make_bus(settings))
     try:
         await daemon.run(stop)
+    except BrokerError as exc:
+        log.error("daemon failed", error=str(exc))
+        return 1
     except Exception:
         log.exception("daemon failed")
         return 1
