@@ -12,7 +12,7 @@ import argparse
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,36 +24,17 @@ from daemon.codec import decode
 from daemon.config import Topics
 from daemon.errors import EventError
 from hlb.v1 import events_pb2 as ev
+from sim.catalogue import load_catalogue
+from sim.topology import mixed_cluster
 
 log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 
 
-@dataclass(frozen=True)
-class HostGroup:
-    """``hosts`` identical hosts, each with ``devices`` accelerators of one model."""
-
-    name: str
-    hosts: int
-    devices: int
-    kind: ev.DeviceKind.ValueType
-    model: str
-    memory_gb: float
-    peak_tflops: float
-    idle_power_w: float
-    peak_power_w: float
-    intra_link: ev.LinkKind.ValueType  # between devices of a host
-    intra_gbps: float
-
-
-# Nameplate figures from the vendors' spec sheets (dense FP16/BF16 tensor TFLOPS, TDP).
-DEMO_CLUSTER = (
-    HostGroup("v100", 2, 4, ev.DEVICE_KIND_GPU, "V100-SXM2-32GB", 32, 125, 40, 300, ev.LINK_KIND_NVLINK, 300),
-    HostGroup("a100", 1, 4, ev.DEVICE_KIND_GPU, "A100-SXM4-80GB", 80, 312, 50, 400, ev.LINK_KIND_NVLINK, 600),
-    HostGroup("t4", 1, 8, ev.DEVICE_KIND_GPU, "T4-16GB", 16, 65, 10, 70, ev.LINK_KIND_PCIE, 32),
-    HostGroup("tpu", 1, 4, ev.DEVICE_KIND_TPU, "TPU-v4", 32, 275, 90, 192, ev.LINK_KIND_PCIE, 64),
-)
+# The demo cluster: four accelerator models of two kinds on standard hosts (sim/topology.py),
+# with profiles from the device catalogue (sim/data/devices.json): 24 devices on 6 hosts.
+DEMO_DEVICES: dict[str, int] = {"V100-SXM2-32GB": 8, "A100-SXM4-80GB": 4, "T4": 8, "TPU-v4": 4}
 
 
 @dataclass(frozen=True)
@@ -79,31 +60,9 @@ DEMO_WORKLOADS = (
 )
 
 
-def inventory_events(cell: str, groups: tuple[HostGroup, ...] = DEMO_CLUSTER) -> list[ev.TelemetryEvent]:
-    """The cluster as inventory events: one rack switch, hosts, devices and their links."""
-    events = [ev.TelemetryEvent(cell=cell, switch_upsert=ev.Switch(id=f"{cell}-rack0"))]
-    for group in groups:
-        for h in range(group.hosts):
-            host_id = f"{cell}-{group.name}-h{h}"
-            events.append(ev.TelemetryEvent(cell=cell, host_upsert=ev.Host(id=host_id, rack_id=f"{cell}-rack0")))
-            uplink = ev.Link(
-                id=f"{host_id}-up", src_id=host_id, dst_id=f"{cell}-rack0", kind=ev.LINK_KIND_ETHERNET,
-                bandwidth_gbps=100, latency_us=5,
-            )  # fmt: skip
-            events.append(ev.TelemetryEvent(cell=cell, link_upsert=uplink))
-            for d in range(group.devices):
-                device = ev.Device(
-                    id=f"{host_id}-d{d}", host_id=host_id, kind=group.kind, model=group.model,
-                    memory_gb=group.memory_gb, peak_tflops=group.peak_tflops,
-                    idle_power_w=group.idle_power_w, peak_power_w=group.peak_power_w,
-                )  # fmt: skip
-                events.append(ev.TelemetryEvent(cell=cell, device_upsert=device))
-                link = ev.Link(
-                    id=f"{device.id}-host", src_id=device.id, dst_id=host_id, kind=group.intra_link,
-                    bandwidth_gbps=group.intra_gbps, latency_us=1,
-                )  # fmt: skip
-                events.append(ev.TelemetryEvent(cell=cell, link_upsert=link))
-    return events
+def inventory_events(cell: str, devices_per_model: Mapping[str, int] = DEMO_DEVICES) -> list[ev.TelemetryEvent]:
+    """The demo cluster as inventory events (switches, hosts, devices, then links)."""
+    return list(mixed_cluster(load_catalogue(), devices_per_model).to_events(cell))
 
 
 class Agent:

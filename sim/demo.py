@@ -89,6 +89,7 @@ async def _demo(settings: Settings, bus: EventBus, duration_s: float, rate: floa
     if serving.done():
         await serving  # start-up failed: raise its error
     agent = make_agent(bus, settings.kafka.topics, settings.cell, seed, rate)
+    models = {device.id: device.model for device in agent.devices}
     agent_stop = threading.Event()
     agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="hlb-agent", daemon=True)
     agent_thread.start()
@@ -101,7 +102,7 @@ async def _demo(settings: Settings, bus: EventBus, duration_s: float, rate: floa
 
         async def show() -> None:
             async for placement in stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=1)):
-                placed[placement.device_ids[0].rsplit("-h", 1)[0] if placement.device_ids else "?"] += 1
+                placed.update(models.get(d, "?") for d in placement.device_ids)
                 print(placement_row(placement), file=out, flush=True)
 
         watcher = asyncio.create_task(show())
@@ -118,10 +119,10 @@ async def _demo(settings: Settings, bus: EventBus, duration_s: float, rate: floa
     await asyncio.to_thread(agent_thread.join, 15.0)
     stop.set()
     await serving
-    by_group = ", ".join(f"{group}: {n}" for group, n in sorted(placed.items()))
+    by_model = ", ".join(f"{model}: {n}" for model, n in sorted(placed.items()))
     print(
-        f"hlb demo: {state.last_sequence} placements ({by_group}); {state.pending_tasks} pending, "
-        f"{state.running_tasks} running on {state.devices} devices",
+        f"hlb demo: {state.last_sequence} placements, devices used per model: {by_model}; "
+        f"{state.pending_tasks} pending, {state.running_tasks} running on {state.devices} devices",
         file=out,
     )
     return 0 if state.last_sequence > 0 else 1

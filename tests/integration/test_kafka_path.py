@@ -114,11 +114,13 @@ def test_malformed_events_go_to_the_dlq_and_the_daemon_keeps_working(
     kafka_bootstrap: str, topics: Topics, start_serve: Callable[[], ServeProcess]
 ) -> None:
     daemon = start_serve()
-    produce(kafka_bootstrap, topics.telemetry, [e.SerializeToString() for e in inventory_events("it")])
+    inventory = inventory_events("it")
+    produce(kafka_bootstrap, topics.telemetry, [e.SerializeToString() for e in inventory])
+    known_device = next(e.device_upsert.id for e in inventory if e.HasField("device_upsert"))
     bad_telemetry = [
         b"\xff\xfe not protobuf at all",
         b'{"cell": "it", "device_metrics": {"device_id": "no-such-device", "utilization": 0.5}}',
-        b'{"cell": "it", "device_metrics": {"device_id": "it-t4-h0-d0", "utilization": 7.5}}',
+        b'{"cell": "it", "device_metrics": {"device_id": "%s", "utilization": 7.5}}' % known_device.encode(),
         b'{"cell": "it", "nonsense_field": 1}',
     ]
     produce(kafka_bootstrap, topics.telemetry, bad_telemetry)
