@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import Device, InfraGraph, Task, TaskState, check_task_spec
+from daemon.graph import InfraGraph, Task, TaskState, check_task_spec
 from daemon.ledger import PlacementLedger
 from daemon.policy import Exclusion, FeasibilityFilter, Policy, choose_gang
 from hlb.v1 import events_pb2 as ev
@@ -26,14 +26,6 @@ class Decision:
 
     placement: ev.Placement | None = None
     pending: api.Pending | None = None
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """What the policy made of a task: feasible devices with scores (best first) and exclusions."""
-
-    ranked: list[tuple[Device, float]]
-    excluded: list[Exclusion]
 
 
 class Scheduler:
@@ -114,9 +106,9 @@ class Scheduler:
         """Place every queued task that fits now, highest priority and earliest arrival first."""
         placed: list[ev.Placement] = []
         for task in self._queue():
-            decision = self._try_place(task, dry_run=False)
-            if decision.placement is not None:
-                placed.append(decision.placement)
+            placement = self._try_place(task, dry_run=False)
+            if placement is not None:
+                placed.append(placement)
         return placed
 
     def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:
@@ -129,9 +121,9 @@ class Scheduler:
             return self.lookup(spec.id)
         if dry_run:
             probe = Task(spec=spec, cell=self.cell, arrival=0)
-            return self._try_place(probe, dry_run=True)
+            return self._decision(probe, self._try_place(probe, dry_run=True))
         task = self.submit(spec, self.cell)
-        return self._try_place(task, dry_run=False)
+        return self._decision(task, self._try_place(task, dry_run=False))
 
     def lookup(self, task_id: str) -> Decision:
         placement = self.ledger.get(task_id)
@@ -144,12 +136,6 @@ class Scheduler:
             return Decision(pending=self._pending_message(task))
         reason = f"task is {task.state.value} and was never placed"
         return Decision(pending=api.Pending(task_id=task_id, reason=reason, queue_position=0))
-
-    def candidates(self, spec: ev.TaskSpec) -> Candidates:
-        feasible, excluded = self.feasibility.split(spec, list(self.graph.devices.values()))
-        scores = self.policy.score(spec, feasible).tolist() if feasible else []
-        ranked = sorted(zip(feasible, scores, strict=True), key=lambda pair: -pair[1])
-        return Candidates(ranked=ranked, excluded=excluded)
 
     def queue_position(self, task_id: str) -> int:
         for position, task in enumerate(self._queue(), start=1):
@@ -166,16 +152,20 @@ class Scheduler:
     def _queue(self) -> list[Task]:
         return sorted(self._pending.values(), key=lambda t: (-t.spec.priority, t.arrival))
 
-    def _try_place(self, task: Task, dry_run: bool) -> Decision:
+    def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
+        return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))
+
+    def _try_place(self, task: Task, dry_run: bool) -> ev.Placement | None:
+        """The task's placement if it fits now (recorded unless ``dry_run``); else None and why, on the task."""
         waiting_for = self._unfinished_dependency(task)
         if waiting_for is not None:
             task.pending_reason = f"waiting for dependency {waiting_for}"
-            return Decision(pending=self._pending_message(task))
+            return None
         feasible, excluded = self.feasibility.split(task.spec, list(self.graph.devices.values()))
         gang, score = choose_gang(self.policy, task.spec, feasible)
         if not gang:
             task.pending_reason = _why_unplaceable(task, len(feasible), excluded)
-            return Decision(pending=self._pending_message(task))
+            return None
         placement = ev.Placement(
             task_id=task.spec.id,
             job_id=task.spec.job_id,
@@ -186,10 +176,10 @@ class Scheduler:
             decided_at_ms=int(self.clock() * 1000),
         )
         if dry_run:
-            return Decision(placement=placement)
+            return placement
         self._pending.pop(task.spec.id, None)
         self.graph.bind(task, tuple(d.id for d in gang))
-        return Decision(placement=self.ledger.record(placement))
+        return self.ledger.record(placement)
 
     def _unfinished_dependency(self, task: Task) -> str | None:
         for dep in task.spec.dependencies:

@@ -94,6 +94,7 @@ class Agent:
         self.submitted: dict[str, ev.TaskSpec] = {}
         self.busy: dict[str, float] = {}  # device id -> memory in use, GB
         self._finishing: list[tuple[float, str, tuple[str, ...]]] = []  # heap of (time, task, devices)
+        self._started: set[str] = set()  # tasks seen placed; placements may be read twice
         self._next_metrics = 0.0
         self._next_task = 0.0
         self._seq = 0
@@ -162,8 +163,9 @@ class Agent:
             except EventError:
                 continue
             spec = self.submitted.get(placement.task_id)
-            if spec is None or placement.task_id in {t for _, t, _ in self._finishing}:
+            if spec is None or placement.task_id in self._started:
                 continue
+            self._started.add(placement.task_id)
             devices = tuple(placement.device_ids)
             for device_id in devices:
                 self.busy[device_id] = self.busy.get(device_id, 0.0) + spec.memory_per_device_gb
@@ -176,6 +178,7 @@ class Agent:
         while self._finishing and self._finishing[0][0] <= now:
             _, task_id, devices = heapq.heappop(self._finishing)
             spec = self.submitted.pop(task_id)
+            self._started.discard(task_id)
             for device_id in devices:
                 self.busy[device_id] = max(0.0, self.busy.get(device_id, 0.0) - spec.memory_per_device_gb)
             self._publish_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=task_id)))
