@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
+import numpy as np
 import structlog
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from daemon.errors import InvalidEventError, UnknownTaskError
+from daemon.graph import TaskState
 from daemon.scheduler import Decision, Scheduler
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
@@ -133,31 +135,33 @@ def _place_response(decision: Decision) -> api.PlaceResponse:
 def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState:
     """The summary ``GetClusterState`` returns; the caller holds the lock."""
     graph = scheduler.graph
-    by_kind: dict[int, list[float]] = {}
-    healthy: dict[int, int] = {}
-    for device in graph.devices.values():
-        by_kind.setdefault(device.kind, []).append(device.load)
-        healthy[device.kind] = healthy.get(device.kind, 0) + (device.health != ev.HEALTH_FAILED)
-    loads = [load for values in by_kind.values() for load in values]
-    running = sum(1 for t in graph.tasks.values() if t.state.holds_devices)
+    rows = graph.devices.live_rows()
+    loads = graph.load(rows)
+    kinds = graph.devices.kind[rows]
+    healthy = graph.devices.health[rows] != ev.HEALTH_FAILED
+    summaries = []
+    for kind in np.unique(kinds):
+        of_kind = kinds == kind
+        summaries.append(
+            api.KindSummary(
+                kind=ev.DeviceKind.ValueType(int(kind)),
+                devices=int(of_kind.sum()),
+                healthy=int((healthy & of_kind).sum()),
+                mean_utilization=float(loads[of_kind].mean()),
+            )
+        )
+    states = graph.task_table.state[graph.task_table.live_rows()]
+    running = int(np.isin(states, [TaskState.PLACED, TaskState.RUNNING]).sum())
     return api.ClusterState(
         devices=len(graph.devices),
         hosts=len(graph.hosts),
-        kinds=[
-            api.KindSummary(
-                kind=ev.DeviceKind.ValueType(kind),
-                devices=len(v),
-                healthy=healthy[kind],
-                mean_utilization=sum(v) / len(v),
-            )
-            for kind, v in sorted(by_kind.items())
-        ],
+        kinds=summaries,
         pending_tasks=scheduler.pending_count,
         running_tasks=running,
         last_sequence=scheduler.ledger.last_sequence,
         policy=scheduler.policy.name,
         staleness_ms=staleness_ms,
-        mean_utilization=sum(loads) / len(loads) if loads else 0.0,
+        mean_utilization=float(loads.mean()) if len(loads) else 0.0,
     )
 
 

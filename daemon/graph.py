@@ -1,14 +1,26 @@
 """The daemon's picture of the infrastructure: devices, hosts, switches, links and tasks.
 
-This is the walking skeleton's graph: plain records keyed by id, enough for feasibility checks
-and a least-loaded policy. Pure: no I/O, no clock; callers pass event times in.
+Each node and edge type is a :class:`Table`: a struct of numpy arrays indexed by row, an id map
+and a free list. Adding, changing and removing an entity is O(1) amortized (rows are reused,
+arrays grow by doubling) and a batch of metrics is applied vectorized; nothing is ever rebuilt per
+event. Row numbers are stable while an entity lives, so features and policies work on row arrays.
+
+References between tables are rows: a device names its host row, a host its rack (switch) row.
+A device may arrive before its host (or a host before its rack): a placeholder row is created
+and filled in when the upsert comes. Pure: no I/O, no clock; callers pass event times in.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
 
 from daemon.errors import InvalidEventError
 from hlb.v1 import events_pb2 as ev
@@ -17,14 +29,27 @@ MAX_GANG = 4096
 MAX_MEMORY_GB = 1.0e6
 MAX_ID_CHARS = 256
 
+Rows = NDArray[np.int64]
 
-class TaskState(enum.Enum):
-    PENDING = "pending"
-    PLACED = "placed"
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+KIND_NAMES: dict[int, str] = {
+    int(value): name.removeprefix("DEVICE_KIND_").lower() for name, value in ev.DeviceKind.items()
+}
+
+# Endpoint types of a link (``LinkTable.src_type`` / ``dst_type``).
+DEVICE_NODE, HOST_NODE, SWITCH_NODE = 0, 1, 2
+
+
+class TaskState(enum.IntEnum):
+    PENDING = 0
+    PLACED = 1
+    RUNNING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
     @property
     def holds_devices(self) -> bool:
@@ -35,36 +60,182 @@ class TaskState(enum.Enum):
         return self in (TaskState.FINISHED, TaskState.FAILED, TaskState.CANCELLED)
 
 
-@dataclass
-class Device:
-    """One accelerator, with what telemetry says of it and what hlb has reserved on it."""
+class Table:
+    """Rows of one entity type: an id map, a free list, and numpy columns of one length.
 
-    id: str
-    host_id: str
-    cell: str
-    kind: int  # ev.DeviceKind
-    model: str
-    memory_gb: float
-    peak_tflops: float
-    idle_power_w: float
-    peak_power_w: float
-    utilization: float = 0.0
-    memory_used_gb: float = 0.0
-    power_w: float = 0.0
-    health: int = ev.HEALTH_HEALTHY
-    reserved_gb: float = 0.0
-    task_ids: set[str] = field(default_factory=set)
+    Subclasses list their columns in ``COLUMNS`` (name -> (dtype, default)); each becomes an
+    attribute holding an array of length ``capacity``. Only rows with ``alive[row]`` set mean
+    anything; a removed row goes to the free list and is reset to the defaults when reused.
+    """
+
+    COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {}
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.ids: list[str | None] = [None] * capacity
+        self.index: dict[str, int] = {}
+        self.alive: NDArray[np.bool_] = np.zeros(capacity, dtype=np.bool_)
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest row
+        for name, (dtype, default) in self.COLUMNS.items():
+            setattr(self, name, np.full(capacity, default, dtype=dtype))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, entity_id: object) -> bool:
+        return entity_id in self.index
 
     @property
-    def free_memory_gb(self) -> float:
-        # Reported use may already include hlb's own tasks, so the larger of the two counts.
-        return self.memory_gb - max(self.reserved_gb, self.memory_used_gb)
+    def capacity(self) -> int:
+        return len(self.ids)
 
-    @property
-    def load(self) -> float:
-        """0 (idle) .. 1 (busy): the larger of measured utilization and reserved memory share."""
-        share = self.reserved_gb / self.memory_gb if self.memory_gb > 0 else 1.0
-        return max(self.utilization, min(share, 1.0))
+    def row(self, entity_id: str) -> int | None:
+        return self.index.get(entity_id)
+
+    def live_rows(self) -> Rows:
+        """Rows of every live entity, ascending. Shapes: -> [len(self)] int64."""
+        return np.flatnonzero(self.alive).astype(np.int64)
+
+    def add(self, entity_id: str) -> int:
+        """A fresh row (defaults in every column) for a new id; the id must not be live."""
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.ids[row] = entity_id
+        self.index[entity_id] = row
+        self.alive[row] = True
+        return row
+
+    def remove(self, entity_id: str) -> int | None:
+        """Free the id's row (reset to defaults); returns it, or None when the id is not live."""
+        row = self.index.pop(entity_id, None)
+        if row is None:
+            return None
+        self.ids[row] = None
+        self.alive[row] = False
+        for name, (_, default) in self.COLUMNS.items():
+            getattr(self, name)[row] = default
+        self._free.append(row)
+        return row
+
+    def nbytes(self) -> int:
+        """Bytes held by the numpy columns (not the id strings)."""
+        arrays = [self.alive, *(getattr(self, name) for name in self.COLUMNS)]
+        return sum(int(a.nbytes) for a in arrays)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = max(16, old * 2)
+        self.ids.extend([None] * (new - old))
+        self.alive = np.concatenate([self.alive, np.zeros(new - old, dtype=np.bool_)])
+        for name, (dtype, default) in self.COLUMNS.items():
+            column: NDArray[Any] = getattr(self, name)
+            setattr(self, name, np.concatenate([column, np.full(new - old, default, dtype=dtype)]))
+        self._free.extend(range(new - 1, old - 1, -1))
+
+
+class DeviceTable(Table):
+    COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {
+        "kind": (np.int8, 0),
+        "model": (np.int32, -1),  # index into InfraGraph.model_names
+        "host": (np.int32, -1),  # row in InfraGraph.hosts
+        "memory_gb": (np.float64, 0.0),
+        "peak_tflops": (np.float64, 0.0),
+        "idle_power_w": (np.float64, 0.0),
+        "peak_power_w": (np.float64, 0.0),
+        "utilization": (np.float64, 0.0),
+        "memory_used_gb": (np.float64, 0.0),
+        "power_w": (np.float64, 0.0),
+        "temperature_c": (np.float64, 0.0),
+        "health": (np.int8, ev.HEALTH_HEALTHY),
+        "reserved_gb": (np.float64, 0.0),  # memory hlb reserved for the tasks it placed here
+        "n_tasks": (np.int32, 0),  # tasks placed or running here
+        "metrics_ms": (np.int64, 0),  # event time of the newest metrics
+    }
+    kind: NDArray[np.int8]
+    model: NDArray[np.int32]
+    host: NDArray[np.int32]
+    memory_gb: NDArray[np.float64]
+    peak_tflops: NDArray[np.float64]
+    idle_power_w: NDArray[np.float64]
+    peak_power_w: NDArray[np.float64]
+    utilization: NDArray[np.float64]
+    memory_used_gb: NDArray[np.float64]
+    power_w: NDArray[np.float64]
+    temperature_c: NDArray[np.float64]
+    health: NDArray[np.int8]
+    reserved_gb: NDArray[np.float64]
+    n_tasks: NDArray[np.int32]
+    metrics_ms: NDArray[np.int64]
+
+
+class HostTable(Table):
+    COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {
+        "rack": (np.int32, -1),  # row in InfraGraph.switches; -1: none
+        "cpu_cores": (np.float64, 0.0),
+        "memory_gb": (np.float64, 0.0),
+        "n_devices": (np.int32, 0),
+        "placeholder": (np.bool_, True),  # named by a device, not yet upserted itself
+    }
+    rack: NDArray[np.int32]
+    cpu_cores: NDArray[np.float64]
+    memory_gb: NDArray[np.float64]
+    n_devices: NDArray[np.int32]
+    placeholder: NDArray[np.bool_]
+
+
+class SwitchTable(Table):
+    COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {
+        "parent": (np.int32, -1),  # row in InfraGraph.switches; -1: top
+        "n_children": (np.int32, 0),  # hosts and switches that hang off it
+        "placeholder": (np.bool_, True),
+    }
+    parent: NDArray[np.int32]
+    n_children: NDArray[np.int32]
+    placeholder: NDArray[np.bool_]
+
+
+class LinkTable(Table):
+    COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {
+        "src_type": (np.int8, -1),  # DEVICE_NODE | HOST_NODE | SWITCH_NODE
+        "src": (np.int32, -1),
+        "dst_type": (np.int8, -1),
+        "dst": (np.int32, -1),
+        "kind": (np.int8, 0),  # ev.LinkKind
+        "bandwidth_gbps": (np.float64, 0.0),
+        "latency_us": (np.float64, 0.0),
+        "utilization": (np.float64, 0.0),
+    }
+    src_type: NDArray[np.int8]
+    src: NDArray[np.int32]
+    dst_type: NDArray[np.int8]
+    dst: NDArray[np.int32]
+    kind: NDArray[np.int8]
+    bandwidth_gbps: NDArray[np.float64]
+    latency_us: NDArray[np.float64]
+    utilization: NDArray[np.float64]
+
+
+class TaskTable(Table):
+    """Numeric columns of the tasks that are not final (pending, placed, running), for features."""
+
+    COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {
+        "state": (np.int8, TaskState.PENDING),
+        "kind": (np.int8, 0),  # ev.TaskKind
+        "gang": (np.int32, 1),
+        "memory_per_device_gb": (np.float64, 0.0),
+        "work_ref_s": (np.float64, 0.0),
+        "priority": (np.int32, 0),
+        "arrival": (np.int64, 0),
+        "submit_time_ms": (np.int64, 0),
+    }
+    state: NDArray[np.int8]
+    kind: NDArray[np.int8]
+    gang: NDArray[np.int32]
+    memory_per_device_gb: NDArray[np.float64]
+    work_ref_s: NDArray[np.float64]
+    priority: NDArray[np.int32]
+    arrival: NDArray[np.int64]
+    submit_time_ms: NDArray[np.int64]
 
 
 @dataclass
@@ -72,13 +243,27 @@ class Task:
     spec: ev.TaskSpec
     cell: str
     arrival: int  # order of arrival, for FIFO within a priority
+    row: int = -1  # row in InfraGraph.task_table while not final
     state: TaskState = TaskState.PENDING
+    device_rows: tuple[int, ...] = ()
     device_ids: tuple[str, ...] = ()
     pending_reason: str = "not yet considered"
 
     @property
     def gang_size(self) -> int:
         return max(1, self.spec.num_devices)
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A device ruled out for a task: which hard constraint (a short name) and the detail in words."""
+
+    device_id: str
+    constraint: str  # "health" | "kind" | "model" | "memory"
+    detail: str
+
+
+CONSTRAINTS = ("health", "kind", "model", "memory")
 
 
 def _check_id(value: str, what: str) -> None:
@@ -93,17 +278,149 @@ def _check_range(value: float, what: str, low: float, high: float) -> None:
         raise InvalidEventError(f"{what}={value!r} is outside [{low}, {high}]", "out_of_range")
 
 
-@dataclass
-class InfraGraph:
-    """Devices, hosts, switches, links and tasks of one daemon, keyed by id."""
+def _check_ranges(values: NDArray[np.float64], ids: Sequence[str], what: str, low: float, high: Any) -> None:
+    """Vectorized ``_check_range``; ``high`` may be an array (per-row bound). Names the first offender."""
+    bad = ~(np.isfinite(values) & (values >= low) & (values <= high))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        bound = high[i] if isinstance(high, np.ndarray) else high
+        raise InvalidEventError(f"device {ids[i]} {what}={values[i]!r} is outside [{low}, {bound}]", "out_of_range")
 
-    devices: dict[str, Device] = field(default_factory=dict)
-    hosts: dict[str, ev.Host] = field(default_factory=dict)
-    switches: dict[str, ev.Switch] = field(default_factory=dict)
-    links: dict[str, ev.Link] = field(default_factory=dict)
-    tasks: dict[str, Task] = field(default_factory=dict)
-    newest_telemetry_ms: int = 0
-    _arrivals: int = 0
+
+class InfraGraph:
+    """Devices, hosts, switches, links and tasks of one daemon, as struct-of-arrays tables.
+
+    ``version`` grows with every inventory change and ``metrics_version`` with every metrics
+    report; ``changes`` counts changed rows of either, so a cache of derived data (embeddings)
+    can tell how much moved since it was computed.
+    """
+
+    def __init__(self) -> None:
+        self.devices = DeviceTable()
+        self.hosts = HostTable()
+        self.switches = SwitchTable()
+        self.links = LinkTable()
+        self.task_table = TaskTable()
+        self.tasks: dict[str, Task] = {}
+        self.model_names: list[str] = []
+        self._model_index: dict[str, int] = {}
+        # (kind, model index) -> live device rows; the cached arrays are rebuilt lazily per group.
+        self._groups: dict[tuple[int, int], set[int]] = {}
+        self._group_rows: dict[tuple[int, int], Rows] = {}
+        self._tasks_on_device: dict[int, set[str]] = {}
+        self.newest_telemetry_ms = 0
+        self.version = 0
+        self.metrics_version = 0
+        self.changes = 0
+        self._arrivals = 0
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def device_rows(self, device_ids: Iterable[str]) -> Rows:
+        """Rows of known device ids; raises ``KeyError`` naming an unknown one."""
+        index = self.devices.index
+        return np.fromiter((index[d] for d in device_ids), dtype=np.int64)
+
+    def device_ids_of(self, rows: Iterable[int]) -> list[str]:
+        ids = self.devices.ids
+        return [ids[r] or "" for r in rows]
+
+    def model_of(self, row: int) -> str:
+        index = int(self.devices.model[row])
+        return self.model_names[index] if index >= 0 else ""
+
+    def tasks_on_device(self, row: int) -> set[str]:
+        return self._tasks_on_device.get(row, set())
+
+    def free_memory_gb(self, rows: Rows) -> NDArray[np.float64]:
+        """Memory free for new tasks. Reported use may already include hlb's own tasks, so the
+        larger of reserved and used counts. Shapes: rows [N] -> [N] GB."""
+        d = self.devices
+        free: NDArray[np.float64] = d.memory_gb[rows] - np.maximum(d.reserved_gb[rows], d.memory_used_gb[rows])
+        return free
+
+    def load(self, rows: Rows) -> NDArray[np.float64]:
+        """0 (idle) .. 1 (busy): the larger of measured utilization and reserved memory share. [N] -> [N]."""
+        d = self.devices
+        memory = d.memory_gb[rows]
+        share = np.divide(d.reserved_gb[rows], memory, out=np.ones_like(memory), where=memory > 0)
+        load: NDArray[np.float64] = np.maximum(d.utilization[rows], np.minimum(share, 1.0))
+        return load
+
+    # -- hard constraints ------------------------------------------------------------------
+
+    def _candidate_groups(self, spec: ev.TaskSpec) -> list[tuple[int, int]]:
+        kinds = set(spec.allowed_kinds)
+        models = {self._model_index[m] for m in spec.allowed_models if m in self._model_index}
+        return [
+            group
+            for group, members in self._groups.items()
+            if members and (not kinds or group[0] in kinds) and (not spec.allowed_models or group[1] in models)
+        ]
+
+    def _rows_of_group(self, group: tuple[int, int]) -> Rows:
+        rows = self._group_rows.get(group)
+        if rows is None:
+            rows = np.fromiter(sorted(self._groups[group]), dtype=np.int64)
+            self._group_rows[group] = rows
+        return rows
+
+    def feasible_rows(self, spec: ev.TaskSpec) -> Rows:
+        """Device rows that pass every hard constraint for ``spec``, ascending. Shapes: -> [F].
+
+        Kind and model allow-lists select whole (kind, model) groups, so a task restricted to
+        TPUs never looks at a GPU; health and free memory are checked vectorized in the groups.
+        """
+        groups = self._candidate_groups(spec)
+        if not groups:
+            return np.empty(0, dtype=np.int64)
+        rows = np.concatenate([self._rows_of_group(g) for g in groups])
+        if len(groups) > 1:
+            rows.sort()
+        ok = (self.devices.health[rows] != ev.HEALTH_FAILED) & (self.free_memory_gb(rows) >= spec.memory_per_device_gb)
+        feasible: Rows = rows[ok]
+        return feasible
+
+    def violations(self, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.int8]:
+        """For each row, the index into ``CONSTRAINTS`` of the first one it breaks, or -1. [N] -> [N]."""
+        d = self.devices
+        out = np.full(len(rows), -1, dtype=np.int8)
+        memory = self.free_memory_gb(rows) < spec.memory_per_device_gb
+        out[memory] = 3
+        if spec.allowed_models:
+            models = [self._model_index[m] for m in spec.allowed_models if m in self._model_index]
+            out[~np.isin(d.model[rows], models)] = 2
+        if spec.allowed_kinds:
+            out[~np.isin(d.kind[rows], list(spec.allowed_kinds))] = 1
+        out[d.health[rows] == ev.HEALTH_FAILED] = 0
+        return out
+
+    def exclusion_counts(self, spec: ev.TaskSpec) -> Counter[str]:
+        """How many live devices each hard constraint rules out for ``spec``."""
+        broken = self.violations(spec, self.devices.live_rows())
+        values, counts = np.unique(broken[broken >= 0], return_counts=True)
+        return Counter({CONSTRAINTS[int(v)]: int(c) for v, c in zip(values, counts, strict=True)})
+
+    def exclusions(self, spec: ev.TaskSpec, limit: int) -> list[Exclusion]:
+        """Up to ``limit`` devices ruled out for ``spec``, each with the constraint and why."""
+        rows = self.devices.live_rows()
+        broken = self.violations(spec, rows)
+        out: list[Exclusion] = []
+        d = self.devices
+        for i in np.flatnonzero(broken >= 0)[:limit]:
+            row, constraint = int(rows[i]), CONSTRAINTS[int(broken[i])]
+            if constraint == "health":
+                detail = "device is failed"
+            elif constraint == "kind":
+                allowed = ", ".join(KIND_NAMES.get(k, str(k)) for k in spec.allowed_kinds)
+                detail = f"kind {KIND_NAMES.get(int(d.kind[row]), '?')} not in allowed kinds [{allowed}]"
+            elif constraint == "model":
+                detail = f"model {self.model_of(row)} not in allowed models"
+            else:
+                free = float(self.free_memory_gb(np.array([row]))[0])
+                detail = f"{free:.1f} GB free < {spec.memory_per_device_gb:.1f} GB needed"
+            out.append(Exclusion(d.ids[row] or "", constraint, detail))
+        return out
 
     # -- inventory -------------------------------------------------------------------------
 
@@ -112,36 +429,56 @@ class InfraGraph:
         kind = event.WhichOneof("payload")
         if kind is None:
             raise InvalidEventError("telemetry event without a payload", "empty")
+        if kind == "device_metrics":
+            self.apply_device_metrics([event.device_metrics], event.event_time_ms)
+        elif kind == "metrics_batch":
+            links = self._link_metric_rows(event.metrics_batch.links)  # validate all before applying any
+            self.apply_device_metrics(event.metrics_batch.devices, event.event_time_ms)
+            self._set_link_utilization(links, event.metrics_batch.links)
+        elif kind == "link_metrics":
+            self._set_link_utilization(self._link_metric_rows([event.link_metrics]), [event.link_metrics])
+        else:
+            self._apply_inventory(kind, event)
+            self.version += 1
+            self.changes += 1
+        self.newest_telemetry_ms = max(self.newest_telemetry_ms, event.event_time_ms)
+
+    def _apply_inventory(self, kind: str, event: ev.TelemetryEvent) -> None:
         if kind == "device_upsert":
-            self._upsert_device(event.device_upsert, event.cell)
+            self._upsert_device(event.device_upsert)
         elif kind == "device_removed":
             self._remove_device(event.device_removed.id)
         elif kind == "host_upsert":
-            _check_id(event.host_upsert.id, "host")
-            self.hosts[event.host_upsert.id] = event.host_upsert
+            self._upsert_host(event.host_upsert)
         elif kind == "host_removed":
             self._remove_host(event.host_removed.id)
         elif kind == "switch_upsert":
-            _check_id(event.switch_upsert.id, "switch")
-            self.switches[event.switch_upsert.id] = event.switch_upsert
+            self._upsert_switch(event.switch_upsert)
         elif kind == "switch_removed":
-            self.switches.pop(event.switch_removed.id, None)
+            self._remove_switch(event.switch_removed.id)
         elif kind == "link_upsert":
             self._upsert_link(event.link_upsert)
         elif kind == "link_removed":
-            self.links.pop(event.link_removed.id, None)
-        elif kind == "device_metrics":
-            self._check_metrics(event.device_metrics)
-            self._apply_metrics(event.device_metrics)
-        elif kind == "metrics_batch":
-            for metrics in event.metrics_batch.devices:  # validate all before applying any
-                self._check_metrics(metrics)
-            for metrics in event.metrics_batch.devices:
-                self._apply_metrics(metrics)
-        # link_metrics: accepted; the skeleton's policy does not use link load yet.
-        self.newest_telemetry_ms = max(self.newest_telemetry_ms, event.event_time_ms)
+            self.links.remove(event.link_removed.id)
 
-    def _upsert_device(self, spec: ev.Device, cell: str) -> None:
+    def _intern_model(self, model: str) -> int:
+        index = self._model_index.get(model)
+        if index is None:
+            index = len(self.model_names)
+            self.model_names.append(model)
+            self._model_index[model] = index
+        return index
+
+    def _host_row(self, host_id: str) -> int:
+        """The host's row, creating a placeholder for a host not upserted yet."""
+        row = self.hosts.row(host_id)
+        return self.hosts.add(host_id) if row is None else row
+
+    def _switch_row(self, switch_id: str) -> int:
+        row = self.switches.row(switch_id)
+        return self.switches.add(switch_id) if row is None else row
+
+    def _upsert_device(self, spec: ev.Device) -> None:
         _check_id(spec.id, "device")
         _check_id(spec.host_id, f"device {spec.id} host")
         _check_range(spec.memory_gb, f"device {spec.id} memory_gb", 0.0, MAX_MEMORY_GB)
@@ -150,39 +487,126 @@ class InfraGraph:
         _check_range(spec.peak_power_w, f"device {spec.id} peak_power_w", 0.0, 1.0e5)
         if spec.kind not in ev.DeviceKind.values() or spec.kind == ev.DEVICE_KIND_UNSPECIFIED:
             raise InvalidEventError(f"device {spec.id}: unknown kind {spec.kind}", "out_of_range")
-        old = self.devices.get(spec.id)
-        device = Device(
-            id=spec.id,
-            host_id=spec.host_id,
-            cell=cell,
-            kind=spec.kind,
-            model=spec.model,
-            memory_gb=spec.memory_gb,
-            peak_tflops=spec.peak_tflops,
-            idle_power_w=spec.idle_power_w,
-            peak_power_w=spec.peak_power_w,
-        )
-        if old is not None:  # an update keeps what was measured and reserved
-            device.utilization, device.memory_used_gb = old.utilization, old.memory_used_gb
-            device.power_w, device.health = old.power_w, old.health
-            device.reserved_gb, device.task_ids = old.reserved_gb, old.task_ids
-        self.devices[spec.id] = device
+        d = self.devices
+        row = d.row(spec.id)
+        if row is None:
+            row = d.add(spec.id)
+        else:  # an update keeps what was measured and reserved; it may move group or host
+            self._leave_group(row)
+            if self.hosts.ids[d.host[row]] != spec.host_id:
+                self._leave_host(row)
+        if d.host[row] < 0 or self.hosts.ids[d.host[row]] != spec.host_id:
+            host = self._host_row(spec.host_id)
+            self.hosts.n_devices[host] += 1
+            d.host[row] = host
+        d.kind[row] = spec.kind
+        d.model[row] = self._intern_model(spec.model)
+        d.memory_gb[row] = spec.memory_gb
+        d.peak_tflops[row] = spec.peak_tflops
+        d.idle_power_w[row] = spec.idle_power_w
+        d.peak_power_w[row] = spec.peak_power_w
+        group = (int(spec.kind), int(d.model[row]))
+        self._groups.setdefault(group, set()).add(row)
+        self._group_rows.pop(group, None)
+
+    def _leave_group(self, row: int) -> None:
+        group = (int(self.devices.kind[row]), int(self.devices.model[row]))
+        self._groups[group].discard(row)
+        self._group_rows.pop(group, None)
+
+    def _leave_host(self, row: int) -> None:
+        host = int(self.devices.host[row])
+        self.devices.host[row] = -1
+        self.hosts.n_devices[host] -= 1
+        if self.hosts.n_devices[host] == 0 and self.hosts.placeholder[host]:
+            self._drop_links(HOST_NODE, np.array([host]))
+            self.hosts.remove(self.hosts.ids[host] or "")
 
     def _remove_device(self, device_id: str) -> None:
-        device = self.devices.get(device_id)
-        if device is None:
+        row = self.devices.row(device_id)
+        if row is None:
             return  # removing twice is harmless (replays)
-        if device.task_ids:
-            raise InvalidEventError(f"device {device_id} still runs tasks {sorted(device.task_ids)}", "in_use")
-        del self.devices[device_id]
+        if self.devices.n_tasks[row]:
+            busy = sorted(self.tasks_on_device(row))
+            raise InvalidEventError(f"device {device_id} still runs tasks {busy}", "in_use")
+        self._drop_device(row)
+
+    def _drop_device(self, row: int) -> None:
+        self._drop_links(DEVICE_NODE, np.array([row]))
+        self._leave_group(row)
+        self._leave_host(row)
+        self.devices.remove(self.devices.ids[row] or "")
+
+    def _upsert_host(self, spec: ev.Host) -> None:
+        _check_id(spec.id, "host")
+        if spec.rack_id:
+            _check_id(spec.rack_id, f"host {spec.id} rack")
+        _check_range(spec.cpu_cores, f"host {spec.id} cpu_cores", 0.0, 1.0e6)
+        _check_range(spec.memory_gb, f"host {spec.id} memory_gb", 0.0, MAX_MEMORY_GB)
+        h = self.hosts
+        row = self._host_row(spec.id)
+        if h.rack[row] >= 0:
+            self.switches.n_children[h.rack[row]] -= 1
+        h.rack[row] = self._switch_row(spec.rack_id) if spec.rack_id else -1
+        if h.rack[row] >= 0:
+            self.switches.n_children[h.rack[row]] += 1
+        h.cpu_cores[row] = spec.cpu_cores
+        h.memory_gb[row] = spec.memory_gb
+        h.placeholder[row] = False
 
     def _remove_host(self, host_id: str) -> None:
-        busy = [d.id for d in self.devices.values() if d.host_id == host_id and d.task_ids]
+        row = self.hosts.row(host_id)
+        if row is None:
+            return
+        d = self.devices
+        on_host = np.flatnonzero(d.alive & (d.host == row))
+        busy = [d.ids[r] for r in on_host if d.n_tasks[r]]
         if busy:
             raise InvalidEventError(f"host {host_id} has busy devices {busy}", "in_use")
-        for device_id in [d.id for d in self.devices.values() if d.host_id == host_id]:
-            del self.devices[device_id]
-        self.hosts.pop(host_id, None)
+        self.hosts.placeholder[row] = False  # dropping its last device must not remove it twice
+        for device_row in on_host:
+            self._drop_device(int(device_row))
+        self._drop_links(HOST_NODE, np.array([row]))
+        if self.hosts.rack[row] >= 0:
+            self.switches.n_children[self.hosts.rack[row]] -= 1
+        self.hosts.remove(host_id)
+
+    def _upsert_switch(self, spec: ev.Switch) -> None:
+        _check_id(spec.id, "switch")
+        if spec.parent_id == spec.id:
+            raise InvalidEventError(f"switch {spec.id} is its own parent", "cycle")
+        s = self.switches
+        ancestor = s.row(spec.parent_id) if spec.parent_id else None
+        while ancestor is not None and ancestor >= 0:  # the switch tree must stay a tree
+            if s.ids[ancestor] == spec.id:
+                raise InvalidEventError(f"switch {spec.id}: parent {spec.parent_id} is below it", "cycle")
+            ancestor = int(s.parent[ancestor])
+        row = self._switch_row(spec.id)
+        parent = self._switch_row(spec.parent_id) if spec.parent_id else -1
+        if s.parent[row] >= 0:
+            s.n_children[s.parent[row]] -= 1
+        s.parent[row] = parent
+        if parent >= 0:
+            s.n_children[parent] += 1
+        s.placeholder[row] = False
+
+    def _remove_switch(self, switch_id: str) -> None:
+        row = self.switches.row(switch_id)
+        if row is None:
+            return
+        if self.switches.n_children[row]:
+            raise InvalidEventError(f"switch {switch_id} still has hosts or switches below it", "in_use")
+        self._drop_links(SWITCH_NODE, np.array([row]))
+        if self.switches.parent[row] >= 0:
+            self.switches.n_children[self.switches.parent[row]] -= 1
+        self.switches.remove(switch_id)
+
+    def _endpoint(self, node_id: str, what: str) -> tuple[int, int]:
+        for node_type, table in ((DEVICE_NODE, self.devices), (HOST_NODE, self.hosts), (SWITCH_NODE, self.switches)):
+            row = table.row(node_id)
+            if row is not None:
+                return node_type, row
+        raise InvalidEventError(f"{what} names unknown device, host or switch {node_id!r}", "unknown_id")
 
     def _upsert_link(self, link: ev.Link) -> None:
         _check_id(link.id, "link")
@@ -190,26 +614,95 @@ class InfraGraph:
         _check_id(link.dst_id, f"link {link.id} dst")
         _check_range(link.bandwidth_gbps, f"link {link.id} bandwidth_gbps", 0.0, 1.0e6)
         _check_range(link.latency_us, f"link {link.id} latency_us", 0.0, 1.0e9)
-        self.links[link.id] = link
+        src_type, src = self._endpoint(link.src_id, f"link {link.id} src")
+        dst_type, dst = self._endpoint(link.dst_id, f"link {link.id} dst")
+        t = self.links
+        row = t.row(link.id)
+        if row is None:
+            row = t.add(link.id)
+        t.src_type[row], t.src[row], t.dst_type[row], t.dst[row] = src_type, src, dst_type, dst
+        t.kind[row] = link.kind
+        t.bandwidth_gbps[row] = link.bandwidth_gbps
+        t.latency_us[row] = link.latency_us
 
-    def _check_metrics(self, metrics: ev.DeviceMetrics) -> None:
-        device = self.devices.get(metrics.device_id)
-        if device is None:
-            raise InvalidEventError(f"metrics for unknown device {metrics.device_id!r}", "unknown_id")
-        _check_range(metrics.utilization, f"device {device.id} utilization", 0.0, 1.0)
-        _check_range(metrics.memory_used_gb, f"device {device.id} memory_used_gb", 0.0, device.memory_gb)
-        _check_range(metrics.power_w, f"device {device.id} power_w", 0.0, 1.0e5)
-        _check_range(metrics.temperature_c, f"device {device.id} temperature_c", -100.0, 400.0)
-        if metrics.health not in ev.Health.values():
-            raise InvalidEventError(f"device {device.id}: unknown health {metrics.health}", "out_of_range")
+    def _drop_links(self, node_type: int, rows: Rows) -> None:
+        t = self.links
+        touching = t.alive & (
+            ((t.src_type == node_type) & np.isin(t.src, rows)) | ((t.dst_type == node_type) & np.isin(t.dst, rows))
+        )
+        for row in np.flatnonzero(touching):
+            t.remove(t.ids[row] or "")
 
-    def _apply_metrics(self, metrics: ev.DeviceMetrics) -> None:
-        device = self.devices[metrics.device_id]
-        device.utilization = metrics.utilization
-        device.memory_used_gb = metrics.memory_used_gb
-        device.power_w = metrics.power_w
-        if metrics.health != ev.HEALTH_UNSPECIFIED:
-            device.health = metrics.health
+    # -- metrics ---------------------------------------------------------------------------
+
+    def apply_device_metrics(self, metrics: Sequence[ev.DeviceMetrics], event_time_ms: int = 0) -> None:
+        """Apply metrics of many devices at once: all are validated before any is applied."""
+        if not metrics:
+            return
+        ids = [m.device_id for m in metrics]
+        index = self.devices.index
+        try:
+            rows = np.fromiter((index[i] for i in ids), dtype=np.int64, count=len(ids))
+        except KeyError as missing:
+            raise InvalidEventError(f"metrics for unknown device {missing.args[0]!r}", "unknown_id") from None
+        count = len(ids)
+        util = np.fromiter((m.utilization for m in metrics), dtype=np.float64, count=count)
+        used = np.fromiter((m.memory_used_gb for m in metrics), dtype=np.float64, count=count)
+        power = np.fromiter((m.power_w for m in metrics), dtype=np.float64, count=count)
+        temp = np.fromiter((m.temperature_c for m in metrics), dtype=np.float64, count=count)
+        health = np.fromiter((m.health for m in metrics), dtype=np.int64, count=count)
+        self.apply_metrics_arrays(rows, util, used, power, temp, health, ids, event_time_ms)
+
+    def apply_metrics_arrays(
+        self,
+        rows: Rows,
+        utilization: NDArray[np.float64],
+        memory_used_gb: NDArray[np.float64],
+        power_w: NDArray[np.float64],
+        temperature_c: NDArray[np.float64],
+        health: NDArray[np.int64],
+        ids: Sequence[str],
+        event_time_ms: int = 0,
+    ) -> None:
+        """Validate then apply one report per row. Shapes: every array [N]; ``ids`` names rows in errors.
+
+        A health of HEALTH_UNSPECIFIED keeps the device's current health. When a row appears
+        twice, the later report wins.
+        """
+        d = self.devices
+        _check_ranges(utilization, ids, "utilization", 0.0, 1.0)
+        _check_ranges(memory_used_gb, ids, "memory_used_gb", 0.0, d.memory_gb[rows])
+        _check_ranges(power_w, ids, "power_w", 0.0, 1.0e5)
+        _check_ranges(temperature_c, ids, "temperature_c", -100.0, 400.0)
+        bad = (health < 0) | (health > max(ev.Health.values()))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidEventError(f"device {ids[i]}: unknown health {int(health[i])}", "out_of_range")
+        d.utilization[rows] = utilization
+        d.memory_used_gb[rows] = memory_used_gb
+        d.power_w[rows] = power_w
+        d.temperature_c[rows] = temperature_c
+        known = health != ev.HEALTH_UNSPECIFIED
+        d.health[rows[known]] = health[known]
+        if event_time_ms:
+            d.metrics_ms[rows] = event_time_ms
+        self.metrics_version += 1
+        self.changes += len(rows)
+
+    def _link_metric_rows(self, metrics: Sequence[ev.LinkMetrics]) -> list[int]:
+        """Rows of the links ``metrics`` report on, after checking each report."""
+        rows = []
+        for m in metrics:
+            row = self.links.row(m.link_id)
+            if row is None:
+                raise InvalidEventError(f"metrics for unknown link {m.link_id!r}", "unknown_id")
+            _check_range(m.utilization, f"link {m.link_id} utilization", 0.0, 1.0)
+            rows.append(row)
+        return rows
+
+    def _set_link_utilization(self, rows: list[int], metrics: Sequence[ev.LinkMetrics]) -> None:
+        for row, m in zip(rows, metrics, strict=True):
+            self.links.utilization[row] = m.utilization
 
     # -- tasks -----------------------------------------------------------------------------
 
@@ -223,26 +716,59 @@ class InfraGraph:
             return known
         self._arrivals += 1
         task = Task(spec=spec, cell=cell, arrival=self._arrivals)
+        t = self.task_table
+        task.row = row = t.add(spec.id)
+        t.kind[row] = spec.kind
+        t.gang[row] = task.gang_size
+        t.memory_per_device_gb[row] = spec.memory_per_device_gb
+        t.work_ref_s[row] = spec.work_ref_s
+        t.priority[row] = spec.priority
+        t.arrival[row] = task.arrival
+        t.submit_time_ms[row] = spec.submit_time_ms
         self.tasks[spec.id] = task
         return task
 
-    def bind(self, task: Task, device_ids: tuple[str, ...]) -> None:
-        """Reserve the task's memory on each of its devices."""
-        for device_id in device_ids:
-            device = self.devices[device_id]
-            device.reserved_gb += task.spec.memory_per_device_gb
-            device.task_ids.add(task.spec.id)
-        task.device_ids = device_ids
-        task.state = TaskState.PLACED
+    def bind(self, task: Task, rows: Sequence[int]) -> None:
+        """Reserve the task's memory on each of its devices (rows of live devices)."""
+        d = self.devices
+        for row in rows:
+            d.reserved_gb[row] += task.spec.memory_per_device_gb
+            d.n_tasks[row] += 1
+            self._tasks_on_device.setdefault(row, set()).add(task.spec.id)
+        task.device_rows = tuple(int(r) for r in rows)
+        task.device_ids = tuple(self.device_ids_of(task.device_rows))
+        self._set_state(task, TaskState.PLACED)
+        self.changes += len(rows)
+
+    def mark_running(self, task: Task) -> None:
+        self._set_state(task, TaskState.RUNNING)
 
     def release(self, task: Task, final_state: TaskState) -> None:
         """Return the task's reservations and move it to a final state."""
-        for device_id in task.device_ids:
-            device = self.devices.get(device_id)
-            if device is not None and task.spec.id in device.task_ids:
-                device.task_ids.discard(task.spec.id)
-                device.reserved_gb = max(0.0, device.reserved_gb - task.spec.memory_per_device_gb)
-        task.state = final_state
+        d = self.devices
+        for row, device_id in zip(task.device_rows, task.device_ids, strict=True):
+            if d.ids[row] == device_id and task.spec.id in self._tasks_on_device.get(row, ()):
+                self._tasks_on_device[row].discard(task.spec.id)
+                if not self._tasks_on_device[row]:
+                    del self._tasks_on_device[row]
+                d.n_tasks[row] -= 1
+                d.reserved_gb[row] = max(0.0, d.reserved_gb[row] - task.spec.memory_per_device_gb)
+        self._set_state(task, final_state)
+        self.changes += len(task.device_rows)
+
+    def _set_state(self, task: Task, state: TaskState) -> None:
+        task.state = state
+        if task.row >= 0:
+            if state.is_final:
+                self.task_table.remove(task.spec.id)
+                task.row = -1
+            else:
+                self.task_table.state[task.row] = state
+
+    def nbytes(self) -> int:
+        """Bytes held by the numpy columns of every table."""
+        tables = (self.devices, self.hosts, self.switches, self.links, self.task_table)
+        return sum(t.nbytes() for t in tables)
 
 
 def check_task_spec(spec: ev.TaskSpec) -> None:

@@ -1,63 +1,20 @@
-"""Placement policies behind one interface, and the hard-constraint filter that runs before them.
+"""Placement policies behind one interface.
 
-A policy never sees an infeasible device: ``FeasibilityFilter`` removes every device that breaks
-a hard constraint (health, kind, model, free memory) and says which constraint ruled it out.
-A policy then ranks what is left and picks a gang, all or nothing.
+A policy never sees an infeasible device: the graph's hard-constraint filter
+(``InfraGraph.feasible_rows``) removes every device that breaks one (health, kind, model, free
+memory) before any policy ranks what is left. A policy scores candidate device rows; the gang is
+then picked all or nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
-from daemon.graph import Device
+from daemon.graph import InfraGraph, Rows
 from hlb.v1 import events_pb2 as ev
-
-KIND_NAMES: dict[int, str] = {
-    int(value): name.removeprefix("DEVICE_KIND_").lower() for name, value in ev.DeviceKind.items()
-}
-
-
-@dataclass(frozen=True)
-class Exclusion:
-    """A device ruled out for a task: which hard constraint (a short name) and the detail in words."""
-
-    device_id: str
-    constraint: str  # "health" | "kind" | "model" | "memory"
-    detail: str
-
-
-class FeasibilityFilter:
-    """Hard constraints, checked for one task against each device."""
-
-    def violation(self, task: ev.TaskSpec, device: Device) -> Exclusion | None:
-        """The first hard constraint ``device`` breaks for ``task``, or None when it may run it."""
-        if device.health == ev.HEALTH_FAILED:
-            return Exclusion(device.id, "health", "device is failed")
-        if task.allowed_kinds and device.kind not in task.allowed_kinds:
-            allowed = ", ".join(KIND_NAMES.get(k, str(k)) for k in task.allowed_kinds)
-            kind = KIND_NAMES.get(device.kind, str(device.kind))
-            return Exclusion(device.id, "kind", f"kind {kind} not in allowed kinds [{allowed}]")
-        if task.allowed_models and device.model not in task.allowed_models:
-            return Exclusion(device.id, "model", f"model {device.model} not in allowed models")
-        if device.free_memory_gb < task.memory_per_device_gb:
-            detail = f"{device.free_memory_gb:.1f} GB free < {task.memory_per_device_gb:.1f} GB needed"
-            return Exclusion(device.id, "memory", detail)
-        return None
-
-    def split(self, task: ev.TaskSpec, devices: Sequence[Device]) -> tuple[list[Device], list[Exclusion]]:
-        feasible: list[Device] = []
-        excluded: list[Exclusion] = []
-        for device in devices:
-            exclusion = self.violation(task, device)
-            if exclusion is None:
-                feasible.append(device)
-            else:
-                excluded.append(exclusion)
-        return feasible, excluded
 
 
 class Policy(Protocol):
@@ -65,8 +22,8 @@ class Policy(Protocol):
 
     name: str
 
-    def score(self, task: ev.TaskSpec, devices: Sequence[Device]) -> np.ndarray:
-        """Scores of ``devices`` for ``task``. Shapes: devices [D] -> scores [D], float64."""
+    def score(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        """Scores of the device ``rows`` for ``task``. Shapes: rows [C] -> scores [C], float64."""
         ...
 
 
@@ -79,22 +36,21 @@ class LeastLoaded:
 
     name = "least-loaded"
 
-    def score(self, task: ev.TaskSpec, devices: Sequence[Device]) -> np.ndarray:
-        load = np.fromiter((d.load for d in devices), dtype=np.float64, count=len(devices))
-        free = np.fromiter((d.free_memory_gb for d in devices), dtype=np.float64, count=len(devices))
-        scores: np.ndarray = 1.0 - load + 1e-6 * free / (1.0 + free.max(initial=0.0))
+    def score(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        free = graph.free_memory_gb(rows)
+        scores: NDArray[np.float64] = 1.0 - graph.load(rows) + 1e-6 * free / (1.0 + free.max(initial=0.0))
         return scores
 
 
-def choose_gang(policy: Policy, task: ev.TaskSpec, feasible: Sequence[Device]) -> tuple[list[Device], float]:
-    """The ``gang`` best-scored feasible devices and their mean score; empty when too few fit."""
+def choose_gang(policy: Policy, task: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> tuple[Rows, float]:
+    """The ``gang`` best-scored feasible rows and their mean score; empty when too few fit."""
     gang = max(1, task.num_devices)
     if len(feasible) < gang:
-        return [], 0.0
-    scores = policy.score(task, feasible)
-    # Stable order: equal scores keep inventory order, so decisions are reproducible.
+        return np.empty(0, dtype=np.int64), 0.0
+    scores = policy.score(task, graph, feasible)
+    # Stable order: equal scores keep row order, so decisions are reproducible.
     best = np.argsort(-scores, kind="stable")[:gang]
-    return [feasible[i] for i in best], float(scores[best].mean())
+    return feasible[best], float(scores[best].mean())
 
 
 def make_policy(name: str) -> Policy:

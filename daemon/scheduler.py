@@ -6,14 +6,13 @@ lock. Time comes from an injected clock so that tests never sleep.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.errors import InvalidEventError, UnknownTaskError
 from daemon.graph import InfraGraph, Task, TaskState, check_task_spec
 from daemon.ledger import PlacementLedger
-from daemon.policy import Exclusion, FeasibilityFilter, Policy, choose_gang
+from daemon.policy import Policy, choose_gang
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
@@ -36,14 +35,12 @@ class Scheduler:
         ledger: PlacementLedger,
         cell: str,
         clock: Clock,
-        feasibility: FeasibilityFilter | None = None,
     ) -> None:
         self.graph = graph
         self.policy = policy
         self.ledger = ledger
         self.cell = cell
         self.clock = clock
-        self.feasibility = feasibility or FeasibilityFilter()
         self._pending: dict[str, Task] = {}
         # Ledger placements whose task or devices have not been replayed yet.
         self._unbound: dict[str, ev.Placement] = {}
@@ -76,12 +73,12 @@ class Scheduler:
             return  # a replayed or late event for a task that has ended
         if kind == "started":
             if task.state == TaskState.PLACED:
-                task.state = TaskState.RUNNING
+                self.graph.mark_running(task)
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
                 raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
             self._pending.pop(task_id, None)
-            task.state = TaskState.CANCELLED
+            self.graph.release(task, TaskState.CANCELLED)
         else:
             final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
             self.graph.release(task, final)
@@ -134,7 +131,7 @@ class Scheduler:
             raise UnknownTaskError(f"unknown task {task_id!r}")
         if task.state == TaskState.PENDING:
             return Decision(pending=self._pending_message(task))
-        reason = f"task is {task.state.value} and was never placed"
+        reason = f"task is {task.state.label} and was never placed"
         return Decision(pending=api.Pending(task_id=task_id, reason=reason, queue_position=0))
 
     def queue_position(self, task_id: str) -> int:
@@ -161,16 +158,16 @@ class Scheduler:
         if waiting_for is not None:
             task.pending_reason = f"waiting for dependency {waiting_for}"
             return None
-        feasible, excluded = self.feasibility.split(task.spec, list(self.graph.devices.values()))
-        gang, score = choose_gang(self.policy, task.spec, feasible)
-        if not gang:
-            task.pending_reason = _why_unplaceable(task, len(feasible), excluded)
+        feasible = self.graph.feasible_rows(task.spec)
+        gang, score = choose_gang(self.policy, task.spec, self.graph, feasible)
+        if not len(gang):
+            task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
         placement = ev.Placement(
             task_id=task.spec.id,
             job_id=task.spec.job_id,
             cell=task.cell,
-            device_ids=[d.id for d in gang],
+            device_ids=self.graph.device_ids_of(gang),
             policy=self.policy.name,
             score=score,
             decided_at_ms=int(self.clock() * 1000),
@@ -178,7 +175,7 @@ class Scheduler:
         if dry_run:
             return placement
         self._pending.pop(task.spec.id, None)
-        self.graph.bind(task, tuple(d.id for d in gang))
+        self.graph.bind(task, [int(r) for r in gang])
         return self.ledger.record(placement)
 
     def _unfinished_dependency(self, task: Task) -> str | None:
@@ -196,16 +193,14 @@ class Scheduler:
         for task_id, placement in list(self._unbound.items()):
             task = self.graph.tasks[task_id]
             if all(d in self.graph.devices for d in placement.device_ids):
-                self.graph.bind(task, tuple(placement.device_ids))
+                self.graph.bind(task, [int(r) for r in self.graph.device_rows(placement.device_ids)])
                 del self._unbound[task_id]
 
-
-def _why_unplaceable(task: Task, feasible: int, excluded: list[Exclusion]) -> str:
-    gang = task.gang_size
-    if feasible == 0 and not excluded:
-        return "no devices known yet"
-    if feasible == 0:
-        counts = Counter(exclusion.constraint for exclusion in excluded)
-        ruled_out = ", ".join(f"{constraint} {n}" for constraint, n in counts.most_common())
-        return f"no feasible device ({len(excluded)} ruled out by {ruled_out})"
-    return f"needs {gang} devices at once, {feasible} feasible now"
+    def _why_unplaceable(self, task: Task, feasible: int) -> str:
+        if feasible == 0 and not len(self.graph.devices):
+            return "no devices known yet"
+        if feasible == 0:
+            counts = self.graph.exclusion_counts(task.spec)
+            ruled_out = ", ".join(f"{constraint} {n}" for constraint, n in counts.most_common())
+            return f"no feasible device ({counts.total()} ruled out by {ruled_out})"
+        return f"needs {task.gang_size} devices at once, {feasible} feasible now"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from daemon.errors import InvalidEventError, UnknownTaskError
@@ -65,7 +66,7 @@ def test_a_gang_is_placed_all_or_nothing_on_distinct_devices() -> None:
     assert too_big.pending is not None
     assert "needs 4 devices" in too_big.pending.reason or "no feasible" in too_big.pending.reason
     # Nothing was reserved for the refused gang.
-    assert all(len(d.task_ids) <= 1 for d in scheduler.graph.devices.values())
+    assert scheduler.graph.devices.n_tasks.max() <= 1
 
 
 def test_a_pending_task_is_placed_once_capacity_frees_up() -> None:
@@ -109,7 +110,7 @@ def test_dry_run_changes_nothing() -> None:
     assert decision.placement.sequence == 0
     assert "probe" not in scheduler.graph.tasks
     assert len(scheduler.ledger) == 0
-    assert all(d.reserved_gb == 0 for d in scheduler.graph.devices.values())
+    assert not scheduler.graph.devices.reserved_gb.any()
 
 
 def test_a_replayed_submission_binds_to_its_ledger_placement_instead_of_placing_again() -> None:
@@ -126,7 +127,7 @@ def test_a_replayed_submission_binds_to_its_ledger_placement_instead_of_placing_
         restarted.apply_telemetry(event)
     assert restarted.schedule_pending() == []
     assert len(ledger) == 1
-    assert restarted.graph.devices[placement.device_ids[0]].reserved_gb == 8
+    assert restarted.graph.devices.reserved_gb[restarted.graph.devices.index[placement.device_ids[0]]] == 8
 
 
 def test_replaying_the_same_events_twice_changes_nothing() -> None:
@@ -161,11 +162,14 @@ def test_replaying_the_same_events_twice_changes_nothing() -> None:
 )
 def test_bad_telemetry_is_refused_and_changes_nothing(event: ev.TelemetryEvent, reason: str) -> None:
     scheduler = make_scheduler()
-    before = {d.id: (d.utilization, d.memory_gb) for d in scheduler.graph.devices.values()}
+    devices = scheduler.graph.devices
+    before = (devices.utilization.copy(), devices.memory_gb.copy(), dict(devices.index))
     with pytest.raises(InvalidEventError) as refused:
         scheduler.apply_telemetry(event)
     assert refused.value.reason == reason
-    assert {d.id: (d.utilization, d.memory_gb) for d in scheduler.graph.devices.values()} == before
+    after = (devices.utilization, devices.memory_gb, devices.index)
+    assert all(np.array_equal(a, b) for a, b in zip(before[:2], after[:2], strict=True))
+    assert after[2] == before[2]
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def test_agent_tasks_are_placed_started_and_finished_through_the_bus() -> None:
     states = [t.state for t in scheduler.graph.tasks.values()]
     assert len(states) == 10
     assert states.count(TaskState.FINISHED) == 10, states
-    assert all(d.reserved_gb == 0 for d in scheduler.graph.devices.values())
+    assert not scheduler.graph.devices.reserved_gb.any()
     assert len(bus.read_all(TOPICS.inventory)) == len(inventory_events("c"))
 
 

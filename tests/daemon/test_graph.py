@@ -1,0 +1,204 @@
+"""The struct-of-arrays graph: row reuse, growth, placeholders, removals, and a reference model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.errors import InvalidEventError
+from daemon.graph import DeviceTable, InfraGraph, TaskState
+from hlb.v1 import events_pb2 as ev
+
+GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU
+
+
+def upsert(device_id: str, host: str, kind: int = GPU, model: str = "m", memory_gb: float = 32) -> ev.TelemetryEvent:
+    spec = ev.Device(id=device_id, host_id=host, kind=kind, model=model, memory_gb=memory_gb)  # type: ignore[arg-type]
+    return ev.TelemetryEvent(device_upsert=spec)
+
+
+def test_rows_are_reused_after_removal_and_growth_keeps_values() -> None:
+    table = DeviceTable(capacity=2)
+    rows = [table.add(f"d{i}") for i in range(5)]
+    assert rows == [0, 1, 2, 3, 4]
+    assert table.capacity >= 5
+    table.memory_gb[rows] = [10, 11, 12, 13, 14]
+    assert table.remove("d1") == 1
+    assert table.memory_gb[1] == 0.0  # reset to the default
+    assert table.add("new") == 1
+    assert list(table.memory_gb[[0, 2, 3, 4]]) == [10, 12, 13, 14]
+    assert list(table.live_rows()) == [0, 1, 2, 3, 4]
+    assert table.remove("ghost") is None
+    assert len(table) == 5
+
+
+def test_a_device_before_its_host_gets_a_placeholder_that_the_upsert_fills() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(upsert("d0", "h0"))
+    host = graph.hosts.row("h0")
+    assert host is not None
+    assert graph.hosts.placeholder[host]
+    graph.apply_telemetry(ev.TelemetryEvent(host_upsert=ev.Host(id="h0", rack_id="r0", cpu_cores=64)))
+    assert graph.hosts.row("h0") == host
+    assert not graph.hosts.placeholder[host]
+    assert graph.hosts.rack[host] == graph.switches.row("r0")
+    assert graph.hosts.n_devices[host] == 1
+
+
+def test_removing_a_host_removes_its_devices_and_links() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(ev.TelemetryEvent(switch_upsert=ev.Switch(id="r0")))
+    graph.apply_telemetry(ev.TelemetryEvent(host_upsert=ev.Host(id="h0", rack_id="r0")))
+    for i in range(3):
+        graph.apply_telemetry(upsert(f"d{i}", "h0"))
+    graph.apply_telemetry(upsert("other", "h1"))
+    link = ev.Link(id="l0", src_id="d0", dst_id="h0", kind=ev.LINK_KIND_PCIE, bandwidth_gbps=32)
+    graph.apply_telemetry(ev.TelemetryEvent(link_upsert=link))
+    graph.apply_telemetry(ev.TelemetryEvent(host_removed=ev.EntityRef(id="h0")))
+    assert set(graph.devices.index) == {"other"}
+    assert len(graph.links) == 0
+    assert "h0" not in graph.hosts
+    r0 = graph.switches.row("r0")
+    assert r0 is not None
+    assert graph.switches.n_children[r0] == 0
+
+
+def test_moving_a_device_to_another_host_updates_both_counts() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(ev.TelemetryEvent(host_upsert=ev.Host(id="h0")))
+    graph.apply_telemetry(upsert("d0", "h0"))
+    graph.apply_telemetry(upsert("d0", "h1"))
+    h0, h1 = graph.hosts.row("h0"), graph.hosts.row("h1")
+    assert h0 is not None
+    assert h1 is not None
+    assert (graph.hosts.n_devices[h0], graph.hosts.n_devices[h1]) == (0, 1)
+    assert graph.devices.host[graph.devices.index["d0"]] == h1
+
+
+def test_a_link_to_an_unknown_endpoint_and_a_switch_cycle_are_refused_and_change_nothing() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(upsert("d0", "h0"))
+    with pytest.raises(InvalidEventError) as refused:
+        graph.apply_telemetry(ev.TelemetryEvent(link_upsert=ev.Link(id="l", src_id="d0", dst_id="nowhere")))
+    assert refused.value.reason == "unknown_id"
+    assert len(graph.links) == 0
+    graph.apply_telemetry(ev.TelemetryEvent(switch_upsert=ev.Switch(id="top")))
+    graph.apply_telemetry(ev.TelemetryEvent(switch_upsert=ev.Switch(id="rack", parent_id="top")))
+    with pytest.raises(InvalidEventError) as cycle:
+        graph.apply_telemetry(ev.TelemetryEvent(switch_upsert=ev.Switch(id="top", parent_id="rack")))
+    assert cycle.value.reason == "cycle"
+    top = graph.switches.row("top")
+    assert top is not None
+    assert graph.switches.parent[top] == -1
+
+
+def test_metrics_batches_apply_vectorized_with_event_time_and_keep_health_when_unspecified() -> None:
+    graph = InfraGraph()
+    for i in range(4):
+        graph.apply_telemetry(upsert(f"d{i}", "h0"))
+    failed = ev.DeviceMetrics(device_id="d3", utilization=0.2, health=ev.HEALTH_FAILED)
+    batch = ev.MetricsBatch(devices=[ev.DeviceMetrics(device_id="d1", utilization=0.5, memory_used_gb=8), failed])
+    graph.apply_telemetry(ev.TelemetryEvent(event_time_ms=1234, metrics_batch=batch))
+    graph.apply_telemetry(ev.TelemetryEvent(device_metrics=ev.DeviceMetrics(device_id="d3", utilization=0.1)))
+    d = graph.devices
+    assert list(d.utilization[:4]) == [0.0, 0.5, 0.0, 0.1]
+    assert d.metrics_ms[1] == 1234
+    assert d.health[3] == ev.HEALTH_FAILED
+    assert graph.newest_telemetry_ms == 1234
+    assert list(graph.feasible_rows(ev.TaskSpec(id="t", memory_per_device_gb=30))) == [0, 2]
+
+
+def test_finished_tasks_leave_the_task_table_and_free_their_devices() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(upsert("d0", "h0"))
+    task = graph.add_task(ev.TaskSpec(id="t", memory_per_device_gb=4), "c")
+    graph.bind(task, [0])
+    assert graph.task_table.state[task.row] == TaskState.PLACED
+    assert graph.tasks_on_device(0) == {"t"}
+    graph.release(task, TaskState.FINISHED)
+    assert task.row == -1
+    assert len(graph.task_table) == 0
+    assert graph.devices.n_tasks[0] == 0
+    assert graph.devices.reserved_gb[0] == 0
+
+
+# -- a reference model: random inventory and metrics, compared with plain dictionaries ---------
+
+HOSTS = ["h0", "h1", "h2"]
+DEVICES = [f"d{i}" for i in range(12)]
+MODELS = [("a", GPU, 16.0), ("b", GPU, 80.0), ("t", TPU, 32.0)]
+
+operation = st.one_of(
+    st.tuples(st.just("upsert"), st.sampled_from(DEVICES), st.sampled_from(HOSTS), st.integers(0, 2)),
+    st.tuples(st.just("remove"), st.sampled_from(DEVICES)),
+    st.tuples(st.just("remove_host"), st.sampled_from(HOSTS)),
+    st.tuples(
+        st.just("metrics"),
+        st.sampled_from(DEVICES),
+        st.floats(0, 1),
+        st.floats(0, 16),
+        st.sampled_from([ev.HEALTH_UNSPECIFIED, ev.HEALTH_HEALTHY, ev.HEALTH_FAILED]),
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(operation, max_size=60), st.floats(0, 90), st.sampled_from([(), (GPU,), (TPU,)]))
+def test_the_graph_matches_a_dictionary_model(
+    operations: list[tuple[object, ...]], need_gb: float, kinds: tuple[int, ...]
+) -> None:
+    graph = InfraGraph()
+    model: dict[str, dict[str, object]] = {}
+    for op in operations:
+        if op[0] == "upsert":
+            _, device_id, host, m = op
+            name, kind, memory = MODELS[int(m)]  # type: ignore[call-overload]
+            graph.apply_telemetry(upsert(str(device_id), str(host), kind, name, memory))
+            entry = model.setdefault(str(device_id), {"util": 0.0, "used": 0.0, "health": ev.HEALTH_HEALTHY})
+            entry.update(host=host, kind=kind, model=name, memory=memory)
+        elif op[0] == "remove":
+            graph.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id=str(op[1]))))
+            model.pop(str(op[1]), None)
+        elif op[0] == "remove_host":
+            graph.apply_telemetry(ev.TelemetryEvent(host_removed=ev.EntityRef(id=str(op[1]))))
+            model = {k: v for k, v in model.items() if v["host"] != op[1]}
+        else:
+            _, device_id, util, used, health = op
+            metrics = ev.DeviceMetrics(device_id=str(device_id), utilization=util, memory_used_gb=used, health=health)  # type: ignore[arg-type]
+            entry_or_none = model.get(str(device_id))
+            if entry_or_none is None or float(used) > float(entry_or_none["memory"]):  # type: ignore[arg-type]
+                with pytest.raises(InvalidEventError):
+                    graph.apply_telemetry(ev.TelemetryEvent(device_metrics=metrics))
+                continue
+            graph.apply_telemetry(ev.TelemetryEvent(device_metrics=metrics))
+            entry_or_none.update(util=util, used=used)
+            if health != ev.HEALTH_UNSPECIFIED:
+                entry_or_none["health"] = health
+
+    d = graph.devices
+    assert set(d.index) == set(model)
+    for device_id, entry in model.items():
+        row = d.index[device_id]
+        assert graph.hosts.ids[d.host[row]] == entry["host"]
+        assert graph.model_of(row) == entry["model"]
+        assert (d.kind[row], d.memory_gb[row], d.utilization[row]) == (entry["kind"], entry["memory"], entry["util"])
+    for host_id in {str(e["host"]) for e in model.values()}:
+        host_row = graph.hosts.row(host_id)
+        assert host_row is not None
+        assert graph.hosts.n_devices[host_row] == sum(1 for e in model.values() if e["host"] == host_id)
+    assert len(graph.hosts) == len({e["host"] for e in model.values()})  # placeholders go with their devices
+
+    spec = ev.TaskSpec(id="probe", memory_per_device_gb=need_gb, allowed_kinds=kinds)  # type: ignore[arg-type]
+    expected = {
+        device_id
+        for device_id, e in model.items()
+        if e["health"] != ev.HEALTH_FAILED
+        and (not kinds or e["kind"] in kinds)
+        and float(e["memory"]) - float(e["used"]) >= need_gb  # type: ignore[arg-type]
+    }
+    feasible = graph.feasible_rows(spec)
+    assert {d.ids[r] for r in feasible} == expected
+    assert np.all(np.diff(feasible) > 0)
+    assert graph.exclusion_counts(spec).total() == len(model) - len(expected)
