@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NoReturn
 
 import grpc
@@ -21,9 +21,11 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from daemon.config import TlsSettings
 from daemon.errors import InvalidEventError, UnknownTaskError
 from daemon.graph import TaskState
 from daemon.scheduler import Decision, Scheduler
+from daemon.tls import server_credentials
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -166,23 +168,42 @@ def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState
 
 
 class GrpcServer:
-    """The aio server with the Scheduler, health and (optionally) reflection services."""
+    """The aio server with the Scheduler, health and (optionally) reflection services.
 
-    def __init__(self, service: SchedulerService, listen: str, max_message_bytes: int, reflect: bool) -> None:
+    ``tls`` with a certificate makes the port TLS-only (mutual TLS when it requires client
+    certificates); without it the port is plaintext. ``interceptors`` run outermost first.
+    Raises ``ConfigError`` for unusable TLS files and ``OSError`` when ``listen`` cannot be bound.
+    """
+
+    def __init__(
+        self,
+        service: SchedulerService,
+        listen: str,
+        max_message_bytes: int,
+        reflect: bool,
+        *,
+        tls: TlsSettings | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),  # type: ignore[type-arg]
+    ) -> None:
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
+            interceptors=list(interceptors),
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         api_grpc.add_SchedulerServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflect:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        self.tls = tls is not None and tls.enabled
+        if tls is not None and tls.enabled:
+            self.port = self.server.add_secure_port(listen, server_credentials(tls))
+        else:
+            self.port = self.server.add_insecure_port(listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen}")
 

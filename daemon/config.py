@@ -12,7 +12,16 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FilePath,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -52,10 +61,41 @@ class KafkaSettings(_Section):
     @classmethod
     def _has_host_port(cls, value: str) -> str:
         for server in value.split(","):
-            host, _, port = server.strip().rpartition(":")
-            if not host or not port.isdigit():
+            if not _is_host_port(server.strip()):
                 raise ValueError(f"expected host:port[,host:port...], got {value!r}")
         return value
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
+class TlsSettings(_Section):
+    """gRPC server TLS: off unless ``cert_file`` and ``key_file`` are set; mutual TLS with a client CA.
+
+    Files are PEM. Under systemd, deliver them with ``LoadCredential=`` and name them here as
+    ``/run/credentials/hlb.service/<name>``; the dynamic user cannot read /etc/hlb/tls itself.
+    """
+
+    cert_file: FilePath | None = None  # server certificate chain
+    key_file: FilePath | None = None  # its private key
+    client_ca_file: FilePath | None = None  # CA bundle that client certificates must chain to
+    require_client_cert: bool = False  # mutual TLS: refuse clients without a valid certificate
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TlsSettings:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file must be set together")
+        if self.cert_file is None and (self.client_ca_file is not None or self.require_client_cert):
+            raise ValueError("client_ca_file and require_client_cert need cert_file and key_file")
+        if self.require_client_cert and self.client_ca_file is None:
+            raise ValueError("require_client_cert needs client_ca_file to check client certificates against")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
 
 
 class GrpcSettings(_Section):
@@ -63,6 +103,26 @@ class GrpcSettings(_Section):
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     reflection: bool = True
     grace_s: float = Field(5.0, ge=0)
+    tls: TlsSettings = TlsSettings()
+    # Requests per second the whole server accepts (a token bucket); 0 means no limit.
+    max_requests_per_s: float = Field(0.0, ge=0)
+    # Requests that may arrive at once after a quiet spell; 0 means one second's worth.
+    request_burst: int = Field(0, ge=0)
+
+
+class MetricsSettings(_Section):
+    """The Prometheus endpoint (``/metrics`` over HTTP)."""
+
+    listen: str = ""  # host:port, e.g. 127.0.0.1:9464; empty: no endpoint
+    # How often consumer lag is read from the broker (committed offsets against high watermarks).
+    lag_interval_s: float = Field(10.0, gt=0, le=3600)
+
+    @field_validator("listen")
+    @classmethod
+    def _empty_or_host_port(cls, value: str) -> str:
+        if value and not _is_host_port(value):
+            raise ValueError(f"expected host:port or empty, got {value!r}")
+        return value
 
 
 class SchedulerSettings(_Section):
@@ -92,6 +152,7 @@ class Settings(BaseSettings):
     grpc: GrpcSettings = GrpcSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     log: LogSettings = LogSettings()
+    metrics: MetricsSettings = MetricsSettings()
 
     _yaml_file: ClassVar[Path | None] = None
 
@@ -140,6 +201,13 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
     lines = [f"{where}: {exc.error_count()} invalid value(s)"]
     for error in exc.errors():
         key = ".".join(str(part) for part in error["loc"]) or "(top level)"
-        shown = "<secret>" if "client_config" in key else repr(error.get("input"))
+        value = error.get("input")
+        # A whole section (a model validator's error) may hold secrets: name its type only.
+        if "client_config" in key:
+            shown = "<secret>"
+        elif isinstance(value, dict | list):
+            shown = f"a {type(value).__name__}"
+        else:
+            shown = repr(value)
         lines.append(f"  {key}: {error['msg']} (got {shown}; env HLB_{key.upper().replace('.', '__')})")
     return "\n".join(lines)

@@ -1,9 +1,18 @@
-"""``hlb serve``: the daemon, wired from its parts.
+"""``hlb serve``: the daemon, wired from its parts, and its life as a service.
 
-Start-up order: restore the placement ledger from its topic, start ingest on its own thread,
-start the gRPC server, then report SERVING. Shutdown (SIGTERM, SIGINT) runs the other way: stop
-taking requests, let in-flight RPCs finish within the grace period, stop ingest (which stores
-and commits offsets), and flush what is still queued for the bus.
+Start-up: check the gRPC listener and its TLS files, restore the placement ledger from its
+topic, start ingest on its own thread, start the gRPC server and the metrics endpoint, then
+report SERVING (health) and READY=1 (systemd).
+
+SIGTERM or SIGINT, in this order: STOPPING=1 and health NOT_SERVING; the gRPC server refuses new
+RPCs and gives in-flight ones ``grpc.grace_s``; ingest stops, which stores and commits the
+offsets of everything applied; ``Daemon.on_shutdown_snapshot`` runs (the snapshot seam); the
+producer flushes what is still queued; the metrics endpoint closes last. Exit code 0.
+
+SIGHUP re-reads the config file with the one loader. Keys with a reloader (``Daemon.reloaders``:
+log level and format, the scheduler section, the request-rate limit) take effect at once; every
+other changed key is logged by name as needing a restart and keeps its running value. A config
+that no longer loads is logged and the running one kept.
 """
 
 from __future__ import annotations
@@ -14,25 +23,35 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
+from pydantic import BaseModel
 
-from daemon.api import GrpcServer, SchedulerService
-from daemon.bus import EventBus, MemoryBus
+from daemon.api import GrpcServer, SchedulerService, cluster_state
+from daemon.bus import EventBus, MemoryBus, Publisher
 from daemon.codec import decode
 from daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
 from daemon.errors import BrokerError, ConfigError, EventError
 from daemon.graph import InfraGraph
-from daemon.ingest import Ingestor, IngestThread
+from daemon.ingest import Ingestor, IngestStats, IngestThread
+from daemon.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
 from daemon.ledger import PlacementLedger
 from daemon.logs import configure_logging
+from daemon.metrics import DaemonMetrics, MetricsServer, RpcMetricsInterceptor, StateSample, start_metrics_server
 from daemon.policy import make_policy
+from daemon.ratelimit import RateLimitInterceptor, TokenBucket, default_burst
 from daemon.scheduler import Clock, Scheduler
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
+
+# Applies the reloadable part of new settings; raises to refuse them (the old values stay).
+Reloader = Callable[[Settings], None]
 
 
 def make_bus(settings: Settings) -> EventBus:
@@ -43,13 +62,41 @@ def make_bus(settings: Settings) -> EventBus:
     return KafkaBus(settings.kafka)
 
 
-class Daemon:
-    """One hlb instance: graph, scheduler, ingest thread and gRPC server around one lock."""
+@dataclass(frozen=True)
+class ReloadResult:
+    """What a reload did, by dotted key (``log.level``). Values are never listed: they may be secrets."""
 
-    def __init__(self, settings: Settings, bus: EventBus, clock: Clock = time.time) -> None:
+    applied: tuple[str, ...] = ()
+    needs_restart: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    error: str | None = None  # the new config did not load; nothing changed
+
+
+class Daemon:
+    """One hlb instance: graph, scheduler, ingest thread and gRPC server around one lock.
+
+    Seams for the parts that plug in here:
+
+    - ``on_shutdown_snapshot``: called once on shutdown, after ingest has stopped and before
+      the producer is flushed; a no-op until snapshots exist. An exception is logged and makes
+      the exit code 1.
+    - ``reloaders``: dotted-key prefix (``"scheduler."``) or exact key -> ``Reloader``. A model
+      loader registers ``"model."`` here; a changed key without a reloader needs a restart.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        clock: Clock = time.time,
+        *,
+        config_path: Path | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.bus = bus
         self.clock = clock
+        self.config_path = config_path
         self.lock = threading.RLock()
         self.ledger = PlacementLedger()
         self.scheduler = Scheduler(
@@ -58,12 +105,31 @@ class Daemon:
         self.publisher = bus.publisher()
         self.ready = asyncio.Event()
         self.port = 0
+        self.metrics_port = 0
         self.notifier = SystemdNotifier()
+        self.metrics = DaemonMetrics()
+        self.serving = False
+        self.on_shutdown_snapshot: Callable[[], None] = lambda: None
+        self.reloaders: dict[str, Reloader] = {
+            "log.": self._reload_logging,
+            "scheduler.": self._reload_scheduler,
+            "grpc.max_requests_per_s": self._reload_rate_limit,
+            "grpc.request_burst": self._reload_rate_limit,
+        }
+        self.rate_limit = RateLimitInterceptor(_bucket(settings, monotonic), self.metrics.count_rate_limited)
+        self._monotonic = monotonic
+        self._ingestor: Ingestor | None = None
+        self._lag: Lag = {}
+        self._reload_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- the seams the publisher and ledger are observed through ----------------------------
 
     def _publish_placement(self, placement: ev.Placement) -> None:
         self.publisher.publish(
             self.settings.kafka.topics.placements, placement.cell.encode(), placement.SerializeToString()
         )
+        self.metrics.placements.labels(policy=placement.policy).inc()
 
     def _publish_submitted(self, spec: ev.TaskSpec) -> None:
         event = ev.TaskEvent(cell=self.settings.cell, event_time_ms=int(self.clock() * 1000), submitted=spec)
@@ -84,9 +150,46 @@ class Daemon:
         newest = self.scheduler.graph.newest_telemetry_ms
         return -1.0 if newest == 0 else max(0.0, self.clock() * 1000 - newest)
 
+    def metrics_sample(self) -> StateSample:
+        """The daemon's observed values for ``/metrics``, read under the lock at one moment."""
+        with self.lock:
+            state = cluster_state(self.scheduler, self.staleness_ms())
+            stats = self._ingestor.stats if self._ingestor is not None else IngestStats()
+            applied, rejected = stats.applied, dict(stats.rejected)
+        return StateSample(
+            serving=self.serving,
+            devices=state.devices,
+            hosts=state.hosts,
+            pending_tasks=state.pending_tasks,
+            running_tasks=state.running_tasks,
+            last_sequence=state.last_sequence,
+            staleness_s=state.staleness_ms / 1000 if state.staleness_ms >= 0 else -1.0,
+            mean_utilization=state.mean_utilization,
+            policy=state.policy,
+            model_version=state.model_version,
+            events_applied=applied,
+            events_rejected=rejected,
+            consumer_lag=dict(self._lag),
+        )
+
+    # -- running -----------------------------------------------------------------------------
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set; raises if ingest fails."""
+        """Serve until ``stop`` is set, then shut down in order. Raises if start-up or ingest fails."""
         topics = self.settings.kafka.topics
+        grpc_settings = self.settings.grpc
+        service = SchedulerService(self.scheduler, self.lock, self._publish_submitted)
+        service.staleness_ms = self.staleness_ms
+        # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
+        server = GrpcServer(
+            service,
+            grpc_settings.listen,
+            grpc_settings.max_message_bytes,
+            grpc_settings.reflection,
+            tls=grpc_settings.tls,
+            interceptors=[self.rate_limit, RpcMetricsInterceptor(self.metrics, lambda: self.scheduler.policy.name)],
+        )
+        self.port = server.port
         await asyncio.to_thread(
             self.bus.ensure_topics, [topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory]
         )
@@ -94,39 +197,252 @@ class Daemon:
         log.info("ledger restored", placements=restored, last_sequence=self.ledger.last_sequence)
         self.ledger.subscribe(self._publish_placement)
 
-        source = self.bus.source([topics.telemetry, topics.tasks], self.settings.kafka.group_id)
-        ingestor = Ingestor(
-            source, self.publisher, self.scheduler, self.lock, topics, self.settings.kafka.max_event_bytes
+        inputs = [topics.telemetry, topics.tasks]
+        source = self.bus.source(inputs, self.settings.kafka.group_id)
+        dead_letters = CountingPublisher(self.publisher, topics.dlq, self.metrics)
+        self._ingestor = Ingestor(
+            source, dead_letters, self.scheduler, self.lock, topics, self.settings.kafka.max_event_bytes
         )
-        self.ingest = IngestThread(ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
-        service = SchedulerService(self.scheduler, self.lock, self._publish_submitted)
-        service.staleness_ms = self.staleness_ms
-        grpc_settings = self.settings.grpc
-        server = GrpcServer(service, grpc_settings.listen, grpc_settings.max_message_bytes, grpc_settings.reflection)
-        self.port = server.port
-        await server.start()
-        self.ingest.start()
-        await server.set_serving()
-        self.ready.set()
-        log.info("serving", listen=grpc_settings.listen, port=server.port, bus=self.settings.bus)
-        self.notifier.ready(f"serving on {grpc_settings.listen}, ledger at sequence {self.ledger.last_sequence}")
+        ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
+        self.ingest = ingest
+        metrics_server: MetricsServer | None = None
+        try:
+            await server.start()
+            ingest.start()
+            metrics_server = self._start_metrics(inputs)
+            await server.set_serving()
+            self.serving = True
+            self.ready.set()
+            log.info(
+                "serving",
+                listen=grpc_settings.listen,
+                port=server.port,
+                tls=server.tls,
+                metrics_port=self.metrics_port or None,
+                bus=self.settings.bus,
+            )
+            self.notifier.ready(self._status_line())
+            await self._serve_until(stop, ingest)
+        finally:
+            await self._shutdown(server, ingest, metrics_server)
+        if ingest.failure is not None:
+            raise RuntimeError("ingest failed") from ingest.failure
+
+    async def _serve_until(self, stop: asyncio.Event, ingest: IngestThread) -> None:
         pinger = WatchdogPinger(self.notifier)
         stopped = asyncio.ensure_future(stop.wait())
         try:
-            while not stopped.done() and self.ingest.is_alive():
+            while not stopped.done() and ingest.is_alive():
                 # The watchdog is fed from this loop, so a stuck event loop stops the pings.
-                pinger.tick(time.monotonic())
+                pinger.tick(self._monotonic())
                 await asyncio.wait([stopped], timeout=min(1.0, pinger.interval_s or 1.0))
         finally:
             stopped.cancel()
-            self.notifier.stopping("finishing in-flight requests")
-            log.info("stopping")
-            await server.stop(grpc_settings.grace_s)
-            await asyncio.to_thread(self.ingest.stop)
-            undelivered = await asyncio.to_thread(self.publisher.flush, 10.0)
-            log.info("stopped", undelivered=undelivered, applied=ingestor.stats.applied)
-        if self.ingest.failure is not None:
-            raise RuntimeError("ingest failed") from self.ingest.failure
+
+    async def _shutdown(self, server: GrpcServer, ingest: IngestThread, metrics_server: MetricsServer | None) -> None:
+        self.serving = False
+        self.notifier.stopping("finishing in-flight requests")
+        log.info("stopping", grace_s=self.settings.grpc.grace_s)
+        await server.stop(self.settings.grpc.grace_s)  # health NOT_SERVING first, then refuse new RPCs
+        self.notifier.status("storing offsets")
+        if ingest.ident is not None:  # started
+            await asyncio.to_thread(ingest.stop)  # the source's close() commits the stored offsets
+        self.notifier.status("writing snapshot")
+        snapshot_error: BaseException | None = None
+        try:
+            await asyncio.to_thread(self.on_shutdown_snapshot)
+        except Exception as exc:
+            snapshot_error = exc
+            log.exception("snapshot failed")
+        undelivered = await asyncio.to_thread(self.publisher.flush, 10.0)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.stop)
+        applied = self._ingestor.stats.applied if self._ingestor is not None else 0
+        log.info("stopped", undelivered=undelivered, applied=applied)
+        if snapshot_error is not None:
+            raise RuntimeError("the shutdown snapshot failed") from snapshot_error
+
+    def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
+        self.metrics.observe(self.metrics_sample)
+        metrics_server = start_metrics_server(self.metrics, self.settings.metrics.listen)
+        if metrics_server is None:
+            return None
+        self.metrics_port = metrics_server.port
+        probe = self._lag_probe(inputs)
+        if probe is not None:
+            self._spawn(self._watch_lag(probe, self.settings.metrics.lag_interval_s))
+        return metrics_server
+
+    def _lag_probe(self, inputs: Sequence[str]) -> LagProbe | None:
+        if isinstance(self.bus, MemoryBus):
+            return MemoryLagProbe(self.bus, inputs, self.settings.kafka.group_id)
+        if self.settings.bus == "kafka":
+            return KafkaLagProbe(self.settings.kafka, inputs, self.settings.kafka.group_id)
+        return None
+
+    async def _watch_lag(self, probe: LagProbe, interval_s: float) -> None:
+        failing = False
+        try:
+            while True:
+                try:
+                    self._lag = await asyncio.to_thread(probe.read)
+                except Exception as exc:  # the broker is away: keep the last figures, say so once
+                    if not failing:
+                        log.warning("consumer lag unavailable", error=str(exc))
+                    failing = True
+                else:
+                    failing = False
+                await asyncio.sleep(interval_s)
+        finally:
+            probe.close()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _status_line(self) -> str:
+        return f"serving on {self.settings.grpc.listen}, ledger at sequence {self.ledger.last_sequence}"
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def request_reload(self) -> None:
+        """Schedule a reload on the running loop (the SIGHUP handler)."""
+        self._spawn(self.reload())
+
+    async def reload(self) -> ReloadResult:
+        """Re-read the config file and apply what can change while running; see the module docstring."""
+        async with self._reload_lock:
+            self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+            try:
+                result = await self._reload()
+            finally:
+                self.notifier.ready(self._status_line())
+            return result
+
+    async def _reload(self) -> ReloadResult:
+        try:
+            new = await asyncio.to_thread(load_settings, self.config_path)
+        except ConfigError as exc:
+            log.error("reload refused: the config does not load; the running config is kept", error=str(exc))
+            self.metrics.reloads.labels(result="invalid").inc()
+            return ReloadResult(error=str(exc))
+        old = self.settings
+        changed = changed_keys(old, new)
+        by_reloader: dict[Reloader, list[str]] = {}
+        needs_restart: list[str] = []
+        for key in changed:
+            reloader = self._reloader_for(key)
+            if reloader is None:
+                needs_restart.append(key)
+            else:
+                by_reloader.setdefault(reloader, []).append(key)
+        applied: list[str] = []
+        failed: list[str] = []
+        effective = old
+        for reloader, keys in by_reloader.items():
+            try:
+                reloader(new)
+            except Exception as exc:
+                log.error("reload of some keys failed; their running values are kept", keys=keys, error=str(exc))
+                failed += keys
+            else:
+                applied += keys
+                for key in keys:
+                    effective = replace_key(effective, key, _get_key(new, key))
+        self.settings = effective
+        if needs_restart:
+            log.warning("changed keys cannot be reloaded; restart to apply them", keys=needs_restart)
+        log.info("reloaded", applied=applied, needs_restart=needs_restart, failed=failed)
+        outcome = "unchanged" if not changed else "partial" if needs_restart or failed else "applied"
+        self.metrics.reloads.labels(result=outcome).inc()
+        return ReloadResult(tuple(applied), tuple(needs_restart), tuple(failed))
+
+    def _reloader_for(self, key: str) -> Reloader | None:
+        matches = [p for p in self.reloaders if key == p or (p.endswith(".") and key.startswith(p))]
+        return self.reloaders[max(matches, key=len)] if matches else None
+
+    def _reload_logging(self, new: Settings) -> None:
+        configure_logging(new.log.level, new.log.format)
+
+    def _reload_scheduler(self, new: Settings) -> None:
+        policy = make_policy(new.scheduler.policy)
+        with self.lock:
+            self.scheduler.policy = policy
+
+    def _reload_rate_limit(self, new: Settings) -> None:
+        bucket = self.rate_limit.bucket
+        rate, burst = new.grpc.max_requests_per_s, new.grpc.request_burst
+        if rate <= 0:
+            self.rate_limit.bucket = None
+        elif bucket is None:
+            self.rate_limit.bucket = _bucket(new, self._monotonic)
+        else:
+            bucket.configure(rate, default_burst(rate, burst))
+
+
+class CountingPublisher:
+    """The ingest path's publisher: passes everything on and counts what goes to the dead-letter topic."""
+
+    def __init__(self, inner: Publisher, dlq_topic: str, metrics: DaemonMetrics) -> None:
+        self._inner = inner
+        self._dlq_topic = dlq_topic
+        self._metrics = metrics
+
+    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
+        self._inner.publish(topic, key, value, headers)
+        if topic == self._dlq_topic:
+            source = dict(headers).get("hlb.source.topic", b"").decode("utf-8", "replace")
+            self._metrics.dead_letters.labels(topic=source).inc()
+
+    def flush(self, timeout_s: float) -> int:
+        return self._inner.flush(timeout_s)
+
+
+def _bucket(settings: Settings, clock: Callable[[], float]) -> TokenBucket | None:
+    rate = settings.grpc.max_requests_per_s
+    return TokenBucket(rate, default_burst(rate, settings.grpc.request_burst), clock) if rate > 0 else None
+
+
+# -- settings as dotted keys ---------------------------------------------------------------------
+
+
+def flatten(model: BaseModel, prefix: str = "") -> dict[str, object]:
+    """Leaf values of ``model`` by dotted key (``grpc.tls.cert_file``); dicts are leaves."""
+    leaves: dict[str, object] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            leaves.update(flatten(value, f"{prefix}{name}."))
+        else:
+            leaves[f"{prefix}{name}"] = value
+    return leaves
+
+
+def changed_keys(old: Settings, new: Settings) -> list[str]:
+    """Dotted keys whose values differ (secrets compare by value, and are never returned)."""
+    before, after = flatten(old), flatten(new)
+    return [key for key in after if before.get(key) != after[key]]
+
+
+def replace_key(model: Any, key: str, value: object) -> Any:
+    """A copy of frozen ``model`` with the dotted ``key`` set to ``value``."""
+    head, _, rest = key.partition(".")
+    if not rest:
+        return model.model_copy(update={head: value})
+    return model.model_copy(update={head: replace_key(getattr(model, head), rest, value)})
+
+
+def _get_key(model: Any, key: str) -> object:
+    for part in key.split("."):
+        model = getattr(model, part)
+    return model
+
+
+# -- the command ---------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,20 +463,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"hlb: {exc}", file=sys.stderr)
         return EX_CONFIG
     configure_logging(settings.log.level, settings.log.format)
-    return asyncio.run(_serve(settings))
+    return asyncio.run(_serve(settings, path))
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, config_path: Path | None) -> int:
     stop = asyncio.Event()
+    daemon = Daemon(settings, make_bus(settings), config_path=config_path)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    # Without a handler SIGHUP (systemctl reload) would end the process.
-    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("reload is not supported yet; restart to apply"))
-    daemon = Daemon(settings, make_bus(settings))
+    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     try:
         await daemon.run(stop)
+    except ConfigError as exc:
+        log.error("invalid configuration", error=str(exc))
+        return EX_CONFIG
     except BrokerError as exc:
+        log.error("daemon failed", error=str(exc))
+        return 1
+    except OSError as exc:
         log.error("daemon failed", error=str(exc))
         return 1
     except Exception:
