@@ -18,6 +18,8 @@ import grpc
 from google.protobuf import json_format
 
 from daemon.codec import to_json
+from daemon.errors import ConfigError
+from daemon.tls import channel_credentials
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50051", help="daemon gRPC address (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    tls = parser.add_argument_group("TLS (the daemon's grpc.tls settings)")
+    tls.add_argument("--tls", action="store_true", help="connect with TLS; implied by the other --tls-* options")
+    tls.add_argument("--tls-ca", type=Path, help="CA bundle to verify the daemon with (default: the system's roots)")
+    tls.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mutual TLS")
+    tls.add_argument("--tls-key", type=Path, help="private key (PEM) of --tls-cert")
+    tls.add_argument("--tls-server-name", help="name the daemon's certificate must carry (default: the target's host)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--file", type=Path, help="task spec as JSON (protobuf JSON mapping of hlb.v1.TaskSpec)")
     what.add_argument("--get", metavar="TASK_ID", help="show the placement of a task, or why it is pending")
@@ -66,8 +74,21 @@ def task_from_args(args: argparse.Namespace) -> ev.TaskSpec:
     )
 
 
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to ``--target``: TLS when any --tls option is given, plaintext otherwise."""
+    wants_tls = args.tls or any(v is not None for v in (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name))
+    if not wants_tls:
+        return grpc.insecure_channel(args.target)
+    try:
+        credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except ConfigError as exc:
+        raise SystemExit(f"hlb place: {exc}") from None
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.target, credentials, options=options)
+
+
 def run(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = api_grpc.SchedulerStub(channel)
         try:
             if args.watch:

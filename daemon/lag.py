@@ -51,6 +51,7 @@ class KafkaLagProbe:
     """
 
     def __init__(self, settings: KafkaSettings, topics: Sequence[str], group_id: str) -> None:
+        import structlog
         from confluent_kafka import Consumer
 
         from daemon.kafka_bus import _client_config  # the one place client settings are assembled
@@ -59,7 +60,10 @@ class KafkaLagProbe:
         # read() runs on a worker thread; close() must wait for it rather than pull the client away.
         self._lock = threading.Lock()
         self._closed = False
-        self._consumer = Consumer({**_client_config(settings), "group.id": group_id, "enable.auto.commit": False})
+        self._consumer = Consumer(
+            {**_client_config(settings), "group.id": group_id, "enable.auto.commit": False},
+            logger=structlog.stdlib.get_logger("librdkafka"),
+        )
 
     def read(self) -> Lag:
         with self._lock:

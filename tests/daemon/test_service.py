@@ -1,15 +1,39 @@
-"""``hlb serve`` as systemd runs it: READY, then watchdog pings, then STOPPING and exit 0 on SIGTERM."""
+"""``hlb serve`` as a service: the notify protocol, the ordered shutdown and SIGHUP reload."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
+
+from daemon import service as service_module
+from daemon.api import GrpcServer, SchedulerService
+from daemon.bus import MemoryBus, MemorySource
+from daemon.config import Settings, load_settings
+from daemon.graph import InfraGraph
+from daemon.ledger import PlacementLedger
+from daemon.policy import make_policy
+from daemon.scheduler import Scheduler
+from daemon.service import Daemon, ReloadResult, changed_keys, replace_key
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+from sim.agent import inventory_events
 from sim.kafka_local import free_port
+from tests.daemon.background import BackgroundDaemon
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,3 +75,279 @@ def test_serve_speaks_the_notify_protocol_and_stops_cleanly_on_sigterm(tmp_path:
         sock.close()
     assert process.returncode == 0, output
     assert '"event": "stopped"' in output
+
+
+# -- shutdown, in process --------------------------------------------------------------------
+
+
+def _scheduler() -> Scheduler:
+    return Scheduler(InfraGraph(), make_policy("least-loaded"), PlacementLedger(), "default", lambda: 1.8e9)
+
+
+def test_stop_turns_health_to_not_serving_refuses_new_rpcs_and_finishes_in_flight_ones() -> None:
+    async def scenario() -> None:
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        class Gated(SchedulerService):
+            async def GetClusterState(  # noqa: N802 (the RPC name)
+                self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
+            ) -> api.ClusterState:
+                entered.set()
+                await release.wait()
+                return api.ClusterState(devices=7)
+
+        server = GrpcServer(Gated(_scheduler(), threading.RLock(), lambda _: None), "127.0.0.1:0", 1 << 20, False)
+        await server.start()
+        await server.set_serving()
+        target = f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            in_flight = asyncio.ensure_future(
+                api_grpc.SchedulerStub(channel).GetClusterState(api.GetClusterStateRequest(), timeout=60)
+            )
+            await entered.wait()
+            stopping = asyncio.ensure_future(server.stop(grace_s=60))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            assert await _refused_soon(target) == grpc.StatusCode.UNAVAILABLE
+            assert not in_flight.done()
+            release.set()
+            assert (await in_flight).devices == 7
+            await stopping
+
+    asyncio.run(scenario())
+
+
+async def _refused_soon(target: str, timeout_s: float = 30.0) -> grpc.StatusCode:
+    """The code a new RPC gets once the server has stopped accepting (GetPlacement answers at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with grpc.aio.insecure_channel(target) as fresh:
+            try:
+                await api_grpc.SchedulerStub(fresh).GetPlacement(api.GetPlacementRequest(task_id="x"), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: still accepted, not stopped yet
+                    return exc.code()
+        await asyncio.sleep(0.01)
+    raise AssertionError("the server kept accepting new RPCs")
+
+
+def test_an_rpc_still_running_when_the_grace_period_ends_is_cancelled() -> None:
+    async def scenario() -> None:
+        class Stuck(SchedulerService):
+            async def GetClusterState(  # noqa: N802 (the RPC name)
+                self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
+            ) -> api.ClusterState:
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+        server = GrpcServer(Stuck(_scheduler(), threading.RLock(), lambda _: None), "127.0.0.1:0", 1 << 20, False)
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = api_grpc.SchedulerStub(channel).GetClusterState(api.GetClusterStateRequest(), timeout=60)
+            in_flight = asyncio.ensure_future(call)
+            await asyncio.sleep(0.2)  # let the call reach the handler
+            await server.stop(grace_s=0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await in_flight
+        assert cut.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+    asyncio.run(scenario())
+
+
+class RecordingBus(MemoryBus):
+    """A MemoryBus that notes when the ingest source closes and when the producer is flushed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def source(self, topics: Sequence[str], group_id: str) -> MemorySource:
+        bus = self
+
+        class Source(MemorySource):
+            def close(self) -> None:
+                bus.events.append("source closed")
+
+        return Source(self, tuple(topics), group_id)
+
+    def flush(self, timeout_s: float) -> int:
+        self.events.append("flushed")
+        return 0
+
+
+def _memory_settings(**overrides: Any) -> Settings:
+    return load_settings(None, bus="memory", grpc={"listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0}, **overrides)
+
+
+def test_shutdown_stops_ingest_with_offsets_stored_then_snapshots_then_flushes() -> None:
+    settings = _memory_settings(kafka={"poll_timeout_s": 0.05})
+    bus = RecordingBus()
+    inventory = [e.SerializeToString() for e in inventory_events("default")]
+    for record in inventory:
+        bus.publish(settings.kafka.topics.telemetry, b"default", record)
+    seen_at_snapshot: dict[str, object] = {}
+    with BackgroundDaemon(settings, bus) as running:
+        daemon = running.daemon
+
+        def snapshot() -> None:
+            bus.events.append("snapshot")
+            seen_at_snapshot["ingest alive"] = daemon.ingest.is_alive()
+            seen_at_snapshot["committed"] = bus.committed(settings.kafka.group_id, settings.kafka.topics.telemetry)
+            seen_at_snapshot["serving"] = daemon.serving
+
+        daemon.on_shutdown_snapshot = snapshot
+        with grpc.insecure_channel(running.target) as channel:
+            stub = api_grpc.SchedulerStub(channel)
+            deadline = time.monotonic() + 30
+            while stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).devices == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        running.stop()
+    assert bus.events == ["source closed", "snapshot", "flushed"]
+    assert seen_at_snapshot == {"ingest alive": False, "committed": len(inventory), "serving": False}
+
+
+def test_a_failed_snapshot_is_reported_after_the_rest_of_the_shutdown() -> None:
+    bus = RecordingBus()
+    with BackgroundDaemon(_memory_settings(), bus) as running:
+
+        def broken() -> None:
+            raise OSError("disk full")
+
+        running.daemon.on_shutdown_snapshot = broken
+        with pytest.raises(RuntimeError, match="the shutdown snapshot failed"):
+            running.stop()
+    assert bus.events == ["source closed", "flushed"]
+
+
+# -- reload, in process ----------------------------------------------------------------------
+
+SECRET = "s3cr3t-sasl-pw"
+
+
+def _write_config(path: Path, **sections: object) -> Path:
+    path.write_text(yaml.safe_dump({"bus": "memory", **sections}))
+    return path
+
+
+@pytest.fixture
+def logging_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """configure_logging as the reloader calls it, recorded instead of reconfiguring the test process."""
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(service_module, "configure_logging", lambda level, fmt: calls.append((level, fmt)))
+    return calls
+
+
+def test_reload_applies_reloadable_keys_and_names_the_rest(
+    tmp_path: Path, logging_calls: list[tuple[str, str]]
+) -> None:
+    path = _write_config(
+        tmp_path / "config.yaml",
+        grpc={"listen": "127.0.0.1:50051"},
+        kafka={"client_config": {"sasl.password": SECRET}},
+    )
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    _write_config(
+        path,
+        grpc={"listen": "127.0.0.1:60000", "max_requests_per_s": 5.0},
+        kafka={"client_config": {"sasl.password": SECRET + "-rotated"}, "bootstrap_servers": "10.0.0.5:9092"},
+        log={"level": "debug"},
+    )
+    with capture_logs() as logs:
+        result = asyncio.run(daemon.reload())
+    assert set(result.applied) == {"log.level", "grpc.max_requests_per_s"}
+    assert set(result.needs_restart) == {"grpc.listen", "kafka.bootstrap_servers", "kafka.client_config"}
+    assert result.failed == ()
+    assert logging_calls == [("debug", "auto")]
+    assert daemon.rate_limit.bucket is not None
+    assert daemon.rate_limit.bucket.rate_per_s == 5.0
+    # The running settings take the applied keys only.
+    assert daemon.settings.log.level == "debug"
+    assert daemon.settings.grpc.max_requests_per_s == 5.0
+    assert daemon.settings.grpc.listen == "127.0.0.1:50051"
+    assert daemon.settings.kafka.bootstrap_servers == "127.0.0.1:9092"
+    assert daemon.settings.kafka.client_config["sasl.password"].get_secret_value() == SECRET
+    warning = next(entry for entry in logs if entry["log_level"] == "warning")
+    assert set(warning["keys"]) == set(result.needs_restart)
+    assert SECRET not in repr(logs)
+    assert daemon.metrics.registry.get_sample_value("hlb_config_reloads_total", {"result": "partial"}) == 1.0
+
+
+def test_reload_of_an_invalid_config_keeps_the_running_one(
+    tmp_path: Path, logging_calls: list[tuple[str, str]]
+) -> None:
+    path = _write_config(tmp_path / "config.yaml", log={"level": "warning"})
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    _write_config(path, log={"level": "debug"}, kafka={"batch_size": 0, "client_config": {"sasl.password": SECRET}})
+    with capture_logs() as logs:
+        result = asyncio.run(daemon.reload())
+    assert result.error is not None
+    assert "kafka.batch_size" in result.error
+    assert result.applied == ()
+    assert daemon.settings.log.level == "warning"
+    assert logging_calls == []
+    assert [entry["event"] for entry in logs] == [
+        "reload refused: the config does not load; the running config is kept"
+    ]
+    assert SECRET not in repr(logs)
+    path.unlink()
+    assert "not found" in (asyncio.run(daemon.reload()).error or "")
+
+
+def test_a_reloader_that_refuses_keeps_its_keys_old_values(tmp_path: Path) -> None:
+    path = _write_config(tmp_path / "config.yaml")
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+
+    def refuse(new: Settings) -> None:
+        raise ValueError("cannot switch log level today")
+
+    daemon.reloaders["log."] = refuse
+    _write_config(path, log={"level": "error"})
+    result = asyncio.run(daemon.reload())
+    assert result.failed == ("log.level",)
+    assert daemon.settings.log.level == "info"
+
+
+def test_an_unchanged_config_reloads_to_nothing(tmp_path: Path) -> None:
+    path = _write_config(tmp_path / "config.yaml")
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    assert asyncio.run(daemon.reload()) == ReloadResult()
+    assert daemon.metrics.registry.get_sample_value("hlb_config_reloads_total", {"result": "unchanged"}) == 1.0
+
+
+def test_the_most_specific_reloader_wins_and_a_section_reloader_covers_its_keys(tmp_path: Path) -> None:
+    path = _write_config(tmp_path / "config.yaml")
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    seen: list[str] = []
+    daemon.reloaders["grpc."] = lambda new: seen.append(new.grpc.listen)
+    _write_config(path, grpc={"listen": "127.0.0.1:60001", "max_requests_per_s": 3.0})
+    result = asyncio.run(daemon.reload())
+    assert set(result.applied) == {"grpc.listen", "grpc.max_requests_per_s"}
+    assert seen == ["127.0.0.1:60001"]  # grpc.max_requests_per_s went to its own reloader
+    assert daemon.rate_limit.bucket is not None
+    assert daemon.rate_limit.bucket.rate_per_s == 3.0
+
+
+def test_rate_limit_can_be_switched_on_and_off_by_reload(tmp_path: Path) -> None:
+    path = _write_config(tmp_path / "config.yaml")
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    bursts: list[int | None] = []
+    for grpc_section in [{}, {"max_requests_per_s": 10.0, "request_burst": 4}, {"max_requests_per_s": 0.0}]:
+        _write_config(path, grpc=grpc_section)
+        asyncio.run(daemon.reload())
+        bucket = daemon.rate_limit.bucket
+        bursts.append(None if bucket is None else bucket.burst)
+    assert bursts == [None, 4, None]
+
+
+def test_changed_keys_compare_secrets_by_value_and_replace_key_copies() -> None:
+    old = load_settings(None, kafka={"client_config": {"sasl.password": "a"}})
+    same = load_settings(None, kafka={"client_config": {"sasl.password": "a"}})
+    other = load_settings(None, kafka={"client_config": {"sasl.password": "b"}}, grpc={"tls": {}})
+    assert changed_keys(old, same) == []
+    assert changed_keys(old, other) == ["kafka.client_config"]
+    moved = replace_key(old, "grpc.listen", "0.0.0.0:1")
+    assert (moved.grpc.listen, old.grpc.listen) == ("0.0.0.0:1", "127.0.0.1:50051")
+    assert moved.kafka is old.kafka

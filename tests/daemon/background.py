@@ -1,0 +1,67 @@
+"""A ``Daemon`` running on its own event loop thread, for tests that talk to it from the outside."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from daemon.bus import MemoryBus
+from daemon.config import Settings
+from daemon.service import Daemon
+
+T = TypeVar("T")
+
+
+class BackgroundDaemon:
+    """Starts ``Daemon.run`` on a private loop in a thread and waits until it is serving.
+
+    Use as a context manager; leaving it stops the daemon (the SIGTERM path) and re-raises
+    whatever ``run`` raised.
+    """
+
+    def __init__(self, settings: Settings, bus: MemoryBus | None = None, **kwargs: Any) -> None:
+        self.bus = bus if bus is not None else MemoryBus()
+        self.daemon = Daemon(settings, self.bus, **kwargs)
+        self.loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-daemon-loop", daemon=True)
+        self._run: Future[None] | None = None
+
+    def __enter__(self) -> BackgroundDaemon:
+        self._thread.start()
+        self._run = asyncio.run_coroutine_threadsafe(self.daemon.run(self._stop), self.loop)
+        ready = asyncio.run_coroutine_threadsafe(self.daemon.ready.wait(), self.loop)
+        while not ready.done():
+            if self._run.done():
+                self._run.result(timeout=0)  # start-up failed: raise its error
+                raise AssertionError("the daemon returned before it was ready")
+            with contextlib.suppress(TimeoutError):
+                ready.result(timeout=0.05)
+        return self
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+        """Run ``coroutine`` on the daemon's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Set the stop event (what SIGTERM does) and wait for ``run`` to return; raises what it raised."""
+        assert self._run is not None
+        self.loop.call_soon_threadsafe(self._stop.set)
+        try:
+            self._run.result(timeout_s)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+            self.loop.close()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self.loop.is_closed():
+            self.stop()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.daemon.port}"

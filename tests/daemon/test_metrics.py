@@ -1,0 +1,147 @@
+"""``/metrics`` of a running daemon (in-memory bus): values follow placements, rejections and ingest."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.config import load_settings
+from daemon.metrics import DaemonMetrics
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+from sim.agent import inventory_events
+from sim.kafka_local import free_port
+from tests.daemon.background import BackgroundDaemon
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+NOW_MS = 1_800_000_000_000
+DEVICES = sum(1 for e in inventory_events("default") if e.HasField("device_upsert"))
+
+
+def scrape(port: int) -> Samples:
+    """Every sample on the endpoint, by (name, sorted labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def wait_for(port: int, condition: Callable[[Samples], bool], timeout_s: float = 30.0) -> Samples:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(port)
+        if condition(samples):
+            return samples
+        assert time.monotonic() < deadline, "metrics never reached the expected values"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def running() -> Iterator[BackgroundDaemon]:
+    settings = load_settings(
+        None,
+        bus="memory",
+        grpc={"listen": f"127.0.0.1:{free_port()}"},
+        metrics={"listen": "127.0.0.1:0", "lag_interval_s": 0.05},
+        kafka={"poll_timeout_s": 0.05},
+    )
+    with BackgroundDaemon(settings, clock=lambda: NOW_MS / 1000) as daemon:
+        yield daemon
+
+
+def test_the_endpoint_follows_ingest_placements_and_rejections(running: BackgroundDaemon) -> None:
+    port = running.daemon.metrics_port
+    topics = running.daemon.settings.kafka.topics
+    before = scrape(port)
+    assert value(before, "hlb_serving") == 1.0
+    assert value(before, "hlb_devices") == 0.0
+    assert value(before, "hlb_graph_staleness_seconds") == -1.0
+    assert value(before, "hlb_policy_info", policy="least-loaded", model_version="none") == 1.0
+
+    events = inventory_events("default")
+    device = next(e.device_upsert.id for e in events if e.HasField("device_upsert"))
+    # Telemetry measured 2.5 s before the (frozen) daemon clock.
+    measured = ev.TelemetryEvent(
+        cell="default", event_time_ms=NOW_MS - 2500, device_metrics=ev.DeviceMetrics(device_id=device, utilization=0.5)
+    )
+    inventory = [e.SerializeToString() for e in [*events, measured]]
+    for record in inventory:
+        running.bus.publish(topics.telemetry, b"default", record)
+    running.bus.publish(topics.telemetry, b"default", b"\xff not an event")
+    ingested = wait_for(
+        port,
+        lambda s: (
+            value(s, "hlb_devices") == DEVICES
+            and value(s, "hlb_events_rejected_total", reason="decode") == 1.0
+            and value(s, "hlb_consumer_lag", topic=topics.telemetry, partition="0") == 0.0
+        ),
+    )
+    assert value(ingested, "hlb_events_applied_total") == len(inventory)
+    assert value(ingested, "hlb_dlq_records_total", topic=topics.telemetry) == 1.0
+    assert value(ingested, "hlb_graph_staleness_seconds") == 2.5
+    assert value(ingested, "hlb_consumer_lag", topic=topics.tasks, partition="0") == 0.0
+
+    with grpc.insecure_channel(running.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        placed = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="m1", memory_per_device_gb=8)), timeout=5)
+        assert placed.HasField("placement")
+        waits = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="m2", memory_per_device_gb=10_000)), timeout=5)
+        assert waits.HasField("pending")
+        with pytest.raises(grpc.RpcError):
+            stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="bad", memory_per_device_gb=-1)), timeout=5)
+
+    after = scrape(port)
+    assert value(after, "hlb_placements_total", policy="least-loaded") == 1.0
+    assert value(after, "hlb_ledger_sequence") == 1.0
+    assert value(after, "hlb_pending_tasks") == 1.0
+    assert value(after, "hlb_running_tasks") == 1.0
+    assert value(after, "hlb_rpc_requests_total", rpc="Place", code="OK") == 2.0
+    assert value(after, "hlb_rpc_requests_total", rpc="Place", code="INVALID_ARGUMENT") == 1.0
+    assert value(after, "hlb_decision_latency_seconds_count", rpc="Place", policy="least-loaded") == 3.0
+    latency_sum = value(after, "hlb_decision_latency_seconds_sum", rpc="Place", policy="least-loaded")
+    assert latency_sum is not None
+    assert latency_sum > 0
+    # GetClusterState is counted but is not a decision.
+    assert value(after, "hlb_decision_latency_seconds_count", rpc="GetClusterState", policy="least-loaded") is None
+
+
+def test_consumer_lag_counts_records_not_yet_committed(running: BackgroundDaemon) -> None:
+    # The ingest thread is stopped first, so nothing consumes what is published next.
+    running.daemon.ingest.stop()
+    topics = running.daemon.settings.kafka.topics
+    for _ in range(3):
+        running.bus.publish(topics.tasks, b"default", ev.TaskEvent(cell="default").SerializeToString())
+    samples = wait_for(
+        running.daemon.metrics_port, lambda s: value(s, "hlb_consumer_lag", topic=topics.tasks, partition="0") == 3.0
+    )
+    assert value(samples, "hlb_consumer_lag", topic=topics.telemetry, partition="0") == 0.0
+
+
+def test_fallbacks_are_counted_by_reason() -> None:
+    metrics = DaemonMetrics()
+    metrics.record_fallback("model_missing")
+    metrics.record_fallback("model_missing")
+    metrics.record_fallback("schema_mismatch")
+    get = metrics.registry.get_sample_value
+    assert get("hlb_policy_fallbacks_total", {"reason": "model_missing"}) == 2.0
+    assert get("hlb_policy_fallbacks_total", {"reason": "schema_mismatch"}) == 1.0
+
+
+def test_metrics_are_off_unless_listen_is_set() -> None:
+    settings = load_settings(None, bus="memory", grpc={"listen": f"127.0.0.1:{free_port()}"})
+    assert settings.metrics.listen == ""
+    with BackgroundDaemon(settings) as running:
+        assert running.daemon.metrics_port == 0
