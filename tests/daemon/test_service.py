@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from structlog.testing import capture_logs
 from daemon import service as service_module
 from daemon.api import GrpcServer, SchedulerService
 from daemon.bus import MemoryBus, MemorySource
-from daemon.config import Settings, load_settings
+from daemon.config import Settings, Topics, load_settings
 from daemon.graph import InfraGraph
 from daemon.ledger import PlacementLedger
 from daemon.policy import make_policy
@@ -34,6 +36,7 @@ from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from sim.agent import inventory_events
 from sim.kafka_local import free_port
 from tests.daemon.background import BackgroundDaemon
+from tests.systemd.notify_socket import NotifySocket, start_serve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -351,3 +354,103 @@ def test_changed_keys_compare_secrets_by_value_and_replace_key_copies() -> None:
     moved = replace_key(old, "grpc.listen", "0.0.0.0:1")
     assert (moved.grpc.listen, old.grpc.listen) == ("0.0.0.0:1", "127.0.0.1:50051")
     assert moved.kafka is old.kafka
+
+
+# -- SIGHUP and secrets, as a process ----------------------------------------------------------
+
+
+def test_sighup_reloads_says_what_needs_a_restart_and_never_logs_a_secret(tmp_path: Path) -> None:
+    secrets = ["first-Sasl-Pw-91b2", "rotated-Sasl-Pw-7c3d", "broken-Sasl-Pw-e5f0"]
+    port = free_port()
+
+    def config(level: str, secret: str, **extra: object) -> None:
+        kafka = {"client_config": {"sasl.username": "hlb", "sasl.password": secret}, **extra}
+        _write_config(
+            tmp_path / "config.yaml",
+            grpc={"listen": f"127.0.0.1:{port}"},
+            kafka=kafka,
+            log={"level": level, "format": "json"},
+        )
+
+    config("info", secrets[0])
+    notify = NotifySocket(tmp_path / "notify.sock")
+    log_path = tmp_path / "serve.log"
+    process = start_serve(tmp_path / "config.yaml", notify, log_path)
+    try:
+        assert notify.until("READY=1").startswith("READY=1\nSTATUS=serving on")
+        config("debug", secrets[1], bootstrap_servers="10.1.2.3:9092")
+        process.send_signal(signal.SIGHUP)
+        assert notify.until("RELOADING=1").startswith("RELOADING=1\nMONOTONIC_USEC=")
+        assert notify.until("READY=1").startswith("READY=1\nSTATUS=serving on")
+        config("debug", secrets[2], batch_size=0)  # invalid: kept out
+        process.send_signal(signal.SIGHUP)
+        notify.until("RELOADING=1")
+        notify.until("READY=1")
+        process.send_signal(signal.SIGTERM)
+        notify.until("STOPPING=1")
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        notify.close()
+    output = log_path.read_text()
+    events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    reloaded = [e for e in events if e["event"] == "reloaded"]
+    assert [(e["applied"], sorted(e["needs_restart"])) for e in reloaded] == [
+        (["log.level"], ["kafka.bootstrap_servers", "kafka.client_config"])
+    ]
+    refused = [e for e in events if e["event"].startswith("reload refused")]
+    assert len(refused) == 1
+    assert "kafka.batch_size" in refused[0]["error"]
+    for secret in secrets:
+        assert secret not in output
+
+
+@pytest.mark.kafka
+def test_kafka_secrets_reach_librdkafka_but_no_log_line(tmp_path: Path, kafka_bootstrap: str, topics: Topics) -> None:
+    secret = "kafka-Sasl-Pw-d41f"
+    rotated = secret + "-rotated"
+    config = tmp_path / "config.yaml"
+    group, grpc_port, metrics_port = f"hlb-{uuid.uuid4().hex[:8]}", free_port(), free_port()
+
+    def write(password: str) -> None:
+        client_config = {"sasl.username": "hlb", "sasl.password": password, "debug": "conf,generic,broker"}
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "bus": "kafka",
+                    "kafka": {
+                        "bootstrap_servers": kafka_bootstrap,
+                        "group_id": group,
+                        "topics": topics.model_dump(),
+                        "client_config": client_config,
+                    },
+                    "grpc": {"listen": f"127.0.0.1:{grpc_port}"},
+                    "metrics": {"listen": f"127.0.0.1:{metrics_port}", "lag_interval_s": 0.2},
+                    "log": {"level": "debug", "format": "json"},
+                }
+            )
+        )
+
+    write(secret)
+    notify = NotifySocket(tmp_path / "notify.sock")
+    log_path = tmp_path / "serve.log"
+    process = start_serve(config, notify, log_path)
+    try:
+        notify.until("READY=1")
+        write(rotated)
+        process.send_signal(signal.SIGHUP)
+        notify.until("RELOADING=1")
+        notify.until("READY=1")
+        process.send_signal(signal.SIGTERM)
+        notify.until("STOPPING=1")
+        assert process.wait(60) == 0, log_path.read_text()[-5000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        notify.close()
+    output = log_path.read_text()
+    # librdkafka dumped its configuration, so the password was in play (and shown redacted).
+    assert "sasl.password = [redacted]" in output
+    assert '"needs_restart": ["kafka.client_config"]' in output
+    assert secret not in output
