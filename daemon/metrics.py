@@ -209,7 +209,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
     def _wrap(self, handler: grpc.RpcMethodHandler[Any, Any], rpc: str) -> grpc.RpcMethodHandler[Any, Any]:
         # The stubs describe sync handlers; on grpc.aio the behaviour is a coroutine function.
         behaviour: Callable[[object, Any], Awaitable[object]] = handler.unary_unary  # type: ignore[assignment]
-        calls = {code: self._metrics.rpcs.labels(rpc=rpc, code=code.name) for code in grpc.StatusCode}
+        rpcs = self._metrics.rpcs
+        calls: dict[grpc.StatusCode, Any] = {}  # children made on first use: no series for codes never seen
         latency = self._metrics.decision_latency
         times = rpc in DECISION_RPCS
 
@@ -226,7 +227,10 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
                 code: grpc.StatusCode | None = context.code()
                 if code is None:
                     code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
-                calls[code].inc()
+                counter = calls.get(code)
+                if counter is None:
+                    counter = calls[code] = rpcs.labels(rpc=rpc, code=code.name)
+                counter.inc()
                 if times:
                     latency.labels(rpc=rpc, policy=self._policy()).observe(time.perf_counter() - start)
 
