@@ -1,13 +1,15 @@
 """The service contract end to end: ``hlb serve`` with a real NOTIFY_SOCKET and a real Kafka broker.
 
 READY=1 once serving, WATCHDOG=1 pings from the main loop, STOPPING=1 on SIGTERM, exit code 0,
-and the consumer group's offsets committed up to everything the daemon applied.
+and the consumer group's offsets committed up to everything the daemon applied. On the way,
+``/metrics`` reports the group's consumer lag as the broker sees it.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import grpc
 import pytest
 import yaml
 from confluent_kafka import Consumer, Producer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config import Topics
 from hlb.v1 import events_pb2 as ev
@@ -34,6 +37,18 @@ def produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
     assert producer.flush(15.0) == 0
 
 
+def lag(metrics_port: int) -> dict[str, float]:
+    """hlb_consumer_lag by topic, scraped from the daemon's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["topic"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "hlb_consumer_lag"
+        for sample in family.samples
+    }
+
+
 def committed_and_ends(bootstrap: str, group: str, topics: list[str]) -> tuple[dict[str, int], dict[str, int]]:
     """The group's committed offset and the high watermark of partition 0 of each topic."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
@@ -49,7 +64,7 @@ def test_serve_notifies_systemd_and_commits_offsets_on_sigterm(
     tmp_path: Path, kafka_bootstrap: str, topics: Topics
 ) -> None:
     group = f"hlb-{uuid.uuid4().hex[:8]}"
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     config = tmp_path / "config.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -63,6 +78,7 @@ def test_serve_notifies_systemd_and_commits_offsets_on_sigterm(
                     "poll_timeout_s": 0.05,
                 },
                 "grpc": {"listen": f"127.0.0.1:{port}"},
+                "metrics": {"listen": f"127.0.0.1:{metrics_port}", "lag_interval_s": 0.5},
                 "log": {"format": "json"},
             }
         )
@@ -88,6 +104,18 @@ def test_serve_notifies_systemd_and_commits_offsets_on_sigterm(
                     break
                 assert time.monotonic() < deadline, f"not everything applied: {state}"
                 time.sleep(0.1)
+            # The broker's view catches up once the group commits (every 5 s): no lag on either input.
+            input_topics = {topics.telemetry, topics.tasks}
+            deadline = time.monotonic() + 60
+            while lag(metrics_port) != dict.fromkeys(input_topics, 0.0):
+                assert time.monotonic() < deadline, f"consumer lag never reached 0: {lag(metrics_port)}"
+                time.sleep(0.2)
+            # One more task after that commit, so what SIGTERM commits is usually not committed yet.
+            late = ev.TaskEvent(cell="svc", submitted=ev.TaskSpec(id="svc-late", memory_per_device_gb=4))
+            produce(kafka_bootstrap, topics.tasks, [late.SerializeToString()])
+            while stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).last_sequence < len(tasks) + 1:
+                assert time.monotonic() < deadline, "the late task was not placed"
+                time.sleep(0.05)
         # Pings have piled up in the socket meanwhile; read at least three past READY.
         while notify.received.count("WATCHDOG=1") < 3:
             notify.next()
@@ -103,5 +131,5 @@ def test_serve_notifies_systemd_and_commits_offsets_on_sigterm(
     assert set(between) == {"WATCHDOG=1"}
     assert stopping.startswith("STOPPING=1\nSTATUS=")
     committed, ends = committed_and_ends(kafka_bootstrap, group, [topics.telemetry, topics.tasks])
-    assert ends == {topics.telemetry: len(inventory), topics.tasks: len(tasks)}
+    assert ends == {topics.telemetry: len(inventory), topics.tasks: len(tasks) + 1}
     assert committed == ends, "offsets of applied events were not committed at shutdown"
