@@ -235,6 +235,13 @@ def _write_config(path: Path, **sections: object) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _settings_from_files_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drop the run's HLB_ variables (``make test`` exports the broker address): they would override files."""
+    for name in [n for n in os.environ if n.startswith("HLB_") and not n.startswith("HLB_TEST_")]:
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def logging_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """configure_logging as the reloader calls it, recorded instead of reconfiguring the test process."""

@@ -43,9 +43,11 @@ def start_serve(
 ) -> subprocess.Popen[str]:
     """``hlb serve --config`` as systemd would start it: NOTIFY_SOCKET set, a 0.4 s watchdog.
 
-    Output (stdout and stderr) goes to ``log_path``.
+    Output (stdout and stderr) goes to ``log_path``. ``HLB_`` variables of the test run (such as
+    the broker address ``make test`` exports) are not passed on: the config file says it all.
     """
-    environ = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000", **(env or {})}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("HLB_")}
+    environ = {**inherited, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000", **(env or {})}
     environ.pop("WATCHDOG_PID", None)
     with log_path.open("w") as log_file:
         return subprocess.Popen(
