@@ -105,7 +105,7 @@ class GrpcSettings(_Section):
     grace_s: float = Field(5.0, ge=0)
     tls: TlsSettings = TlsSettings()
     # Requests per second the whole server accepts (a token bucket); 0 means no limit.
-    max_requests_per_s: float = Field(0.0, ge=0)
+    max_requests_per_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     # Requests that may arrive at once after a quiet spell; 0 means one second's worth.
     request_burst: int = Field(0, ge=0)
 

@@ -7,6 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from daemon.config import load_settings
+from daemon.errors import ConfigError
 from daemon.ratelimit import TokenBucket, default_burst
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
@@ -96,3 +97,9 @@ def test_no_limit_by_default() -> None:
         for _ in range(50):
             stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
         assert running.daemon.rate_limit.bucket is None
+
+
+@pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
+def test_a_nonsense_rate_in_the_config_is_a_config_error(rate: float) -> None:
+    with pytest.raises(ConfigError, match=r"grpc\.max_requests_per_s"):
+        load_settings(None, grpc={"max_requests_per_s": rate})
