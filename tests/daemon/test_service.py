@@ -28,7 +28,7 @@ from daemon.bus import MemoryBus, MemorySource
 from daemon.config import Settings, Topics, load_settings
 from daemon.graph import InfraGraph
 from daemon.ledger import PlacementLedger
-from daemon.policy import make_policy
+from daemon.policy import LeastLoaded, Policy, make_policy
 from daemon.scheduler import Scheduler
 from daemon.service import Daemon, ReloadResult, changed_keys, replace_key
 from hlb.v1 import scheduler_pb2 as api
@@ -461,3 +461,21 @@ def test_kafka_secrets_reach_librdkafka_but_no_log_line(tmp_path: Path, kafka_bo
     assert "sasl.password = [redacted]" in output
     assert '"needs_restart": ["kafka.client_config"]' in output
     assert secret not in output
+
+
+def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write_config(tmp_path / "config.yaml")
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    before = daemon.scheduler.policy
+    built: list[str] = []
+
+    def make(name: str) -> Policy:
+        built.append(name)
+        return LeastLoaded()
+
+    monkeypatch.setattr(service_module, "make_policy", make)
+    daemon.reloaders["scheduler."](daemon.settings)
+    assert built == ["least-loaded"]
+    assert daemon.scheduler.policy is not before
