@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -91,6 +92,6 @@ def test_schedules_respect_precedence_and_never_overlap(dag: tuple[np.ndarray, l
         assert s.start[dst] >= arrival - 1e-9
     for p in range(costs.shape[1]):
         intervals = sorted((s.start[t], s.finish[t]) for t in range(len(costs)) if s.processor[t] == p)
-        for (_, end), (begin, _) in zip(intervals, intervals[1:], strict=False):
+        for (_, end), (begin, _) in itertools.pairwise(intervals):
             assert begin >= end - 1e-9
     assert np.allclose(s.finish - s.start, costs[np.arange(len(costs)), s.processor])
