@@ -6,7 +6,10 @@ The catalogue is data, ``sim/data/devices.json`` (fields, units and sources in
     python -m sim.catalogue build     # writes sim/data/devices.json
     python -m sim.catalogue check     # exit 1 when the checked-in file differs from a rebuild
 
-and the built file is checked in, so the package works without ``../shared``.
+and the built file is checked in, so the package works without ``../shared``. The daemon, which
+must not import the simulator, reads a digest of it: relative throughputs per device model,
+
+    python -m sim.catalogue profiles [--check]   # writes (or checks) daemon/data/profiles.json
 
 Measured entries (``"source": "measured"``): K80, P100 and V100 throughputs (steps/s, isolated,
 per gang size, consolidated on one host and spread over hosts) and co-location pairs from Gavel's
@@ -38,6 +41,8 @@ import numpy as np
 
 CATALOGUE_FORMAT = "hlb-device-catalogue/1"
 DEFAULT_CATALOGUE_PATH = Path(__file__).parent / "data" / "devices.json"
+DEFAULT_PROFILES_PATH = Path(__file__).resolve().parent.parent / "daemon" / "data" / "profiles.json"
+PROFILES_FORMAT = "hlb-device-profiles/1"
 REFERENCE_MODEL = "V100-SXM2-16GB"
 GANG_SIZES: tuple[int, ...] = (1, 2, 4, 8)
 PLACEMENTS: tuple[str, ...] = ("consolidated", "spread")
@@ -617,25 +622,97 @@ def _render(value: Any, depth: int) -> str:
     return json.dumps(value)
 
 
+# ---------------------------------------------------------------- the daemon's profiles
+
+
+def profiles_document(catalogue: Catalogue) -> dict[str, Any]:
+    """The daemon's device profiles (``daemon/data/profiles.json``) derived from ``catalogue``.
+
+    ``speedup[placement][class]`` lists, per gang size of ``gang_sizes``, the gang's total
+    throughput relative to ONE reference device running the same class (null: not measured or
+    not runnable), so that a task's run time is ``work_ref_s / speedup``.
+    """
+    reference = catalogue.profile(catalogue.reference_model)
+    models: dict[str, Any] = {}
+    for model, profile in catalogue.profiles.items():
+        speedup: dict[str, dict[str, list[float | None]]] = {}
+        for placement in PLACEMENTS:
+            per_class: dict[str, list[float | None]] = {}
+            for class_id in catalogue.classes:
+                base = reference.throughput.get((class_id, 1, "consolidated"), 0.0)
+                row: list[float | None] = []
+                for gang_size in GANG_SIZES:
+                    value = profile.throughput.get((class_id, gang_size, placement), 0.0)
+                    row.append(round(value / base, 6) if value > 0.0 and base > 0.0 else None)
+                per_class[class_id] = row
+            speedup[placement] = per_class
+        models[model] = {
+            "kind": profile.kind,
+            "source": profile.source,
+            "peak_tflops": profile.peak_tflops,
+            "memory_gb": profile.memory_gb,
+            "idle_power_w": profile.idle_power_w,
+            "peak_power_w": profile.peak_power_w,
+            "task_kinds": list(profile.task_kinds),
+            "speedup": speedup,
+        }
+    return {
+        "format": PROFILES_FORMAT,
+        "built_by": "python -m sim.catalogue profiles",
+        "reference_model": catalogue.reference_model,
+        "reference_peak_tflops": reference.peak_tflops,
+        "gang_sizes": list(GANG_SIZES),
+        "fields": {
+            "speedup": "per placement (consolidated: one host; spread: one device per host), per workload "
+            "class, per gang size: the gang's total throughput / one reference device's; null: unknown",
+            "peak_tflops": "dense peak TFLOPS at the device's training precision",
+            "power": "idle_power_w and peak_power_w in W",
+            "source": "measured (Gavel's throughputs) or modelled (the catalogue's modelling rule)",
+            "fallback": "a model not listed runs at peak_tflops / reference_peak_tflops of the reference",
+        },
+        "classes": {
+            class_id: {"family": cls.family, "memory_gb": cls.memory_gb} for class_id, cls in catalogue.classes.items()
+        },
+        "models": models,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim.catalogue", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["build", "check"])
+    parser.add_argument("command", choices=["build", "check", "profiles"])
     parser.add_argument("--shared", type=Path, default=None, help="public data folder (default: ../shared/data)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_CATALOGUE_PATH, help="catalogue file")
+    parser.add_argument("--out", type=Path, default=None, help="catalogue file (profiles: the profiles file)")
+    parser.add_argument("--check", action="store_true", help="profiles: exit 1 when the file differs")
     args = parser.parse_args(argv)
+    if args.command == "profiles":
+        return _write_profiles(args.out or DEFAULT_PROFILES_PATH, args.check)
+    out: Path = args.out or DEFAULT_CATALOGUE_PATH
     shared = args.shared or shared_data_dir()
     if not (shared / "gavel").is_dir():
         print(f"no public data at {shared} (set HLB_SHARED_DATA)", file=sys.stderr)
         return 2
     text = render_document(build_document(shared))
     if args.command == "build":
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
+        out.write_text(text)
+        print(f"wrote {out}")
         return 0
-    if args.out.read_text() != text:
-        print(f"{args.out} differs from a rebuild from {shared}; run: python -m sim.catalogue build", file=sys.stderr)
+    if out.read_text() != text:
+        print(f"{out} differs from a rebuild from {shared}; run: python -m sim.catalogue build", file=sys.stderr)
         return 1
-    print(f"{args.out} matches a rebuild from {shared}")
+    print(f"{out} matches a rebuild from {shared}")
+    return 0
+
+
+def _write_profiles(out: Path, check: bool) -> int:
+    text = render_document(profiles_document(load_catalogue()))
+    if not check:
+        out.write_text(text)
+        print(f"wrote {out}")
+        return 0
+    if not out.is_file() or out.read_text() != text:
+        print(f"{out} differs from the catalogue; run: python -m sim.catalogue profiles", file=sys.stderr)
+        return 1
+    print(f"{out} matches the catalogue")
     return 0
 
 

@@ -1,0 +1,76 @@
+"""The daemon's device profiles agree with the simulator's catalogue and degrade gracefully."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from daemon.graph import InfraGraph
+from daemon.profiles import DEFAULT_PROFILES_PATH, DeviceProfiles, default_profiles
+from hlb.v1 import events_pb2 as ev
+from sim.catalogue import load_catalogue, profiles_document, render_document
+
+V100, A100, K80, FPGA = "V100-SXM2-16GB", "A100-SXM4-80GB", "K80-GK210", "Alveo-U280"
+
+
+def test_shipped_file_is_what_the_catalogue_generates() -> None:
+    expected = render_document(profiles_document(load_catalogue()))
+    assert DEFAULT_PROFILES_PATH.read_text() == expected, "run: python -m sim.catalogue profiles"
+
+
+def test_speedups_match_the_catalogue_run_times() -> None:
+    catalogue = load_catalogue()
+    profiles = default_profiles()
+    for model in (V100, A100, K80):
+        for class_id in ("resnet50-bs64", "lm-bs20", "transformer-bs128"):
+            for gang, consolidated in ((1, True), (4, True), (4, False)):
+                runtime = catalogue.runtime_s(100.0, class_id, model, gang, consolidated)
+                if math.isinf(runtime):  # not measured spread: the daemon uses the consolidated figure
+                    runtime = catalogue.runtime_s(100.0, class_id, model, gang, True)
+                speedup = profiles.gang_speedup(model, class_id, gang, consolidated)
+                assert 100.0 / speedup == pytest.approx(runtime, rel=1e-5)
+
+
+def test_reference_is_one_and_faster_devices_are_faster() -> None:
+    profiles = default_profiles()
+    assert profiles.gang_speedup(V100, "resnet50-bs64") == pytest.approx(1.0)
+    assert profiles.gang_speedup(A100, "resnet50-bs64") > 1.0 > profiles.gang_speedup(K80, "resnet50-bs64")
+
+
+def test_family_and_unknown_classes_and_gangs_fall_back() -> None:
+    profiles = default_profiles()
+    family = [profiles.gang_speedup(K80, f"resnet50-bs{b}") for b in (16, 32, 64, 128)]
+    assert profiles.gang_speedup(K80, "resnet50") == pytest.approx(sum(family) / 4)
+    assert profiles.gang_speedup(K80, "resnet50-bs48") == pytest.approx(sum(family) / 4)
+    assert profiles.gang_speedup(K80, "no-such-class") > 0.0
+    # Gang 16 is not in the table: twice gang 8 (linear from the nearest smaller size).
+    assert profiles.gang_speedup(A100, "resnet50-bs64", 16) == pytest.approx(
+        2 * profiles.gang_speedup(A100, "resnet50-bs64", 8)
+    )
+
+
+def test_unlisted_model_runs_at_its_peak_ratio_and_kind_mismatch_is_never() -> None:
+    profiles = default_profiles()
+    assert profiles.gang_speedup("X-1000", "resnet50", 2, peak_tflops=250.0) == pytest.approx(4.0)
+    assert profiles.gang_speedup(FPGA, "resnet50", task_kind=ev.TASK_KIND_TRAINING) == 0.0
+    assert profiles.gang_speedup(FPGA, "resnet50", task_kind=ev.TASK_KIND_INFERENCE) > 0.0
+
+
+def test_row_run_times_over_a_graph() -> None:
+    graph = InfraGraph()
+    for i, (model, peak) in enumerate(((V100, 125.0), (A100, 312.0), ("X-1000", 62.5))):
+        device = ev.Device(
+            id=f"d{i}", host_id="h", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=80, peak_tflops=peak
+        )
+        graph.apply_telemetry(ev.TelemetryEvent(device_upsert=device))
+    rows = graph.device_rows(["d0", "d1", "d2"])
+    spec = ev.TaskSpec(id="t", workload_class="resnet50-bs64", work_ref_s=100.0)
+    runtime = default_profiles().runtime_s(graph, rows, spec)
+    assert runtime[0] == pytest.approx(100.0)
+    assert runtime[1] < 100.0 < runtime[2] == pytest.approx(200.0)
+
+
+def test_a_file_of_another_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="format"):
+        DeviceProfiles({"format": "something-else"})
