@@ -2,32 +2,126 @@
 
 A policy never sees an infeasible device: the graph's hard-constraint filter
 (``InfraGraph.feasible_rows``) removes every device that breaks one (health, kind, model, free
-memory) before any policy ranks what is left. A policy scores candidate device rows; the gang is
-then picked all or nothing.
+memory) before any policy ranks what is left. A policy scores candidate device rows (higher is
+better); :func:`choose_gang` then picks the gang all or nothing, preferring one host, then one
+rack, among the best-scored devices.
+
+Baselines (``make_policy`` names): ``random`` (seeded), ``round-robin``, ``least-loaded``,
+``best-fit`` (Tetris-style packing), ``hetero-greedy`` (earliest estimated finish from the
+device profiles, Gavel-style throughput awareness) and ``heft`` (HEFT's upward ranks order a
+DAG's tasks; each goes where it would finish first, counting the transfer of its inputs from
+where its dependencies ran). The objective weights (completion time, utilization, energy) steer
+``hetero-greedy`` and ``heft``; the simpler baselines ignore them by design.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from daemon.graph import InfraGraph, Rows
+from daemon.graph import HOST_NODE, SWITCH_NODE, InfraGraph, Rows, Task
+from daemon.heft import upward_ranks
+from daemon.profiles import DeviceProfiles, default_profiles
 from hlb.v1 import events_pb2 as ev
 
+Scores = NDArray[np.float64]
 
-class Policy(Protocol):
-    """Ranks feasible devices for a task. Higher scores are better."""
+POLICY_NAMES = ("random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft")
 
-    name: str
+# Transfer bandwidth (Gbit/s) by locality tier when the graph has no link that says better.
+DEFAULT_INTRA_HOST_GBPS = 256.0  # PCIe 4.0 x16
+DEFAULT_INTER_HOST_GBPS = 100.0  # one 100 Gb/s NIC
+# Energy of a device without a power figure: a typical accelerator board.
+DEFAULT_PEAK_POWER_W = 300.0
+# A gang is chosen among the best ``max(GANG_POOL_FACTOR * gang, GANG_POOL_MIN)`` scored devices.
+GANG_POOL_FACTOR = 4
+GANG_POOL_MIN = 64
 
-    def score(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        """Scores of the device ``rows`` for ``task``. Shapes: rows [C] -> scores [C], float64."""
-        ...
+
+@dataclass(frozen=True)
+class ObjectiveWeights:
+    """How much each objective counts; only their ratios matter. All >= 0."""
+
+    completion_time: float = 1.0
+    utilization: float = 0.0
+    energy: float = 0.0
+
+    @classmethod
+    def of(cls, value: ObjectiveWeights | Mapping[str, float] | None) -> ObjectiveWeights:
+        if value is None:
+            return cls()
+        if isinstance(value, ObjectiveWeights):
+            return value
+        unknown = set(value) - {"completion_time", "utilization", "energy"}
+        if unknown:
+            raise ValueError(f"unknown objective weights {sorted(unknown)}")
+        weights = cls(**{k: float(v) for k, v in value.items()})
+        if min(weights.completion_time, weights.utilization, weights.energy) < 0:
+            raise ValueError("objective weights must be >= 0")
+        return weights
 
 
-class LeastLoaded:
+class Policy:
+    """Ranks feasible devices for a task. Subclasses implement :meth:`score`.
+
+    ``placed`` is told about every binding (stateful policies such as round-robin advance on
+    it, never in ``score``, so dry runs and explanations change nothing); ``rank`` may order
+    the queue within one priority (HEFT's upward ranks), None keeps arrival order.
+    """
+
+    name = "policy"
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        """Scores of the device ``rows`` for ``spec``. Shapes: rows [C] -> scores [C], float64."""
+        raise NotImplementedError
+
+    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
+        """The task was bound to ``rows``."""
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        """Queue order within a priority, higher first. Shapes: [len(tasks)]; None: arrival order."""
+        return None
+
+    def choose_gang(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> tuple[Rows, float]:
+        """The gang for ``spec`` among ``feasible`` rows and its mean score; empty when too few fit."""
+        return choose_gang(self, spec, graph, feasible)
+
+
+class RandomPolicy(Policy):
+    """Uniformly random feasible devices, reproducible from the seed."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        return self.rng.random(len(rows))
+
+
+class RoundRobin(Policy):
+    """Devices in turn, by row: the first feasible row after the last one placed on scores highest."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.last_row = -1
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        span = max(graph.devices.capacity, 1)
+        distance = (rows - self.last_row - 1) % span
+        return -distance.astype(np.float64)
+
+    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
+        if len(rows):
+            self.last_row = int(rows[-1])
+
+
+class LeastLoaded(Policy):
     """Prefer the devices with the lowest load (utilization or reserved memory share).
 
     Ties go to the device with more free memory, so that a busy cluster keeps room for big tasks
@@ -36,23 +130,233 @@ class LeastLoaded:
 
     name = "least-loaded"
 
-    def score(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         free = graph.free_memory_gb(rows)
-        scores: NDArray[np.float64] = 1.0 - graph.load(rows) + 1e-6 * free / (1.0 + free.max(initial=0.0))
+        scores: Scores = 1.0 - graph.load(rows) + 1e-6 * free / (1.0 + free.max(initial=0.0))
         return scores
 
 
-def choose_gang(policy: Policy, task: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> tuple[Rows, float]:
-    """The ``gang`` best-scored feasible rows and their mean score; empty when too few fit."""
-    gang = max(1, task.num_devices)
+class BestFit(Policy):
+    """Tetris-style packing over (memory, compute).
+
+    Demand ``d = (memory_per_device / memory, 1)`` and free capacity ``f = (free memory /
+    memory, 1 - load)`` are fractions of the device. The score is the cosine alignment of ``d``
+    and ``f`` minus the capacity left over after placing, ``|f - d|_1 / 2``: the task goes where
+    its shape matches what is free and fills it most, keeping whole devices free for big tasks.
+    """
+
+    name = "best-fit"
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        memory = np.maximum(graph.devices.memory_gb[rows], 1e-9)
+        demand = np.stack([np.minimum(spec.memory_per_device_gb / memory, 1.0), np.ones(len(rows))], axis=1)
+        free = np.stack([np.clip(graph.free_memory_gb(rows) / memory, 0.0, 1.0), 1.0 - graph.load(rows)], axis=1)
+        norms = np.linalg.norm(demand, axis=1) * np.linalg.norm(free, axis=1)
+        alignment = np.divide((demand * free).sum(axis=1), norms, out=np.zeros(len(rows)), where=norms > 0)
+        leftover = np.abs(free - demand).sum(axis=1) / 2.0
+        scores: Scores = alignment - leftover
+        return scores
+
+
+def device_share(graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+    """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
+    there (``1 / (n + 1)``), or what measured load leaves free when that is less. [N] -> [N] in (0, 1]."""
+    d = graph.devices
+    placed = 1.0 / (1.0 + d.n_tasks[rows])
+    measured = np.maximum(1.0 - d.utilization[rows], 0.05)
+    share: NDArray[np.float64] = np.minimum(placed, measured)
+    return share
+
+
+class HeteroGreedy(Policy):
+    """Earliest estimated finish on the feasible devices (heterogeneity-aware greedy).
+
+    Estimated finish = input ready time (HEFT subclass only) + run time from the device's
+    profile for the task's workload class, stretched by the share of the device the task would
+    get (:func:`device_share`). With the weights, the score is
+
+        - w_ct * finish / min(finish) - w_e * energy / min(energy) + w_u * (1 - load)
+
+    where energy is the run time at the device's peak power (the estimate of what the task adds).
+    """
+
+    name = "hetero-greedy"
+
+    def __init__(self, weights: ObjectiveWeights | None = None, profiles: DeviceProfiles | None = None) -> None:
+        self.weights = weights or ObjectiveWeights()
+        self.profiles = profiles or default_profiles()
+
+    def ready_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        """When the task's inputs would be on each row, seconds from now. [N] -> [N]."""
+        return np.zeros(len(rows))
+
+    def finish_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        runtime = self.profiles.runtime_s(graph, rows, spec)
+        finish: NDArray[np.float64] = self.ready_s(spec, graph, rows) + runtime / device_share(graph, rows)
+        return finish
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        if not len(rows):
+            return np.empty(0)
+        w = self.weights
+        finish = self.finish_s(spec, graph, rows)
+        scores: Scores = -w.completion_time * finish / max(float(finish.min()), 1e-9)
+        if w.energy:
+            power = graph.devices.peak_power_w[rows]
+            energy = self.profiles.runtime_s(graph, rows, spec) * np.where(power > 0, power, DEFAULT_PEAK_POWER_W)
+            scores -= w.energy * energy / max(float(energy.min()), 1e-9)
+        if w.utilization:
+            scores += w.utilization * (1.0 - graph.load(rows))
+        return scores
+
+
+class Heft(HeteroGreedy):
+    """HEFT online: upward ranks over the known DAG order the queue within a priority, and each
+    task goes to the device where it would finish first, counting the transfer of each
+    dependency's output (``transfer_gb``) from the devices the dependency ran on.
+
+    Ranks use the mean run time over the device models present (HEFT's ``w̄``) and the mean
+    transfer time at the inter-host bandwidth (``c̄``).
+    """
+
+    name = "heft"
+
+    def ready_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        ready = np.zeros(len(rows))
+        for dep in spec.dependencies:
+            upstream = graph.tasks.get(dep.task_id)
+            if upstream is None or not upstream.device_rows or dep.transfer_gb <= 0:
+                continue
+            ready = np.maximum(ready, transfer_s(graph, upstream.device_rows[0], rows, dep.transfer_gb))
+        return ready
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        """Upward ranks of the queued ``tasks``. A queued task's successors are queued too (none can
+        start before it finishes), so the DAG is the queue itself. Shapes: -> [len(tasks)]."""
+        if not tasks:
+            return None
+        index = {t.spec.id: i for i, t in enumerate(tasks)}
+        live = graph.devices.live_rows()
+        models = np.unique(graph.devices.model[live])
+        # One representative row per model present; peak TFLOPS matter only for unlisted models.
+        reps = np.array([live[np.flatnonzero(graph.devices.model[live] == m)[0]] for m in models], dtype=np.int64)
+        costs = np.ones((len(tasks), max(1, len(reps))))
+        if len(reps):
+            for i, task in enumerate(tasks):
+                costs[i] = self.profiles.runtime_s(graph, reps, task.spec)
+        edges = [
+            (index[dep.task_id], i, dep.transfer_gb * 8.0 / DEFAULT_INTER_HOST_GBPS)
+            for i, task in enumerate(tasks)
+            for dep in task.spec.dependencies
+            if dep.task_id in index
+        ]
+        try:
+            return upward_ranks(costs, edges, lambda data, p, q: data)
+        except ValueError:  # a cycle among submitted tasks: arrival order
+            return None
+
+
+def host_uplink_gbps(graph: InfraGraph, host: int) -> float:
+    """Bandwidth from a host to its network: its best link to a switch, else the default."""
+    t = graph.links
+    up = (t.src_type == HOST_NODE) & (t.src == host) & (t.dst_type == SWITCH_NODE)
+    down = (t.dst_type == HOST_NODE) & (t.dst == host) & (t.src_type == SWITCH_NODE)
+    touches = t.alive & (up | down)
+    best = float(t.bandwidth_gbps[touches].max(initial=0.0))
+    return best if best > 0 else DEFAULT_INTER_HOST_GBPS
+
+
+def transfer_s(graph: InfraGraph, src_row: int, rows: Rows, gb: float) -> NDArray[np.float64]:
+    """Seconds to move ``gb`` gigabytes from device ``src_row`` to each of ``rows``. [N] -> [N].
+
+    0 on the same device; at the intra-host bandwidth on the same host; else at the smaller of
+    the two hosts' uplinks. Links that name the devices or hosts refine the defaults.
+    """
+    d = graph.devices
+    out = np.zeros(len(rows))
+    if not (0 <= src_row < d.capacity and d.alive[src_row]):  # its device is gone: assume another host
+        return out + gb * 8.0 / DEFAULT_INTER_HOST_GBPS
+    src_host = int(d.host[src_row])
+    hosts = d.host[rows]
+    same_host = (hosts == src_host) & (rows != src_row)
+    out[same_host] = gb * 8.0 / DEFAULT_INTRA_HOST_GBPS
+    other = hosts != src_host
+    if other.any():
+        src_up = host_uplink_gbps(graph, src_host)
+        for host in np.unique(hosts[other]):
+            bandwidth = min(src_up, host_uplink_gbps(graph, int(host)))
+            out[other & (hosts == host)] = gb * 8.0 / bandwidth
+    return out
+
+
+def choose_gang(policy: Policy, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> tuple[Rows, float]:
+    """The gang for ``spec`` and its mean score; empty when fewer than the gang size are feasible.
+
+    One device: the best-scored. A gang of ``g``: among the best ``max(4g, 64)`` scored devices,
+    the best ``g`` on one host if a host has that many, else on one rack, else the best ``g``
+    anywhere (ties keep row order, so decisions are reproducible).
+    """
+    gang = max(1, spec.num_devices)
     if len(feasible) < gang:
         return np.empty(0, dtype=np.int64), 0.0
-    scores = policy.score(task, graph, feasible)
-    # Stable order: equal scores keep row order, so decisions are reproducible.
-    best = np.argsort(-scores, kind="stable")[:gang]
+    scores = policy.score(spec, graph, feasible)
+    order = np.argsort(-scores, kind="stable")
+    if gang == 1:
+        best = order[:1]
+        return feasible[best], float(scores[best].mean())
+    pool = order[: max(GANG_POOL_FACTOR * gang, GANG_POOL_MIN)]
+    hosts = graph.devices.host[feasible[pool]]
+    racks = graph.hosts.rack[hosts]
+    for domains in (hosts, np.where(racks >= 0, racks, -2 - hosts)):
+        chosen = _best_domain(domains, scores[pool], gang)
+        if chosen is not None:
+            best = pool[chosen]
+            return feasible[best], float(scores[best].mean())
+    best = order[:gang]
     return feasible[best], float(scores[best].mean())
 
 
-def make_policy(name: str) -> Policy:
-    policies: dict[str, type[LeastLoaded]] = {"least-loaded": LeastLoaded}
-    return policies[name]()
+def _best_domain(domains: NDArray[Any], scores: Scores, gang: int) -> NDArray[np.int64] | None:
+    """Indices (into the pool, best first) of the best ``gang`` members of the domain whose best
+    ``gang`` have the highest mean score; None when no domain has ``gang`` members."""
+    values, counts = np.unique(domains, return_counts=True)
+    best: tuple[float, NDArray[np.int64]] | None = None
+    for value in values[counts >= gang]:
+        members = np.flatnonzero(domains == value)[:gang]  # the pool is in score order
+        mean = float(scores[members].mean())
+        if best is None or mean > best[0]:
+            best = (mean, members)
+    return None if best is None else best[1]
+
+
+def make_policy(name: str, weights: ObjectiveWeights | Mapping[str, float] | None = None, seed: int = 0) -> Policy:
+    """The policy called ``name`` (one of ``POLICY_NAMES``); ``ValueError`` for any other name."""
+    w = ObjectiveWeights.of(weights)
+    if name == "random":
+        return RandomPolicy(seed)
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "best-fit":
+        return BestFit()
+    if name == "hetero-greedy":
+        return HeteroGreedy(w)
+    if name == "heft":
+        return Heft(w)
+    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+
+
+__all__ = [
+    "POLICY_NAMES",
+    "BestFit",
+    "Heft",
+    "HeteroGreedy",
+    "LeastLoaded",
+    "ObjectiveWeights",
+    "Policy",
+    "RandomPolicy",
+    "RoundRobin",
+    "choose_gang",
+    "make_policy",
+]

@@ -2,21 +2,34 @@
 
 Pure and single-threaded: callers (the ingest thread, gRPC handlers) serialize access with one
 lock. Time comes from an injected clock so that tests never sleep.
+
+The loop: pending tasks wait in a queue ordered by priority (higher first), then by the policy's
+rank (HEFT's upward rank; none for other policies), then by arrival. :meth:`Scheduler.
+schedule_pending` runs after every applied batch of events but does work only when something that
+can change a decision happened since the last pass: an arrival, a completion (or any release), or
+a telemetry change. A task is placeable once every dependency has finished; hard constraints are
+filtered by the graph before the policy scores anything; a gang is bound all or nothing. A task
+that does not fit does not hold back smaller ones behind it (backfilling). Every decision goes to
+the ledger with a sequence number, and a replayed submission binds to its earlier decision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import InfraGraph, Task, TaskState, check_task_spec
+from daemon.graph import CONSTRAINTS, Exclusion, InfraGraph, Task, TaskState, check_task_spec
 from daemon.ledger import PlacementLedger
-from daemon.policy import Policy, choose_gang
+from daemon.policy import Policy
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
 Clock = Callable[[], float]  # seconds since the Unix epoch
+
+DEFAULT_TOP_K = 5
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,17 @@ class Decision:
 
     placement: ev.Placement | None = None
     pending: api.Pending | None = None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a task goes (or would go) where it does: best candidates first, and what was ruled out."""
+
+    policy: str
+    candidates: list[api.DeviceScore] = field(default_factory=list)
+    excluded: list[Exclusion] = field(default_factory=list)
+    pending: api.Pending | None = None
+    placement: ev.Placement | None = None
 
 
 class Scheduler:
@@ -44,6 +68,10 @@ class Scheduler:
         self._pending: dict[str, Task] = {}
         # Ledger placements whose task or devices have not been replayed yet.
         self._unbound: dict[str, ev.Placement] = {}
+        self._dirty = True  # something changed that may let a queued task fit
+        self._seen = (graph.version, graph.metrics_version)
+        self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
+        self._order_version = -1
 
     # -- events ----------------------------------------------------------------------------
 
@@ -77,11 +105,12 @@ class Scheduler:
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
                 raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
-            self._pending.pop(task_id, None)
+            self._dequeue(task_id)
             self.graph.release(task, TaskState.CANCELLED)
         else:
             final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
             self.graph.release(task, final)
+            self._dirty = True
 
     def submit(self, spec: ev.TaskSpec, cell: str) -> Task:
         """Add a task to the graph and the queue, or bind it to its earlier placement on a replay."""
@@ -95,17 +124,32 @@ class Scheduler:
             self._bind_restored()
         else:
             self._pending[spec.id] = task
+            self._order = None
+            self._dirty = True
         return task
 
     # -- decisions -------------------------------------------------------------------------
 
     def schedule_pending(self) -> list[ev.Placement]:
-        """Place every queued task that fits now, highest priority and earliest arrival first."""
+        """Place every queued task that fits now, in queue order. A no-op when nothing changed."""
+        seen = (self.graph.version, self.graph.metrics_version)
+        if not self._dirty and seen == self._seen:
+            return []
+        self._dirty, self._seen = False, seen
         placed: list[ev.Placement] = []
-        for task in self._queue():
+        # Feasible sets only shrink during a pass, so a shape (kinds, models, gang) that did not fit
+        # with m GB does not fit with more: such tasks are skipped without a look at the devices.
+        refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], float] = {}
+        for task in list(self._queue()):
+            spec = task.spec
+            shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), task.gang_size)
+            if spec.memory_per_device_gb >= refused.get(shape, np.inf) and not spec.dependencies:
+                continue
             placement = self._try_place(task, dry_run=False)
             if placement is not None:
                 placed.append(placement)
+            elif not task.pending_reason.startswith("waiting for"):
+                refused[shape] = min(refused.get(shape, np.inf), spec.memory_per_device_gb)
         return placed
 
     def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:
@@ -122,6 +166,45 @@ class Scheduler:
         task = self.submit(spec, self.cell)
         return self._decision(task, self._try_place(task, dry_run=False))
 
+    def place_batch(self, specs: Sequence[ev.TaskSpec], dry_run: bool = False) -> list[Decision]:
+        """Decide for many tasks jointly, highest priority first (request order within a priority).
+
+        Later tasks see the reservations of earlier ones, with ``dry_run`` too: a dry run binds
+        probes and releases them all before it returns, so nothing it did remains. Every spec is
+        validated before any is placed; returns the decisions in request order.
+        """
+        seen: set[str] = set()
+        for spec in specs:
+            check_task_spec(spec)
+            if spec.id in seen:
+                raise InvalidEventError(f"task {spec.id} appears twice in the batch", "duplicate_id")
+            seen.add(spec.id)
+            known = self.graph.tasks.get(spec.id)
+            if known is not None and known.spec != spec:
+                raise InvalidEventError(f"task {spec.id} is already known with another spec", "duplicate_id")
+        order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
+        decisions: list[Decision | None] = [None] * len(specs)
+        probes: list[Task] = []
+        try:
+            for i in order:
+                spec = specs[i]
+                if spec.id in self.graph.tasks:
+                    decisions[i] = self.lookup(spec.id)
+                elif dry_run:
+                    probe = Task(spec=spec, cell=self.cell, arrival=0)
+                    placement = self._try_place(probe, dry_run=True)
+                    if placement is not None:
+                        self.graph.bind(probe, list(self.graph.device_rows(placement.device_ids)))
+                        probes.append(probe)
+                    decisions[i] = self._decision(probe, placement)
+                else:
+                    task = self.submit(spec, self.cell)
+                    decisions[i] = self._decision(task, self._try_place(task, dry_run=False))
+        finally:
+            for probe in probes:
+                self.graph.release(probe, TaskState.CANCELLED)
+        return [d for d in decisions if d is not None]
+
     def lookup(self, task_id: str) -> Decision:
         placement = self.ledger.get(task_id)
         if placement is not None:
@@ -135,6 +218,9 @@ class Scheduler:
         return Decision(pending=api.Pending(task_id=task_id, reason=reason, queue_position=0))
 
     def queue_position(self, task_id: str) -> int:
+        """1 for the next task in the queue; 0 when the task is not queued."""
+        if task_id not in self._pending:
+            return 0
         for position, task in enumerate(self._queue(), start=1):
             if task.spec.id == task_id:
                 return position
@@ -144,10 +230,83 @@ class Scheduler:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def score_devices(self, spec: ev.TaskSpec, device_ids: Sequence[str]) -> list[api.DeviceScore]:
+        """The policy's scores for ``spec`` over the caller's devices, in their order. A device that
+        breaks a hard constraint (or is unknown) is flagged infeasible with the constraint's name."""
+        check_task_spec(spec)
+        index = self.graph.devices.index
+        known = np.fromiter((d in index for d in device_ids), dtype=np.bool_, count=len(device_ids))
+        rows = np.fromiter((index.get(d, -1) for d in device_ids), dtype=np.int64, count=len(device_ids))
+        broken = np.full(len(device_ids), -1, dtype=np.int8)
+        broken[known] = self.graph.violations(spec, rows[known])
+        feasible = known & (broken < 0)
+        scores = np.zeros(len(device_ids))
+        if feasible.any():
+            scores[feasible] = self.policy.score(spec, self.graph, rows[feasible])
+        out = []
+        for i, device_id in enumerate(device_ids):
+            if feasible[i]:
+                out.append(api.DeviceScore(device_id=device_id, score=float(scores[i]), feasible=True))
+            else:
+                reason = CONSTRAINTS[int(broken[i])] if known[i] else "unknown device"
+                out.append(api.DeviceScore(device_id=device_id, feasible=False, reason=reason))
+        return out
+
+    def explain(self, target: str | ev.TaskSpec, top_k: int = DEFAULT_TOP_K, excluded_limit: int = 50) -> Explanation:
+        """The best ``top_k`` feasible devices with their scores, up to ``excluded_limit`` devices
+        ruled out (with the constraint), and the task's placement or why it waits.
+
+        ``target`` is a known task's id (``UnknownTaskError`` otherwise) or a hypothetical spec.
+        """
+        if isinstance(target, str):
+            task = self.graph.tasks.get(target)
+            if task is None:
+                raise UnknownTaskError(f"unknown task {target!r}")
+            spec = task.spec
+        else:
+            check_task_spec(target)
+            spec = target
+            task = self.graph.tasks.get(spec.id)
+        feasible = self.graph.feasible_rows(spec)
+        candidates: list[api.DeviceScore] = []
+        if len(feasible):
+            scores = self.policy.score(spec, self.graph, feasible)
+            best = np.argsort(-scores, kind="stable")[: max(1, top_k)]
+            ids = self.graph.device_ids_of(feasible[best])
+            candidates = [
+                api.DeviceScore(device_id=i, score=float(s), feasible=True)
+                for i, s in zip(ids, scores[best], strict=True)
+            ]
+        if task is not None:
+            decision = self.lookup(task.spec.id)
+        else:
+            probe = Task(spec=spec, cell=self.cell, arrival=0)
+            decision = self._decision(probe, self._try_place(probe, dry_run=True))
+        return Explanation(
+            policy=self.policy.name,
+            candidates=candidates,
+            excluded=self.graph.exclusions(spec, excluded_limit),
+            pending=decision.pending,
+            placement=decision.placement,
+        )
+
     # -- internals -------------------------------------------------------------------------
 
     def _queue(self) -> list[Task]:
-        return sorted(self._pending.values(), key=lambda t: (-t.spec.priority, t.arrival))
+        if self._order is None or self._order_version != self.graph.version:
+            tasks = list(self._pending.values())
+            ranks = self.policy.rank(self.graph, tasks)
+            if ranks is None:
+                tasks.sort(key=lambda t: (-t.spec.priority, t.arrival))
+            else:
+                rank_of = {t.spec.id: float(r) for t, r in zip(tasks, ranks, strict=True)}
+                tasks.sort(key=lambda t: (-t.spec.priority, -rank_of[t.spec.id], t.arrival))
+            self._order, self._order_version = tasks, self.graph.version
+        return self._order
+
+    def _dequeue(self, task_id: str) -> None:
+        if self._pending.pop(task_id, None) is not None:
+            self._order = None
 
     def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
         return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))
@@ -156,10 +315,10 @@ class Scheduler:
         """The task's placement if it fits now (recorded unless ``dry_run``); else None and why, on the task."""
         waiting_for = self._unfinished_dependency(task)
         if waiting_for is not None:
-            task.pending_reason = f"waiting for dependency {waiting_for}"
+            task.pending_reason = waiting_for
             return None
         feasible = self.graph.feasible_rows(task.spec)
-        gang, score = choose_gang(self.policy, task.spec, self.graph, feasible)
+        gang, score = self.policy.choose_gang(task.spec, self.graph, feasible)
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
@@ -174,20 +333,27 @@ class Scheduler:
         )
         if dry_run:
             return placement
-        self._pending.pop(task.spec.id, None)
+        self._dequeue(task.spec.id)
         self.graph.bind(task, [int(r) for r in gang])
+        self.policy.placed(task.spec, self.graph, gang)
         return self.ledger.record(placement)
 
     def _unfinished_dependency(self, task: Task) -> str | None:
+        """Why the task must wait for a dependency, or None when all have finished."""
         for dep in task.spec.dependencies:
             upstream = self.graph.tasks.get(dep.task_id)
-            if upstream is None or upstream.state != TaskState.FINISHED:
-                return dep.task_id
+            if upstream is None:
+                return f"waiting for dependency {dep.task_id} (not submitted yet)"
+            if upstream.state in (TaskState.FAILED, TaskState.CANCELLED):
+                return f"waiting for dependency {dep.task_id}, which is {upstream.state.label}: it can never start"
+            if upstream.state != TaskState.FINISHED:
+                return f"waiting for dependency {dep.task_id} ({upstream.state.label})"
         return None
 
     def _pending_message(self, task: Task) -> api.Pending:
-        position = self.queue_position(task.spec.id) if task.spec.id in self._pending else 0
-        return api.Pending(task_id=task.spec.id, reason=task.pending_reason, queue_position=position)
+        return api.Pending(
+            task_id=task.spec.id, reason=task.pending_reason, queue_position=self.queue_position(task.spec.id)
+        )
 
     def _bind_restored(self) -> None:
         for task_id, placement in list(self._unbound.items()):
