@@ -125,8 +125,21 @@ class MetricsSettings(_Section):
         return value
 
 
+class ObjectiveWeightsSettings(_Section):
+    """Relative weights of the objectives; only their ratios matter."""
+
+    completion_time: float = Field(1.0, ge=0, le=1000)
+    utilization: float = Field(0.0, ge=0, le=1000)
+    energy: float = Field(0.0, ge=0, le=1000)
+
+
 class SchedulerSettings(_Section):
-    policy: Literal["least-loaded"] = "least-loaded"
+    # "gnn" is reserved for the learned policy; until a model ships it falls back to hetero-greedy.
+    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "gnn"] = (
+        "hetero-greedy"
+    )
+    weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
+    seed: int = Field(0, ge=0, description="seed of the random policy")
 
 
 class LogSettings(_Section):

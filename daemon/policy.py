@@ -347,6 +347,17 @@ def make_policy(name: str, weights: ObjectiveWeights | Mapping[str, float] | Non
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
 
 
+def policy_from_settings(name: str, weights: Mapping[str, float], seed: int) -> Policy:
+    """The configured policy. ``gnn`` is reserved: until the learned model ships, it is a clear log
+    line and the best baseline (hetero-greedy), never a failed start."""
+    if name == "gnn":
+        import structlog
+
+        structlog.get_logger(__name__).warning("policy gnn has no model yet; using hetero-greedy")
+        name = "hetero-greedy"
+    return make_policy(name, weights, seed)
+
+
 __all__ = [
     "POLICY_NAMES",
     "BestFit",
@@ -359,4 +370,5 @@ __all__ = [
     "RoundRobin",
     "choose_gang",
     "make_policy",
+    "policy_from_settings",
 ]

@@ -42,7 +42,7 @@ from daemon.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
 from daemon.ledger import PlacementLedger
 from daemon.logs import configure_logging
 from daemon.metrics import DaemonMetrics, MetricsServer, RpcMetricsInterceptor, StateSample, start_metrics_server
-from daemon.policy import make_policy
+from daemon.policy import policy_from_settings
 from daemon.ratelimit import RateLimitInterceptor, TokenBucket, default_burst
 from daemon.scheduler import Clock, Scheduler
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger
@@ -99,9 +99,9 @@ class Daemon:
         self.config_path = config_path
         self.lock = threading.RLock()
         self.ledger = PlacementLedger()
-        self.scheduler = Scheduler(
-            InfraGraph(), make_policy(settings.scheduler.policy), self.ledger, settings.cell, clock
-        )
+        s = settings.scheduler
+        policy = policy_from_settings(s.policy, s.weights.model_dump(), s.seed)
+        self.scheduler = Scheduler(InfraGraph(), policy, self.ledger, settings.cell, clock)
         self.publisher = bus.publisher()
         self.ready = asyncio.Event()
         self.port = 0
@@ -369,7 +369,8 @@ class Daemon:
         configure_logging(new.log.level, new.log.format)
 
     def _reload_scheduler(self, new: Settings) -> None:
-        policy = make_policy(new.scheduler.policy)
+        s = new.scheduler
+        policy = policy_from_settings(s.policy, s.weights.model_dump(), s.seed)
         with self.lock:
             self.scheduler.policy = policy
 
