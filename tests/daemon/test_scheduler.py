@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemon.errors import InvalidEventError, UnknownTaskError
 from daemon.graph import InfraGraph, TaskState
 from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded
+from daemon.policy import LeastLoaded, make_policy
 from daemon.scheduler import Scheduler
 from hlb.v1 import events_pb2 as ev
 
@@ -212,3 +216,216 @@ def test_a_device_running_tasks_cannot_be_removed() -> None:
         scheduler.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id="big")))
     assert refused.value.reason == "in_use"
     assert "big" in scheduler.graph.devices
+
+
+# -- the loop, batches, scores and explanations ----------------------------------------------
+
+
+def test_a_pass_with_nothing_new_does_no_work() -> None:
+    scheduler = make_scheduler()
+    submit(scheduler, ev.TaskSpec(id="huge", memory_per_device_gb=500))
+    assert scheduler.schedule_pending() == []
+    scheduler.graph.devices.memory_gb[:] = 1000.0  # behind the scheduler's back: no event, no pass
+    assert scheduler.schedule_pending() == []
+    scheduler.apply_telemetry(device("g9", "h9", memory_gb=1000))  # an inventory change: a pass
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["huge"]
+
+
+def test_a_dependency_that_failed_says_the_task_can_never_start() -> None:
+    scheduler = make_scheduler()
+    submit(scheduler, ev.TaskSpec(id="prep"))
+    submit(scheduler, ev.TaskSpec(id="train", dependencies=[ev.Dependency(task_id="prep")]))
+    scheduler.schedule_pending()
+    scheduler.apply_task_event(ev.TaskEvent(failed=ev.TaskFailed(task_id="prep", reason="oom")))
+    scheduler.schedule_pending()
+    pending = scheduler.lookup("train").pending
+    assert pending is not None
+    assert "prep, which is failed" in pending.reason
+
+
+def test_a_batch_is_placed_jointly_by_priority_and_answered_in_request_order() -> None:
+    scheduler = make_scheduler()
+    specs = [
+        ev.TaskSpec(id="low", memory_per_device_gb=70),
+        ev.TaskSpec(id="high", memory_per_device_gb=70, priority=9),
+    ]
+    low, high = scheduler.place_batch(specs)
+    assert high.placement is not None
+    assert list(high.placement.device_ids) == ["big"]
+    assert low.pending is not None
+    assert low.pending.queue_position == 1
+
+
+def test_a_dry_run_batch_sees_its_own_reservations_and_leaves_nothing_behind() -> None:
+    scheduler = make_scheduler()
+    specs = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=30, allowed_kinds=[GPU]) for i in range(4)]
+    decisions = scheduler.place_batch(specs, dry_run=True)
+    placed = [d.placement.device_ids[0] for d in decisions if d.placement is not None]
+    assert sorted(placed) == ["big", "big", "g0", "g1"]
+    assert not scheduler.graph.devices.reserved_gb.any()
+    assert not scheduler.graph.devices.n_tasks.any()
+    assert scheduler.graph.tasks == {}
+    assert len(scheduler.ledger) == 0
+
+
+def test_a_batch_with_a_bad_or_repeated_spec_changes_nothing() -> None:
+    scheduler = make_scheduler()
+    for batch in ([ev.TaskSpec(id="ok"), ev.TaskSpec(id="")], [ev.TaskSpec(id="a"), ev.TaskSpec(id="a")]):
+        with pytest.raises(InvalidEventError):
+            scheduler.place_batch(batch)
+    assert scheduler.graph.tasks == {}
+
+
+def test_device_scores_flag_each_infeasible_device_with_its_constraint() -> None:
+    scheduler = make_scheduler()
+    scheduler.apply_telemetry(
+        ev.TelemetryEvent(device_metrics=ev.DeviceMetrics(device_id="g1", health=ev.HEALTH_FAILED))
+    )
+    scores = scheduler.score_devices(
+        ev.TaskSpec(id="t", memory_per_device_gb=20, allowed_kinds=[GPU]), ["g0", "g1", "tpu", "big", "nope"]
+    )
+    assert [s.device_id for s in scores] == ["g0", "g1", "tpu", "big", "nope"]
+    assert [s.feasible for s in scores] == [True, False, False, True, False]
+    assert [s.reason for s in scores] == ["", "health", "kind", "", "unknown device"]
+
+
+def test_explain_lists_best_candidates_and_what_ruled_devices_out() -> None:
+    scheduler = make_scheduler()
+    spec = ev.TaskSpec(id="t", memory_per_device_gb=40)
+    why = scheduler.explain(spec, top_k=1)
+    assert [c.device_id for c in why.candidates] == ["big"]
+    assert {(e.device_id, e.constraint) for e in why.excluded} == {
+        ("g0", "memory"),
+        ("g1", "memory"),
+        ("tpu", "memory"),
+    }
+    assert why.placement is not None  # a hypothetical task: what would happen
+    assert why.placement.sequence == 0
+    submit(scheduler, ev.TaskSpec(id="waits", memory_per_device_gb=500))
+    scheduler.schedule_pending()
+    waiting = scheduler.explain("waits")
+    assert waiting.pending is not None
+    assert waiting.pending.queue_position == 1
+    assert waiting.candidates == []
+    with pytest.raises(UnknownTaskError):
+        scheduler.explain("ghost")
+
+
+# -- never violated: random clusters, tasks and events -----------------------------------------
+
+MODELS = ("m-a", "m-b")
+
+
+@dataclass
+class Op:
+    kind: str
+    pick: int = 0
+    device: ev.Device | None = None
+    specs: list[ev.TaskSpec] = field(default_factory=list)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> list[Op]:
+    ops: list[Op] = []
+    for i in range(draw(st.integers(1, 8))):
+        spec = ev.Device(
+            id=f"d{i}",
+            host_id=f"h{draw(st.integers(0, 2))}",
+            kind=draw(st.sampled_from([GPU, TPU])),
+            model=draw(st.sampled_from(MODELS)),
+            memory_gb=float(draw(st.integers(4, 80))),
+        )
+        ops.append(Op("device", device=spec))
+    n_tasks = 0
+    for _ in range(draw(st.integers(5, 40))):
+        op = Op(draw(st.sampled_from(["submit", "submit", "finish", "fail", "used", "schedule", "batch", "dry"])))
+        op.pick = draw(st.integers(0, 1000))
+        if op.kind in ("submit", "batch", "dry"):
+            for _ in range(draw(st.integers(1, 4)) if op.kind == "batch" else 1):
+                deps = draw(st.lists(st.integers(0, max(0, n_tasks - 1)), max_size=2, unique=True)) if n_tasks else []
+                op.specs.append(
+                    ev.TaskSpec(
+                        id=f"t{n_tasks}" if op.kind != "dry" else f"probe{len(op.specs)}",
+                        num_devices=draw(st.integers(1, 3)),
+                        memory_per_device_gb=float(draw(st.integers(0, 60))),
+                        allowed_kinds=draw(st.lists(st.sampled_from([GPU, TPU]), max_size=1)),
+                        allowed_models=draw(st.lists(st.sampled_from(MODELS), max_size=1)),
+                        priority=draw(st.integers(0, 3)),
+                        dependencies=[ev.Dependency(task_id=f"t{d}") for d in deps],
+                    )
+                )
+                n_tasks += op.kind != "dry"
+        ops.append(op)
+    return ops
+
+
+def _check_placements(scheduler: Scheduler, placements: list[ev.Placement], free_before: dict[str, float]) -> None:
+    graph = scheduler.graph
+    demand: dict[str, float] = {}
+    for placement in placements:
+        spec = graph.tasks[placement.task_id].spec
+        ids = list(placement.device_ids)
+        assert len(ids) == len(set(ids)) == max(1, spec.num_devices)
+        for dep in spec.dependencies:
+            assert graph.tasks[dep.task_id].state == TaskState.FINISHED
+        for device_id in ids:
+            row = graph.devices.index[device_id]
+            assert graph.devices.health[row] != ev.HEALTH_FAILED
+            assert not spec.allowed_kinds or graph.devices.kind[row] in spec.allowed_kinds
+            assert not spec.allowed_models or graph.model_of(row) in spec.allowed_models
+            demand[device_id] = demand.get(device_id, 0.0) + spec.memory_per_device_gb
+    for device_id, gb in demand.items():
+        assert gb <= free_before[device_id] + 1e-9, f"{device_id} overcommitted"
+
+
+def _apply(scheduler: Scheduler, op: Op) -> list[ev.Placement]:
+    graph = scheduler.graph
+    rows = graph.devices.live_rows()
+    holding = [t for t in graph.tasks.values() if t.state.holds_devices]
+    if op.kind == "device" and op.device is not None:
+        scheduler.apply_telemetry(ev.TelemetryEvent(device_upsert=op.device))
+    elif op.kind == "submit":
+        submit(scheduler, op.specs[0])
+    elif op.kind == "batch":
+        return [d.placement for d in scheduler.place_batch(op.specs) if d.placement is not None]
+    elif op.kind == "dry":
+        before = (graph.devices.reserved_gb.copy(), len(scheduler.ledger), len(graph.tasks))
+        scheduler.place_batch(op.specs, dry_run=True)
+        assert np.array_equal(before[0], graph.devices.reserved_gb)
+        assert before[1:] == (len(scheduler.ledger), len(graph.tasks))
+    elif op.kind == "schedule":
+        return scheduler.schedule_pending()
+    elif op.kind == "finish" and holding:
+        task = holding[op.pick % len(holding)]
+        scheduler.apply_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=task.spec.id)))
+    elif op.kind in ("fail", "used") and len(rows):
+        row = int(rows[op.pick % len(rows)])
+        metrics = ev.DeviceMetrics(device_id=graph.devices.ids[row] or "")
+        if op.kind == "fail":
+            metrics.health = ev.HEALTH_FAILED
+        else:
+            metrics.memory_used_gb = float(graph.devices.memory_gb[row]) * (op.pick % 10) / 10
+        scheduler.apply_telemetry(ev.TelemetryEvent(device_metrics=metrics))
+    return []
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_no_decision_ever_breaks_a_hard_constraint_or_places_a_task_twice(ops: list[Op]) -> None:
+    scheduler = Scheduler(InfraGraph(), make_policy("hetero-greedy"), PlacementLedger(), "c", clock=lambda: 0.0)
+    graph = scheduler.graph
+    for op in ops:
+        rows = graph.devices.live_rows()
+        free_before = dict(zip(graph.device_ids_of(rows), graph.free_memory_gb(rows).tolist(), strict=True))
+        _check_placements(scheduler, _apply(scheduler, op), free_before)
+        # hlb never reserves more than a device has, and counts the tasks on each device exactly.
+        live = graph.devices.live_rows()
+        assert (graph.devices.reserved_gb[live] <= graph.devices.memory_gb[live] + 1e-9).all()
+        holders: dict[int, int] = {}
+        for task in graph.tasks.values():
+            if task.state.holds_devices:
+                for row in task.device_rows:
+                    holders[row] = holders.get(row, 0) + 1
+        assert {int(r): int(graph.devices.n_tasks[r]) for r in live if graph.devices.n_tasks[r]} == holders
+    placed_ids = [p.task_id for p in scheduler.ledger.since(1)]
+    assert len(placed_ids) == len(set(placed_ids))
