@@ -2,8 +2,9 @@
 
 Handlers validate the request, then call the scheduling core under the daemon's lock. A refused
 request changes nothing and gets ``INVALID_ARGUMENT`` naming the field; an unknown task
-``NOT_FOUND``. ``PlaceBatch``, ``ScoreDevices`` and ``Explain`` answer ``UNIMPLEMENTED`` until
-the scheduling loop is complete.
+``NOT_FOUND``; a request whose deadline has already passed ``DEADLINE_EXCEEDED`` before any work.
+Sizes are bounded (``MAX_BATCH_TASKS`` tasks per batch, ``MAX_CANDIDATES`` candidate devices,
+``MAX_TOP_K`` explained candidates) on top of the server's message size limit.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from grpc_reflection.v1alpha import reflection
 
 from daemon.config import TlsSettings
 from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import TaskState
-from daemon.scheduler import Decision, Scheduler
+from daemon.graph import TaskState, check_task_spec
+from daemon.scheduler import DEFAULT_TOP_K, Decision, Scheduler
 from daemon.tls import server_credentials
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
@@ -34,6 +35,11 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAME = api.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
+MAX_BATCH_TASKS = 10_000
+MAX_CANDIDATES = 100_000
+MAX_TOP_K = 1_000
+MAX_EXCLUDED = 100
+
 # Called with each task that Place accepted, so that it is also recorded on the tasks topic.
 OnSubmitted = Callable[[ev.TaskSpec], None]
 
@@ -41,6 +47,13 @@ OnSubmitted = Callable[[ev.TaskSpec], None]
 async def _abort(context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, details: str) -> NoReturn:
     await context.abort(code, details)
     raise AssertionError("unreachable: abort raises")
+
+
+async def _check_deadline(context: grpc.aio.ServicerContext[object, object]) -> None:
+    """Refuse work whose caller has already given up (a deadline of 0 or less left)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was handled")
 
 
 class SchedulerService(api_grpc.SchedulerServicer):
@@ -55,6 +68,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
     ) -> api.PlaceResponse:
         if not request.HasField("task"):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        await _check_deadline(context)
         try:
             with self.lock:
                 is_new = request.task.id not in self.scheduler.graph.tasks
@@ -70,6 +84,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
     ) -> api.GetPlacementResponse:
         if not request.task_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task_id: required")
+        await _check_deadline(context)
         try:
             with self.lock:
                 decision = self.scheduler.lookup(request.task_id)
@@ -115,17 +130,80 @@ class SchedulerService(api_grpc.SchedulerServicer):
     async def PlaceBatch(
         self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.PlaceBatchResponse:
-        await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "PlaceBatch is not implemented yet")
+        if len(request.tasks) > MAX_BATCH_TASKS:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tasks: {len(request.tasks)} tasks, at most {MAX_BATCH_TASKS} per batch",
+            )
+        for i, spec in enumerate(request.tasks):
+            try:
+                check_task_spec(spec)
+            except InvalidEventError as exc:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"tasks[{i}]: {exc}")
+        await _check_deadline(context)
+        try:
+            with self.lock:
+                new = [spec for spec in request.tasks if spec.id not in self.scheduler.graph.tasks]
+                decisions = self.scheduler.place_batch(request.tasks, dry_run=request.dry_run)
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"tasks: {exc}")
+        if not request.dry_run:
+            for spec in new:
+                self.on_submitted(spec)
+        return api.PlaceBatchResponse(results=[_place_response(d) for d in decisions])
 
     async def ScoreDevices(
         self, request: api.ScoreDevicesRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.ScoreDevicesResponse:
-        await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "ScoreDevices is not implemented yet")
+        if not request.HasField("task"):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        if not request.device_ids:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "device_ids: at least one candidate required")
+        if len(request.device_ids) > MAX_CANDIDATES:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"device_ids: {len(request.device_ids)} candidates, at most {MAX_CANDIDATES}",
+            )
+        await _check_deadline(context)
+        try:
+            with self.lock:
+                scores = self.scheduler.score_devices(request.task, request.device_ids)
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"task: {exc}")
+        return api.ScoreDevicesResponse(scores=scores, policy=self.scheduler.policy.name)
 
     async def Explain(
         self, request: api.ExplainRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.ExplainResponse:
-        await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "Explain is not implemented yet")
+        which = request.WhichOneof("target")
+        if which is None or (which == "task_id" and not request.task_id):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "target: task_id or task required")
+        if request.top_k > MAX_TOP_K:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k: {request.top_k}, at most {MAX_TOP_K}")
+        await _check_deadline(context)
+        target: str | ev.TaskSpec = request.task_id if which == "task_id" else request.task
+        try:
+            with self.lock:
+                why = self.scheduler.explain(target, request.top_k or DEFAULT_TOP_K, MAX_EXCLUDED)
+        except UnknownTaskError as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"task: {exc}")
+        reply = api.ExplainResponse(
+            candidates=why.candidates,
+            excluded=[
+                api.DeviceScore(device_id=e.device_id, feasible=False, reason=f"{e.constraint}: {e.detail}")
+                for e in why.excluded
+            ],
+            policy=why.policy,
+        )
+        if why.pending is not None:
+            reply.pending.CopyFrom(why.pending)
+        if why.placement is not None:
+            reply.placement.CopyFrom(why.placement)
+        return reply
 
 
 def _place_response(decision: Decision) -> api.PlaceResponse:

@@ -7,12 +7,14 @@ import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from daemon.api import SchedulerService
 from daemon.bus import MemoryBus
 from daemon.config import load_settings
 from daemon.service import Daemon
@@ -154,10 +156,117 @@ def test_tasks_arriving_on_the_bus_are_placed_and_visible_over_grpc(running: Run
     assert {MODELS[d] for d in placement.device_ids} == {"TPU-v4"}
 
 
-def test_unimplemented_rpcs_say_so(running: Running) -> None:
+def test_place_batch_places_jointly_by_priority_and_answers_in_request_order(running: Running) -> None:
+    a100 = [ev.TaskSpec(id=f"b{i}", memory_per_device_gb=70, priority=i % 2) for i in range(6)]
+    reply = running.stub.PlaceBatch(api.PlaceBatchRequest(tasks=a100), timeout=5)
+    assert [r.placement.task_id or r.pending.task_id for r in reply.results] == [f"b{i}" for i in range(6)]
+    placed = [r.placement for r in reply.results if r.HasField("placement")]
+    # Four A100s have 80 GB: the three priority-1 tasks go first, then one of priority 0.
+    assert sorted(p.task_id for p in placed) == ["b0", "b1", "b3", "b5"]
+    assert len({d for p in placed for d in p.device_ids}) == 4
+    pending = [r.pending for r in reply.results if r.HasField("pending")]
+    assert [p.queue_position for p in pending] == [1, 2]
+    topics = running.daemon.settings.kafka.topics
+    submitted = [ev.TaskEvent.FromString(r.value or b"").submitted.id for r in running.bus.read_all(topics.tasks)]
+    assert sorted(submitted) == [f"b{i}" for i in range(6)]
+
+
+def test_a_dry_run_batch_changes_nothing(running: Running) -> None:
+    specs = [ev.TaskSpec(id=f"d{i}", memory_per_device_gb=70) for i in range(5)]
+    reply = running.stub.PlaceBatch(api.PlaceBatchRequest(tasks=specs, dry_run=True), timeout=5)
+    assert sum(r.HasField("placement") for r in reply.results) == 4  # later ones saw earlier ones' memory
+    state = running.stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
+    assert (state.pending_tasks, state.running_tasks, state.last_sequence) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="ok"), ev.TaskSpec(id="")]), "tasks[1]: task: empty id"),
+        (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="x"), ev.TaskSpec(id="x")]), "tasks: task x appears twice"),
+        (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id=f"t{i}") for i in range(10_001)]), "at most 10000"),
+    ],
+)
+def test_invalid_batches_name_the_field_and_change_nothing(
+    running: Running, request_: api.PlaceBatchRequest, field: str
+) -> None:
     with pytest.raises(grpc.RpcError) as refused:
-        running.stub.PlaceBatch(api.PlaceBatchRequest(), timeout=5)
-    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        running.stub.PlaceBatch(request_, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (refused.value.details() or "")
+    state = running.stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
+    assert (state.pending_tasks, state.last_sequence) == (0, 0)
+
+
+def test_score_devices_scores_the_callers_candidates_and_flags_infeasible_ones(running: Running) -> None:
+    gpu = "rack-001/host-00/dev0"
+    tpu = "rack-003/host-00/dev0"
+    spec = ev.TaskSpec(id="s", memory_per_device_gb=40, allowed_kinds=[ev.DEVICE_KIND_GPU])
+    small = "rack-002/host-00/dev0"
+    request = api.ScoreDevicesRequest(task=spec, device_ids=[tpu, gpu, small, "ghost"])
+    reply = running.stub.ScoreDevices(request, timeout=5)
+    assert reply.policy == "hetero-greedy"
+    assert [(s.device_id, s.feasible, s.reason) for s in reply.scores] == [
+        (tpu, False, "kind"),
+        (gpu, True, ""),
+        (small, False, "memory"),
+        ("ghost", False, "unknown device"),
+    ]
+    for bad, field in [
+        (api.ScoreDevicesRequest(device_ids=[gpu]), "task: required"),
+        (api.ScoreDevicesRequest(task=spec), "device_ids"),
+        (api.ScoreDevicesRequest(task=ev.TaskSpec(id=""), device_ids=[gpu]), "task: task: empty id"),
+    ]:
+        with pytest.raises(grpc.RpcError) as refused:
+            running.stub.ScoreDevices(bad, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in (refused.value.details() or "")
+
+
+def test_explain_gives_candidates_exclusions_and_the_pending_reason(running: Running) -> None:
+    spec = ev.TaskSpec(id="e", memory_per_device_gb=40, allowed_kinds=[ev.DEVICE_KIND_GPU])
+    reply = running.stub.Explain(api.ExplainRequest(task=spec, top_k=3), timeout=5)
+    assert len(reply.candidates) == 3
+    assert {MODELS[c.device_id] for c in reply.candidates} == {"A100-SXM4-80GB"}
+    assert [c.score for c in reply.candidates] == sorted((c.score for c in reply.candidates), reverse=True)
+    reasons = {e.device_id: e.reason for e in reply.excluded}
+    assert reasons["rack-003/host-00/dev0"].startswith("kind:")
+    assert reasons["rack-000/host-00/dev0"].startswith("memory:")
+    assert reply.HasField("placement")  # hypothetical: what would happen now
+    running.stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="waits", memory_per_device_gb=500)), timeout=5)
+    waiting = running.stub.Explain(api.ExplainRequest(task_id="waits"), timeout=5)
+    assert waiting.pending.queue_position == 1
+    assert "memory" in waiting.pending.reason
+    with pytest.raises(grpc.RpcError) as unknown:
+        running.stub.Explain(api.ExplainRequest(task_id="ghost"), timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as empty:
+        running.stub.Explain(api.ExplainRequest(), timeout=5)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "target" in (empty.value.details() or "")
+
+
+class AbortedError(Exception):
+    pass
+
+
+class _ExpiredContext:
+    """A servicer context whose deadline has passed."""
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AbortedError(code, details)
+
+
+def test_a_request_past_its_deadline_is_refused_before_any_work(running: Running) -> None:
+    service = SchedulerService(running.daemon.scheduler, running.daemon.lock, lambda spec: None)
+    context: Any = _ExpiredContext()
+    with pytest.raises(AbortedError) as refused:
+        asyncio.run(service.Place(api.PlaceRequest(task=ev.TaskSpec(id="late")), context))
+    assert refused.value.args[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "late" not in running.daemon.scheduler.graph.tasks
 
 
 def test_health_and_reflection_are_served(running: Running) -> None:
