@@ -1,7 +1,10 @@
 """``hlb place``: talk to a running daemon over gRPC.
 
 Place one task (from flags or a JSON file in protobuf's JSON mapping of ``TaskSpec``), look up a
-task's placement, or watch placements as they are made. Tables by default, JSON with ``--json``.
+task's placement, explain a decision (``--explain``: the best candidates with their scores, the
+devices ruled out and why, the queue position), score candidate devices for a task the way an
+external scheduler would (``--score DEV ...``), or watch placements as they are made. Tables by
+default, JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import argparse
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -25,10 +28,13 @@ from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
 KINDS = {name.removeprefix("DEVICE_KIND_").lower(): value for name, value in ev.DeviceKind.items() if value}
+TASK_KINDS = {name.removeprefix("TASK_KIND_").lower(): value for name, value in ev.TaskKind.items() if value}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Place a task, look up a placement, or watch placements on a running daemon."
+    parser.description = (
+        "Place a task, look up or explain a placement, score devices, or watch placements on a running daemon."
+    )
     parser.add_argument("--target", default="127.0.0.1:50051", help="daemon gRPC address (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -42,16 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--file", type=Path, help="task spec as JSON (protobuf JSON mapping of hlb.v1.TaskSpec)")
     what.add_argument("--get", metavar="TASK_ID", help="show the placement of a task, or why it is pending")
     what.add_argument("--watch", action="store_true", help="stream placements as they are made")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--explain", action="store_true", help="explain instead of placing (with --get: a known task)")
+    action.add_argument("--score", nargs="+", metavar="DEV", help="score these candidate devices for the task")
+    parser.add_argument("--top", type=int, default=5, help="with --explain: candidates to show (default: %(default)s)")
     parser.add_argument("--from-sequence", type=int, default=1, help="with --watch: first sequence number")
     parser.add_argument("--count", type=int, default=0, help="with --watch: stop after this many (0: never)")
     parser.add_argument("--id", help="task id (default: a new random id)")
     parser.add_argument("--job", default="", help="job id")
+    parser.add_argument("--task-kind", choices=sorted(TASK_KINDS), help="training, inference or batch_stage")
     parser.add_argument("--devices", type=int, default=1, help="gang size (default: %(default)s)")
     parser.add_argument("--memory-gb", type=float, default=0.0, help="memory per device, GB")
+    parser.add_argument("--work-s", type=float, default=0.0, help="estimated work: seconds on one reference V100")
     parser.add_argument("--kind", action="append", choices=sorted(KINDS), default=[], help="allowed device kind")
     parser.add_argument("--model", action="append", default=[], help="allowed device model (repeatable)")
-    parser.add_argument("--workload", default="", help="workload class, e.g. resnet50")
+    parser.add_argument("--workload", default="", help="workload class, e.g. resnet50 or resnet50-bs64")
     parser.add_argument("--priority", type=int, default=0)
+    parser.add_argument("--after", action="append", default=[], metavar="TASK_ID", help="a dependency (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
 
 
@@ -64,12 +77,15 @@ def task_from_args(args: argparse.Namespace) -> ev.TaskSpec:
     return ev.TaskSpec(
         id=args.id or f"task-{uuid.uuid4().hex[:12]}",
         job_id=args.job,
+        kind=TASK_KINDS[args.task_kind] if args.task_kind else ev.TASK_KIND_UNSPECIFIED,
         num_devices=args.devices,
         memory_per_device_gb=args.memory_gb,
+        work_ref_s=args.work_s,
         allowed_kinds=[KINDS[k] for k in args.kind],
         allowed_models=args.model,
         workload_class=args.workload,
         priority=args.priority,
+        dependencies=[ev.Dependency(task_id=t) for t in args.after],
         submit_time_ms=int(time.time() * 1000),
     )
 
@@ -91,22 +107,39 @@ def run(args: argparse.Namespace) -> int:
     with open_channel(args) as channel:
         stub = api_grpc.SchedulerStub(channel)
         try:
-            if args.watch:
-                watch(stub, args.from_sequence, args.count, args.json, sys.stdout)
-                return 0
-            if args.get:
-                got = stub.GetPlacement(api.GetPlacementRequest(task_id=args.get), timeout=args.timeout)
-                print_outcome(got.placement if got.HasField("placement") else got.pending, args.json, sys.stdout)
-                return 0
-            request = api.PlaceRequest(task=task_from_args(args), dry_run=args.dry_run)
-            placed = stub.Place(request, timeout=args.timeout)
-            print_outcome(placed.placement if placed.HasField("placement") else placed.pending, args.json, sys.stdout)
-            return 0
+            return _run(stub, args, sys.stdout)
         except grpc.RpcError as exc:
             print(f"hlb place: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130
+
+
+def _run(stub: api_grpc.SchedulerStub, args: argparse.Namespace, out: TextIO) -> int:
+    if args.watch:
+        watch(stub, args.from_sequence, args.count, args.json, out)
+        return 0
+    if args.explain:
+        request = api.ExplainRequest(top_k=max(1, args.top))
+        if args.get:
+            request.task_id = args.get
+        else:
+            request.task.CopyFrom(task_from_args(args))
+        print_explanation(stub.Explain(request, timeout=args.timeout), args.json, out)
+        return 0
+    if args.get:
+        got = stub.GetPlacement(api.GetPlacementRequest(task_id=args.get), timeout=args.timeout)
+        print_outcome(got.placement if got.HasField("placement") else got.pending, args.json, out)
+        return 0
+    if args.score:
+        scored = stub.ScoreDevices(
+            api.ScoreDevicesRequest(task=task_from_args(args), device_ids=args.score), timeout=args.timeout
+        )
+        print_scores(scored, args.json, out)
+        return 0
+    placed = stub.Place(api.PlaceRequest(task=task_from_args(args), dry_run=args.dry_run), timeout=args.timeout)
+    print_outcome(placed.placement if placed.HasField("placement") else placed.pending, args.json, out)
+    return 0
 
 
 def print_outcome(outcome: ev.Placement | api.Pending, as_json: bool, out: TextIO) -> None:
@@ -116,17 +149,57 @@ def print_outcome(outcome: ev.Placement | api.Pending, as_json: bool, out: TextI
         print(PLACEMENT_HEADER, file=out)
         print(placement_row(outcome), file=out)
     else:
-        print(
-            f"task {outcome.task_id} is pending (queue position {outcome.queue_position}): {outcome.reason}", file=out
-        )
+        print(pending_line(outcome), file=out)
 
 
-PLACEMENT_HEADER = f"{'SEQ':>6}  {'TASK':<24} {'POLICY':<13} {'SCORE':>6}  DEVICES"
+def pending_line(pending: api.Pending) -> str:
+    where = f"queue position {pending.queue_position}" if pending.queue_position else "not queued"
+    return f"task {pending.task_id} is pending ({where}): {pending.reason}"
+
+
+PLACEMENT_HEADER = f"{'SEQ':>6}  {'TASK':<24} {'POLICY':<13} {'SCORE':>8}  DEVICES"
 
 
 def placement_row(placement: ev.Placement) -> str:
     devices = ", ".join(placement.device_ids)
-    return f"{placement.sequence:>6}  {placement.task_id:<24} {placement.policy:<13} {placement.score:>6.3f}  {devices}"
+    return f"{placement.sequence:>6}  {placement.task_id:<24} {placement.policy:<13} {placement.score:>8.3f}  {devices}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return lines
+
+
+def print_scores(reply: api.ScoreDevicesResponse, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(to_json(reply), file=out)
+        return
+    rows = [
+        (s.device_id, "yes" if s.feasible else "no", f"{s.score:.4f}" if s.feasible else "-", s.reason)
+        for s in reply.scores
+    ]
+    print(f"policy {reply.policy}", file=out)
+    print("\n".join(_table(("DEVICE", "FEASIBLE", "SCORE", "RULED OUT BY"), rows)), file=out)
+
+
+def print_explanation(reply: api.ExplainResponse, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(to_json(reply), file=out)
+        return
+    print(f"policy {reply.policy}", file=out)
+    if reply.HasField("placement"):
+        label = "would place" if reply.placement.sequence == 0 else f"placed (sequence {reply.placement.sequence})"
+        print(f"{label} on {', '.join(reply.placement.device_ids)}", file=out)
+    if reply.HasField("pending"):
+        print(pending_line(reply.pending), file=out)
+    ranked = [(str(i), c.device_id, f"{c.score:.4f}") for i, c in enumerate(reply.candidates, start=1)]
+    print("\ncandidates (best first):", file=out)
+    print("\n".join(_table(("#", "DEVICE", "SCORE"), ranked)) if ranked else "  none feasible", file=out)
+    if reply.excluded:
+        print("\nruled out:", file=out)
+        print("\n".join(_table(("DEVICE", "CONSTRAINT"), [(e.device_id, e.reason) for e in reply.excluded])), file=out)
 
 
 def stream_placements(stub: api_grpc.SchedulerStub, from_sequence: int) -> Iterator[ev.Placement]:
