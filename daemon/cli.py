@@ -14,10 +14,11 @@ from collections.abc import Sequence
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("daemon.service", "run the daemon (Kafka in, gRPC out)"),
-    "place": ("daemon.client", "place a task, look one up, or watch placements over gRPC"),
+    "place": ("daemon.client", "place, look up, explain or score a task, or watch placements over gRPC"),
     "agent": ("sim.agent", "simulated telemetry agent and job submitter publishing to Kafka"),
     "demo": ("sim.demo", "start Kafka, the daemon and an agent, and show placements arriving"),
     "broker": ("sim.kafka_local", "fetch, start or stop a local single-node Kafka broker"),
+    "bench": ("daemon.bench", "benchmarks that print JSON (latency, ...)"),
 }
 
 

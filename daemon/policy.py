@@ -300,10 +300,10 @@ def choose_gang(policy: Policy, spec: ev.TaskSpec, graph: InfraGraph, feasible: 
     if len(feasible) < gang:
         return np.empty(0, dtype=np.int64), 0.0
     scores = policy.score(spec, graph, feasible)
-    order = np.argsort(-scores, kind="stable")
     if gang == 1:
-        best = order[:1]
-        return feasible[best], float(scores[best].mean())
+        first = int(np.argmax(scores))  # the first of equal best scores: row order breaks ties
+        return feasible[first : first + 1], float(scores[first])
+    order = np.argsort(-scores, kind="stable")
     pool = order[: max(GANG_POOL_FACTOR * gang, GANG_POOL_MIN)]
     hosts = graph.devices.host[feasible[pool]]
     racks = graph.hosts.rack[hosts]

@@ -1,0 +1,31 @@
+"""``hlb bench``: benchmarks that print JSON, each a sub-benchmark loaded lazily.
+
+Speed is measured by these commands, never asserted in tests: each reports its figures as ratios
+against a reference measured in the same run (an empty RPC, a bare consumer), so that they mean
+the same on any machine. A sub-benchmark module provides ``add_arguments(parser)`` and
+``run(args) -> int``, like the ``hlb`` subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "latency": ("daemon.bench_latency", "gRPC Place and PlaceBatch against an empty RPC on one loopback server"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Run a benchmark and print its figures (JSON with --json)."
+    subparsers = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_name, summary) in BENCHMARKS.items():
+        sub = subparsers.add_parser(name, help=summary, description=summary)
+        # Sub-benchmark modules import their heavy dependencies inside run(), so this stays cheap.
+        importlib.import_module(module_name).add_arguments(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    code: int = importlib.import_module(BENCHMARKS[args.benchmark][0]).run(args)
+    return code

@@ -1,0 +1,262 @@
+"""``hlb bench latency``: decision latency over gRPC against the floor of an empty RPC.
+
+One real server (the daemon's ``GrpcServer`` and ``SchedulerService`` on grpc.aio, in its own
+thread) listens on loopback with a synthetic cluster of ``--devices`` devices (8 per host, 16
+hosts per rack, a mix of the profiled models) and ``--pending`` queued tasks that cannot fit (they
+ask for more memory than any device has), so the queue is as long as asked. A synchronous client
+in the main thread then measures, interleaved call by call so that drift hits all alike:
+
+- the floor: the standard ``grpc.health.v1.Health/Check``, a unary RPC that does no work (the
+  Scheduler proto has no empty RPC, and ``GetClusterState`` summarizes the whole cluster);
+- ``Place`` with ``dry_run`` (the decision without its side effects: the state stays steady);
+- ``Place`` for real (each call places a new one-device task, recorded in the ledger);
+
+then ``PlaceBatch`` throughput: ``--batches`` batches of ``--batch`` new tasks each, placements
+per second of wall time. Output: p50/p99 in microseconds and the ratios to the floor (DESIGN.md
+§7 targets: ``Place`` p99 within 2x of the floor at 1,000 devices, 4x at 10,000; PlaceBatch at
+least 20,000 placements/s at 1,000 devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# grpc, the server and the scheduler are imported in run(): `hlb bench --help` stays cheap.
+
+DEVICES_PER_HOST = 8
+HOSTS_PER_RACK = 16
+PENDING_MEMORY_GB = 100_000.0  # more than any device has: these tasks stay queued
+TASK_MEMORY_GB = 0.01  # small enough that every measured placement fits
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a batch of 10,000 tasks fits
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=1000, help="devices in the cluster (default: %(default)s)")
+    parser.add_argument("--pending", type=int, default=200, help="tasks waiting in the queue (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=2000, help="measured calls of each RPC (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=200, help="unmeasured calls first (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1000, help="tasks per PlaceBatch (default: %(default)s)")
+    parser.add_argument("--batches", type=int, default=10, help="PlaceBatch calls (default: %(default)s)")
+    parser.add_argument("--policy", default="hetero-greedy", help="placement policy (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
+
+
+def synthetic_devices(n: int) -> list[Any]:
+    """``n`` device upserts over hosts of 8 and racks of 16 hosts, cycling through the profiled models."""
+    from daemon.profiles import default_profiles
+    from hlb.v1 import events_pb2 as ev
+
+    kinds = {
+        "gpu": ev.DEVICE_KIND_GPU,
+        "tpu": ev.DEVICE_KIND_TPU,
+        "asic": ev.DEVICE_KIND_ASIC,
+        "fpga": ev.DEVICE_KIND_FPGA,
+    }
+    models = sorted(default_profiles().models.items())
+    events = []
+    for i in range(n):
+        name, profile = models[i % len(models)]
+        host = i // DEVICES_PER_HOST
+        spec = ev.Device(
+            id=f"r{host // HOSTS_PER_RACK}/h{host}/d{i % DEVICES_PER_HOST}",
+            host_id=f"r{host // HOSTS_PER_RACK}/h{host}",
+            kind=kinds[profile.kind],
+            model=name,
+            memory_gb=80.0,
+            peak_tflops=profile.peak_tflops,
+            peak_power_w=400.0,
+        )
+        events.append(ev.TelemetryEvent(cell="bench", device_upsert=spec))
+    for host in range(-(-n // DEVICES_PER_HOST)):
+        rack = f"r{host // HOSTS_PER_RACK}"
+        events.append(ev.TelemetryEvent(cell="bench", host_upsert=ev.Host(id=f"{rack}/h{host}", rack_id=rack)))
+    return events
+
+
+def _percentiles_us(samples_ns: list[int]) -> dict[str, float]:
+    values = np.array(samples_ns, dtype=np.float64) / 1000.0
+    return {
+        "p50_us": round(float(np.percentile(values, 50)), 1),
+        "p99_us": round(float(np.percentile(values, 99)), 1),
+        "mean_us": round(float(values.mean()), 1),
+    }
+
+
+class LoopbackServer:
+    """The daemon's gRPC server for ``scheduler`` on 127.0.0.1, its event loop in a thread."""
+
+    def __init__(self, scheduler: Any) -> None:
+        import asyncio
+        import threading
+
+        from daemon.api import GrpcServer, SchedulerService
+
+        service = SchedulerService(scheduler, threading.RLock(), lambda spec: None)
+        self.loop = asyncio.new_event_loop()
+
+        async def start() -> GrpcServer:
+            server = GrpcServer(service, "127.0.0.1:0", MAX_MESSAGE_BYTES, reflect=False)
+            await server.start()
+            await server.set_serving()
+            return server
+
+        self.server = self.loop.run_until_complete(start())
+        self.port = self.server.port
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-server", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+def build_scheduler(devices: int, pending: int, policy: str) -> Any:
+    """A scheduler with the synthetic cluster and ``pending`` tasks that stay queued."""
+    from daemon.graph import InfraGraph
+    from daemon.ledger import PlacementLedger
+    from daemon.policy import make_policy
+    from daemon.scheduler import Scheduler
+    from hlb.v1 import events_pb2 as ev
+
+    scheduler = Scheduler(InfraGraph(), make_policy(policy), PlacementLedger(), "bench", clock=time.time)
+    for event in synthetic_devices(devices):
+        scheduler.apply_telemetry(event)
+    for i in range(pending):
+        spec = ev.TaskSpec(id=f"queued-{i}", memory_per_device_gb=PENDING_MEMORY_GB, priority=i % 3)
+        scheduler.submit(spec, "bench")
+    scheduler.schedule_pending()
+    return scheduler
+
+
+def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, n: int) -> dict[str, list[int]]:
+    """Each call's latency (ns), ``n`` times after ``warmup``, the calls taken in turn."""
+    timings: dict[str, list[int]] = {name: [] for name in calls}
+    for i in range(warmup + n):
+        for name, call in calls.items():
+            start_ns = time.perf_counter_ns()
+            call()
+            elapsed = time.perf_counter_ns() - start_ns
+            if i >= warmup:
+                timings[name].append(elapsed)
+    return timings
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark and return its figures."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from hlb.v1 import events_pb2 as ev
+    from hlb.v1 import scheduler_pb2 as api
+    from hlb.v1 import scheduler_pb2_grpc as api_grpc
+
+    scheduler = build_scheduler(args.devices, args.pending, args.policy)
+    counter = iter(range(10**12))
+
+    def task(prefix: str) -> ev.TaskSpec:
+        spec_id = f"{prefix}-{next(counter)}"
+        return ev.TaskSpec(id=spec_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=TASK_MEMORY_GB)
+
+    server = LoopbackServer(scheduler)
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = api_grpc.SchedulerStub(channel)
+            check = health_pb2.HealthCheckRequest(service="")
+            timings = time_interleaved(
+                {
+                    "floor": lambda: health.Check(check, timeout=10),
+                    "place_dry_run": lambda: stub.Place(api.PlaceRequest(task=task("dry"), dry_run=True), timeout=10),
+                    "place": lambda: stub.Place(api.PlaceRequest(task=task("real")), timeout=10),
+                },
+                args.warmup,
+                args.calls,
+            )
+            batch_placed, batch_ns = 0, 0
+            for _ in range(args.batches):
+                request = api.PlaceBatchRequest(tasks=[task("batch") for _ in range(args.batch)])
+                start_ns = time.perf_counter_ns()
+                reply = stub.PlaceBatch(request, timeout=600)
+                batch_ns += time.perf_counter_ns() - start_ns
+                batch_placed += sum(r.HasField("placement") for r in reply.results)
+    finally:
+        server.close()
+    return summarize(args, timings, batch_placed, batch_ns, scheduler)
+
+
+def summarize(
+    args: argparse.Namespace, timings: dict[str, list[int]], batch_placed: int, batch_ns: int, scheduler: Any
+) -> dict[str, Any]:
+    floor = _percentiles_us(timings["floor"])
+    result: dict[str, Any] = {
+        "benchmark": "latency",
+        "devices": args.devices,
+        "pending": args.pending,
+        "policy": args.policy,
+        "calls": args.calls,
+        "floor": {"rpc": "grpc.health.v1.Health/Check", **floor},
+    }
+    for name in ("place_dry_run", "place"):
+        figures = _percentiles_us(timings[name])
+        result[name] = {
+            **figures,
+            "p50_over_floor": round(figures["p50_us"] / max(floor["p50_us"], 1e-9), 2),
+            "p99_over_floor": round(figures["p99_us"] / max(floor["p99_us"], 1e-9), 2),
+        }
+    seconds = batch_ns / 1e9
+    result["place_batch"] = {
+        "batch_size": args.batch,
+        "batches": args.batches,
+        "placed": batch_placed,
+        "seconds": round(seconds, 4),
+        "placements_per_s": round(batch_placed / seconds, 1) if seconds > 0 else 0.0,
+    }
+    result["placed_total"] = len(scheduler.ledger)
+    result["queue_after"] = scheduler.pending_count
+    result["targets"] = {
+        "place_p99_over_floor_max": 2.0 if args.devices <= 1000 else 4.0,
+        "place_batch_placements_per_s_min": 20_000,
+    }
+    result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("devices", "calls", "batch", "batches"):
+        if getattr(args, name) < 1:
+            print(f"hlb bench latency: --{name} must be at least 1", file=sys.stderr)
+            return 2
+    if args.pending < 0 or args.warmup < 0:
+        print("hlb bench latency: --pending and --warmup must be >= 0", file=sys.stderr)
+        return 2
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"{result['devices']} devices, {result['pending']} pending, policy {result['policy']}, {args.calls} calls each"
+    )
+    print(f"{'RPC':<22} {'p50 us':>9} {'p99 us':>9} {'p99/floor':>10}")
+    print(f"{'Health/Check (floor)':<22} {result['floor']['p50_us']:>9} {result['floor']['p99_us']:>9} {'1.00':>10}")
+    for name in ("place_dry_run", "place"):
+        r = result[name]
+        print(f"{name:<22} {r['p50_us']:>9} {r['p99_us']:>9} {r['p99_over_floor']:>10}")
+    print(f"PlaceBatch: {result['place_batch']['placements_per_s']} placements/s ({args.batch} tasks per batch)")
+    return 0
