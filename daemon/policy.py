@@ -35,8 +35,8 @@ POLICY_NAMES = ("random", "round-robin", "least-loaded", "best-fit", "hetero-gre
 # Transfer bandwidth (Gbit/s) by locality tier when the graph has no link that says better.
 DEFAULT_INTRA_HOST_GBPS = 256.0  # PCIe 4.0 x16
 DEFAULT_INTER_HOST_GBPS = 100.0  # one 100 Gb/s NIC
-# Energy of a device without a power figure: a typical accelerator board.
-DEFAULT_PEAK_POWER_W = 300.0
+# Peak power of the reference device (a V100 SXM2); also assumed for a device without a figure.
+REFERENCE_POWER_W = 300.0
 # A gang is chosen among the best ``max(GANG_POOL_FACTOR * gang, GANG_POOL_MIN)`` scored devices.
 GANG_POOL_FACTOR = 4
 GANG_POOL_MIN = 64
@@ -74,6 +74,9 @@ class Policy:
     """
 
     name = "policy"
+    # True when a row's score depends only on that row and the task (not on the other candidates
+    # or the policy's own state): a batch may then rescore only the rows its placements changed.
+    row_local = False
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         """Scores of the device ``rows`` for ``spec``. Shapes: rows [C] -> scores [C], float64."""
@@ -124,15 +127,15 @@ class RoundRobin(Policy):
 class LeastLoaded(Policy):
     """Prefer the devices with the lowest load (utilization or reserved memory share).
 
-    Ties go to the device with more free memory, so that a busy cluster keeps room for big tasks
-    on big devices only when load is equal.
+    Ties go to the device with more free memory (a nanounit per GB, far below any load step).
     """
 
     name = "least-loaded"
+    row_local = True
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         free = graph.free_memory_gb(rows)
-        scores: Scores = 1.0 - graph.load(rows) + 1e-6 * free / (1.0 + free.max(initial=0.0))
+        scores: Scores = 1.0 - graph.load(rows) + 1e-9 * free
         return scores
 
 
@@ -146,6 +149,7 @@ class BestFit(Policy):
     """
 
     name = "best-fit"
+    row_local = True
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         memory = np.maximum(graph.devices.memory_gb[rows], 1e-9)
@@ -175,12 +179,15 @@ class HeteroGreedy(Policy):
     profile for the task's workload class, stretched by the share of the device the task would
     get (:func:`device_share`). With the weights, the score is
 
-        - w_ct * finish / min(finish) - w_e * energy / min(energy) + w_u * (1 - load)
+        - w_ct * finish / work_ref_s - w_e * energy / (work_ref_s * REFERENCE_POWER_W) + w_u * (1 - load)
 
     where energy is the run time at the device's peak power (the estimate of what the task adds).
+    Both are relative to the task on an idle reference device, so a device's score does not depend
+    on which other candidates are scored with it (an external scheduler may send any subset).
     """
 
     name = "hetero-greedy"
+    row_local = True
 
     def __init__(self, weights: ObjectiveWeights | None = None, profiles: DeviceProfiles | None = None) -> None:
         self.weights = weights or ObjectiveWeights()
@@ -190,21 +197,16 @@ class HeteroGreedy(Policy):
         """When the task's inputs would be on each row, seconds from now. [N] -> [N]."""
         return np.zeros(len(rows))
 
-    def finish_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        runtime = self.profiles.runtime_s(graph, rows, spec)
-        finish: NDArray[np.float64] = self.ready_s(spec, graph, rows) + runtime / device_share(graph, rows)
-        return finish
-
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
-        if not len(rows):
-            return np.empty(0)
         w = self.weights
-        finish = self.finish_s(spec, graph, rows)
-        scores: Scores = -w.completion_time * finish / max(float(finish.min()), 1e-9)
+        work = spec.work_ref_s if spec.work_ref_s > 0 else 1.0
+        runtime = self.profiles.runtime_s(graph, rows, spec)
+        finish = self.ready_s(spec, graph, rows) + runtime / device_share(graph, rows)
+        scores: Scores = finish * (-w.completion_time / work)
         if w.energy:
             power = graph.devices.peak_power_w[rows]
-            energy = self.profiles.runtime_s(graph, rows, spec) * np.where(power > 0, power, DEFAULT_PEAK_POWER_W)
-            scores -= w.energy * energy / max(float(energy.min()), 1e-9)
+            energy = runtime * np.where(power > 0, power, REFERENCE_POWER_W)
+            scores -= w.energy * energy / (work * REFERENCE_POWER_W)
         if w.utilization:
             scores += w.utilization * (1.0 - graph.load(rows))
         return scores

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -74,6 +75,7 @@ class DeviceProfiles:
             for name, entry in document["models"].items()
         }
         self._memo: dict[tuple[str, str, int, bool, int], float] = {}
+        self._tables: dict[tuple[tuple[str, ...], str, int, bool, int], NDArray[np.float64]] = {}
 
     @classmethod
     def load(cls, path: Path = DEFAULT_PROFILES_PATH) -> DeviceProfiles:
@@ -134,22 +136,34 @@ class DeviceProfiles:
             return gang * profile.peak_tflops / self.reference_peak_tflops
         return sum(known) / len(known)
 
+    def model_table(
+        self, model_names: Sequence[str], workload_class: str, gang: int, consolidated: bool, task_kind: int
+    ) -> NDArray[np.float64]:
+        """Per-device speedup (a gang member's share of the gang's total) of each model index, with
+        NaN for models not listed; one extra NaN at the end serves rows whose model is -1. Cached."""
+        key = (tuple(model_names), workload_class, gang, consolidated, task_kind)
+        table = self._tables.get(key)
+        if table is None:
+            table = np.full(len(model_names) + 1, np.nan)
+            for index, name in enumerate(model_names):
+                if name in self.models:
+                    table[index] = self.gang_speedup(name, workload_class, gang, consolidated, task_kind) / gang
+            if len(self._tables) >= 10_000:
+                self._tables.clear()
+            self._tables[key] = table
+        return table
+
     def device_speedups(
         self, graph: InfraGraph, rows: Rows, spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True
     ) -> NDArray[np.float64]:
         """Per-device throughput of each row as a member of the task's gang, relative to one
         reference device (the gang's total divided by its size). Shapes: rows [N] -> [N]."""
         gang = max(1, spec.num_devices) if gang is None else max(1, gang)
-        models = graph.devices.model[rows]
-        peak = graph.devices.peak_tflops[rows]
-        out = np.empty(len(rows), dtype=np.float64)
-        for index in np.unique(models):
-            name = graph.model_names[index] if index >= 0 else ""
-            mask = models == index
-            if name in self.models:
-                out[mask] = self.gang_speedup(name, spec.workload_class, gang, consolidated, spec.kind) / gang
-            else:
-                out[mask] = np.maximum(peak[mask], 0.0) / self.reference_peak_tflops
+        table = self.model_table(graph.model_names, spec.workload_class, gang, consolidated, spec.kind)
+        out = table[graph.devices.model[rows]]
+        unlisted = np.isnan(out)
+        if unlisted.any():
+            out[unlisted] = np.maximum(graph.devices.peak_tflops[rows[unlisted]], 0.0) / self.reference_peak_tflops
         return out
 
     def runtime_s(
