@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from daemon.config import TlsSettings
 from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import TaskState, check_task_spec
+from daemon.graph import TaskState
 from daemon.scheduler import DEFAULT_TOP_K, Decision, Scheduler
 from daemon.tls import server_credentials
 from hlb.v1 import events_pb2 as ev
@@ -136,22 +136,25 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tasks: {len(request.tasks)} tasks, at most {MAX_BATCH_TASKS} per batch",
             )
-        for i, spec in enumerate(request.tasks):
-            try:
-                check_task_spec(spec)
-            except InvalidEventError as exc:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"tasks[{i}]: {exc}")
         await _check_deadline(context)
         try:
             with self.lock:
-                new = [spec for spec in request.tasks if spec.id not in self.scheduler.graph.tasks]
+                tasks = self.scheduler.graph.tasks
+                new = [spec for spec in request.tasks if spec.id not in tasks]
                 decisions = self.scheduler.place_batch(request.tasks, dry_run=request.dry_run)
-        except InvalidEventError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"tasks: {exc}")
+        except InvalidEventError as exc:  # names the task's index: "tasks[3]: ..."
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.dry_run:
             for spec in new:
                 self.on_submitted(spec)
-        return api.PlaceBatchResponse(results=[_place_response(d) for d in decisions])
+        reply = api.PlaceBatchResponse()
+        for decision in decisions:
+            result = reply.results.add()
+            if decision.placement is not None:
+                result.placement.CopyFrom(decision.placement)
+            elif decision.pending is not None:
+                result.pending.CopyFrom(decision.pending)
+        return reply
 
     async def ScoreDevices(
         self, request: api.ScoreDevicesRequest, context: grpc.aio.ServicerContext[object, object]

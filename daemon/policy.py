@@ -89,9 +89,12 @@ class Policy:
         """Queue order within a priority, higher first. Shapes: [len(tasks)]; None: arrival order."""
         return None
 
-    def choose_gang(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> tuple[Rows, float]:
-        """The gang for ``spec`` among ``feasible`` rows and its mean score; empty when too few fit."""
-        return choose_gang(self, spec, graph, feasible)
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
+    ) -> tuple[Rows, float]:
+        """The gang for ``spec`` among ``feasible`` rows (``scores``: their scores, when known) and its
+        mean score; empty when too few fit."""
+        return choose_gang(self, spec, graph, feasible, scores)
 
 
 class RandomPolicy(Policy):
@@ -291,7 +294,9 @@ def transfer_s(graph: InfraGraph, src_row: int, rows: Rows, gb: float) -> NDArra
     return out
 
 
-def choose_gang(policy: Policy, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> tuple[Rows, float]:
+def choose_gang(
+    policy: Policy, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
+) -> tuple[Rows, float]:
     """The gang for ``spec`` and its mean score; empty when fewer than the gang size are feasible.
 
     One device: the best-scored. A gang of ``g``: among the best ``max(4g, 64)`` scored devices,
@@ -301,7 +306,8 @@ def choose_gang(policy: Policy, spec: ev.TaskSpec, graph: InfraGraph, feasible: 
     gang = max(1, spec.num_devices)
     if len(feasible) < gang:
         return np.empty(0, dtype=np.int64), 0.0
-    scores = policy.score(spec, graph, feasible)
+    if scores is None:
+        scores = policy.score(spec, graph, feasible)
     if gang == 1:
         first = int(np.argmax(scores))  # the first of equal best scores: row order breaks ties
         return feasible[first : first + 1], float(scores[first])

@@ -171,10 +171,11 @@ class DeviceProfiles:
     ) -> NDArray[np.float64]:
         """Estimated run time of the task on each row if its whole gang were that fast. [N] -> [N] s."""
         gang = max(1, spec.num_devices) if gang is None else max(1, gang)
-        rate = self.device_speedups(graph, rows, spec, gang, consolidated) * gang
-        work = spec.work_ref_s if spec.work_ref_s > 0 else 1.0
-        runtime: NDArray[np.float64] = np.divide(work, rate, out=np.full(len(rows), NEVER_S), where=rate > 0)
-        return np.minimum(runtime, NEVER_S)
+        rate = self.device_speedups(graph, rows, spec, gang, consolidated)
+        work = (spec.work_ref_s if spec.work_ref_s > 0 else 1.0) / gang
+        with np.errstate(divide="ignore"):
+            runtime: NDArray[np.float64] = np.minimum(work / rate, NEVER_S)  # a rate of 0: never
+        return runtime
 
 
 @cache

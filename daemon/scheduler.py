@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import NDArray
 
 from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import CONSTRAINTS, Exclusion, InfraGraph, Task, TaskState, check_task_spec
+from daemon.graph import CONSTRAINTS, Exclusion, InfraGraph, Rows, Task, TaskState, check_task_spec
 from daemon.ledger import PlacementLedger
 from daemon.policy import Policy
 from hlb.v1 import events_pb2 as ev
@@ -49,6 +50,70 @@ class Explanation:
     excluded: list[Exclusion] = field(default_factory=list)
     pending: api.Pending | None = None
     placement: ev.Placement | None = None
+
+
+ShapeKey = tuple[object, ...]
+MAX_CACHED_SHAPES = 16
+
+
+def _shape(spec: ev.TaskSpec) -> ShapeKey | None:
+    """What a row-local policy's scores depend on, or None for a task whose scores depend on more
+    (its dependencies' placements)."""
+    if spec.dependencies:
+        return None
+    return (
+        spec.workload_class,
+        spec.kind,
+        spec.num_devices,
+        spec.memory_per_device_gb,
+        spec.work_ref_s,
+        tuple(spec.allowed_kinds),
+        tuple(spec.allowed_models),
+        tuple(spec.preferred_models),
+    )
+
+
+class _BatchScores:
+    """Feasible rows and their scores per task shape, kept exact through one batch.
+
+    Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
+    memory: rows never become feasible, and only the rows just bound change score or drop out.
+    With a row-local policy, rescoring those rows gives exactly what a full pass would.
+    """
+
+    def __init__(self, graph: InfraGraph, policy: Policy) -> None:
+        self.graph = graph
+        self.policy = policy
+        self.entries: dict[ShapeKey, tuple[ev.TaskSpec, Rows, NDArray[np.float64]]] = {}
+
+    def lookup(self, spec: ev.TaskSpec) -> tuple[Rows, NDArray[np.float64]] | None:
+        key = _shape(spec)
+        if key is None:
+            return None
+        entry = self.entries.get(key)
+        if entry is None:
+            rows = self.graph.feasible_rows(spec)
+            entry = (spec, rows, np.array(self.policy.score(spec, self.graph, rows), dtype=np.float64))
+            if len(self.entries) >= MAX_CACHED_SHAPES:
+                del self.entries[next(iter(self.entries))]
+            self.entries[key] = entry
+        return entry[1], entry[2]
+
+    def bound(self, changed: Rows) -> None:
+        """Rescore (or drop, when no longer feasible) the ``changed`` rows in every entry."""
+        for key, (spec, rows, scores) in list(self.entries.items()):
+            at = np.searchsorted(rows, changed)
+            at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)] if len(rows) else at[:0]
+            if not len(at):
+                continue
+            # Only memory changed: health, kind and model of the rows are as they were.
+            ok = self.graph.free_memory_gb(rows[at]) >= spec.memory_per_device_gb
+            if ok.any():
+                scores[at[ok]] = self.policy.score(spec, self.graph, rows[at[ok]])
+            if not ok.all():
+                keep = np.ones(len(rows), dtype=np.bool_)
+                keep[at[~ok]] = False
+                self.entries[key] = (spec, rows[keep], scores[keep])
 
 
 class Scheduler:
@@ -171,20 +236,27 @@ class Scheduler:
 
         Later tasks see the reservations of earlier ones, with ``dry_run`` too: a dry run binds
         probes and releases them all before it returns, so nothing it did remains. Every spec is
-        validated before any is placed; returns the decisions in request order.
+        validated before any is placed (an error names the task's index, ``tasks[i]``); returns the
+        decisions in request order.
         """
         seen: set[str] = set()
-        for spec in specs:
-            check_task_spec(spec)
+        for i, spec in enumerate(specs):
+            try:
+                check_task_spec(spec)
+            except InvalidEventError as exc:
+                raise InvalidEventError(f"tasks[{i}]: {exc}", exc.reason) from None
             if spec.id in seen:
-                raise InvalidEventError(f"task {spec.id} appears twice in the batch", "duplicate_id")
+                raise InvalidEventError(f"tasks[{i}]: task {spec.id} appears twice in the batch", "duplicate_id")
             seen.add(spec.id)
             known = self.graph.tasks.get(spec.id)
             if known is not None and known.spec != spec:
-                raise InvalidEventError(f"task {spec.id} is already known with another spec", "duplicate_id")
+                raise InvalidEventError(
+                    f"tasks[{i}]: task {spec.id} is already known with another spec", "duplicate_id"
+                )
         order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
         decisions: list[Decision | None] = [None] * len(specs)
         probes: list[Task] = []
+        cache = _BatchScores(self.graph, self.policy) if self.policy.row_local else None
         try:
             for i in order:
                 spec = specs[i]
@@ -192,14 +264,17 @@ class Scheduler:
                     decisions[i] = self.lookup(spec.id)
                 elif dry_run:
                     probe = Task(spec=spec, cell=self.cell, arrival=0)
-                    placement = self._try_place(probe, dry_run=True)
+                    placement = self._try_place(probe, dry_run=True, cache=cache)
                     if placement is not None:
-                        self.graph.bind(probe, list(self.graph.device_rows(placement.device_ids)))
+                        rows = self.graph.device_rows(placement.device_ids)
+                        self.graph.bind(probe, [int(r) for r in rows])
                         probes.append(probe)
+                        if cache is not None:
+                            cache.bound(np.sort(rows))
                     decisions[i] = self._decision(probe, placement)
                 else:
                     task = self.submit(spec, self.cell)
-                    decisions[i] = self._decision(task, self._try_place(task, dry_run=False))
+                    decisions[i] = self._decision(task, self._try_place(task, dry_run=False, cache=cache))
         finally:
             for probe in probes:
                 self.graph.release(probe, TaskState.CANCELLED)
@@ -311,14 +386,22 @@ class Scheduler:
     def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
         return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))
 
-    def _try_place(self, task: Task, dry_run: bool) -> ev.Placement | None:
-        """The task's placement if it fits now (recorded unless ``dry_run``); else None and why, on the task."""
+    def _try_place(self, task: Task, dry_run: bool, cache: _BatchScores | None = None) -> ev.Placement | None:
+        """The task's placement if it fits now (recorded unless ``dry_run``); else None and why, on the task.
+
+        ``cache``: a batch's feasible rows and scores by shape, told about the binding made here.
+        """
         waiting_for = self._unfinished_dependency(task)
         if waiting_for is not None:
             task.pending_reason = waiting_for
             return None
-        feasible = self.graph.feasible_rows(task.spec)
-        gang, score = self.policy.choose_gang(task.spec, self.graph, feasible)
+        known = cache.lookup(task.spec) if cache is not None else None
+        if known is None:
+            feasible = self.graph.feasible_rows(task.spec)
+            gang, score = self.policy.choose_gang(task.spec, self.graph, feasible)
+        else:
+            feasible, scores = known
+            gang, score = self.policy.choose_gang(task.spec, self.graph, feasible, scores)
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
@@ -336,6 +419,8 @@ class Scheduler:
         self._dequeue(task.spec.id)
         self.graph.bind(task, [int(r) for r in gang])
         self.policy.placed(task.spec, self.graph, gang)
+        if cache is not None:
+            cache.bound(np.sort(gang))
         return self.ledger.record(placement)
 
     def _unfinished_dependency(self, task: Task) -> str | None:

@@ -183,7 +183,7 @@ def test_a_dry_run_batch_changes_nothing(running: Running) -> None:
     ("request_", "field"),
     [
         (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="ok"), ev.TaskSpec(id="")]), "tasks[1]: task: empty id"),
-        (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="x"), ev.TaskSpec(id="x")]), "tasks: task x appears twice"),
+        (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="x"), ev.TaskSpec(id="x")]), "tasks[1]: task x appears twice"),
         (api.PlaceBatchRequest(tasks=[ev.TaskSpec(id=f"t{i}") for i in range(10_001)]), "at most 10000"),
     ],
 )

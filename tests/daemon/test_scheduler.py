@@ -429,3 +429,35 @@ def test_no_decision_ever_breaks_a_hard_constraint_or_places_a_task_twice(ops: l
         assert {int(r): int(graph.devices.n_tasks[r]) for r in live if graph.devices.n_tasks[r]} == holders
     placed_ids = [p.task_id for p in scheduler.ledger.since(1)]
     assert len(placed_ids) == len(set(placed_ids))
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "best-fit", "hetero-greedy", "heft"])
+def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(policy: str) -> None:
+    rng = np.random.default_rng(5)
+    models = ["V100-SXM2-16GB", "A100-SXM4-80GB", "T4", "TPU-v4"]
+
+    def cluster() -> Scheduler:
+        scheduler = Scheduler(InfraGraph(), make_policy(policy), PlacementLedger(), "c", clock=lambda: 0.0)
+        for i in range(40):
+            kind = TPU if models[i % 4] == "TPU-v4" else GPU
+            spec = ev.Device(
+                id=f"d{i}", host_id=f"h{i // 4}", kind=kind, model=models[i % 4], memory_gb=16 + 16 * (i % 5)
+            )
+            scheduler.apply_telemetry(ev.TelemetryEvent(device_upsert=spec))
+        return scheduler
+
+    specs = [
+        ev.TaskSpec(
+            id=f"t{i}",
+            workload_class=["resnet50", "lm-bs20"][i % 2],
+            num_devices=int(rng.integers(1, 4)),
+            memory_per_device_gb=float(rng.choice([2.0, 10.0, 30.0])),
+            work_ref_s=600.0,
+        )
+        for i in range(120)
+    ]
+    batched = [d.placement for d in cluster().place_batch(specs)]
+    one_by_one = cluster()
+    single = [one_by_one.place(spec).placement for spec in specs]
+    assert [p.device_ids if p else None for p in batched] == [p.device_ids if p else None for p in single]
+    assert sum(p is not None for p in batched) > 60
