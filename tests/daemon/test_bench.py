@@ -1,0 +1,54 @@
+"""``hlb bench latency`` runs end to end at a tiny size and prints its figures as JSON (shape only:
+speed is what the command reports, never what a test asserts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from daemon.bench_latency import synthetic_devices
+from daemon.cli import main
+
+
+def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--devices", "20", "--pending", "3", "--calls", "5", "--warmup", "1", "--batch", "4", "--batches", "2"]
+    assert main(["bench", "latency", *args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["benchmark"], result["devices"], result["pending"], result["calls"]) == ("latency", 20, 3, 5)
+    assert result["floor"]["rpc"] == "grpc.health.v1.Health/Check"
+    for name in ("floor", "place_dry_run", "place"):
+        assert set(result[name]) >= {"p50_us", "p99_us", "mean_us"}
+        assert 0 < result[name]["p50_us"] <= result[name]["p99_us"]
+    for name in ("place_dry_run", "place"):
+        assert result[name]["p99_over_floor"] > 0
+    batch = result["place_batch"]
+    assert (batch["batch_size"], batch["batches"], batch["placed"]) == (4, 2, 8)
+    assert batch["placements_per_s"] > 0
+    # The queued tasks stayed queued; 5 + 1 real Place calls and 8 batch tasks were placed.
+    assert result["queue_after"] == 3
+    assert result["placed_total"] == 14
+    assert result["targets"] == {"place_p99_over_floor_max": 2.0, "place_batch_placements_per_s_min": 20000}
+
+
+def test_latency_prints_a_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--devices", "8", "--pending", "0", "--calls", "3", "--warmup", "0", "--batch", "2", "--batches", "1"]
+    assert main(["bench", "latency", *args]) == 0
+    out = capsys.readouterr().out
+    assert "Health/Check (floor)" in out
+    assert "PlaceBatch:" in out
+
+
+def test_bad_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "latency", "--devices", "0"]) == 2
+    assert "--devices must be at least 1" in capsys.readouterr().err
+
+
+def test_the_synthetic_cluster_has_hosts_of_eight_in_racks_of_sixteen() -> None:
+    events = synthetic_devices(300)
+    devices = [e.device_upsert for e in events if e.HasField("device_upsert")]
+    hosts = {e.host_upsert.id: e.host_upsert.rack_id for e in events if e.HasField("host_upsert")}
+    assert len(devices) == 300
+    assert len(hosts) == 38  # ceil(300 / 8)
+    assert set(hosts.values()) == {"r0", "r1", "r2"}
+    assert {d.host_id for d in devices} == set(hosts)
