@@ -29,6 +29,7 @@ def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str])
     assert result["queue_after"] == 3
     assert result["placed_total"] == 14
     assert result["targets"] == {"place_p99_over_floor_max": 2.0, "place_batch_placements_per_s_min": 20000}
+    assert set(result["met"]) == {"place_p99", "place_batch"}
 
 
 def test_latency_prints_a_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:
