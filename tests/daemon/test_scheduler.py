@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from daemon.errors import InvalidEventError, UnknownTaskError
 from daemon.graph import InfraGraph, TaskState
 from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded, make_policy
+from daemon.policy import POLICY_NAMES, LeastLoaded, make_policy
 from daemon.scheduler import Scheduler
 from hlb.v1 import events_pb2 as ev
 
@@ -409,10 +409,10 @@ def _apply(scheduler: Scheduler, op: Op) -> list[ev.Placement]:
     return []
 
 
-@settings(max_examples=150, deadline=None)
-@given(scenarios())
-def test_no_decision_ever_breaks_a_hard_constraint_or_places_a_task_twice(ops: list[Op]) -> None:
-    scheduler = Scheduler(InfraGraph(), make_policy("hetero-greedy"), PlacementLedger(), "c", clock=lambda: 0.0)
+@settings(max_examples=200, deadline=None)
+@given(scenarios(), st.sampled_from(POLICY_NAMES))
+def test_no_decision_ever_breaks_a_hard_constraint_or_places_a_task_twice(ops: list[Op], policy: str) -> None:
+    scheduler = Scheduler(InfraGraph(), make_policy(policy, seed=1), PlacementLedger(), "c", clock=lambda: 0.0)
     graph = scheduler.graph
     for op in ops:
         rows = graph.devices.live_rows()
