@@ -126,7 +126,7 @@ class Scheduler:
         clock: Clock,
     ) -> None:
         self.graph = graph
-        self.policy = policy
+        self._policy = policy
         self.ledger = ledger
         self.cell = cell
         self.clock = clock
@@ -137,6 +137,17 @@ class Scheduler:
         self._seen = (graph.version, graph.metrics_version)
         self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
         self._order_version = -1
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Swap the policy (a reload): the queue order (its ranks) and the next pass start afresh."""
+        self._policy = policy
+        self._order = None
+        self._dirty = True
 
     # -- events ----------------------------------------------------------------------------
 

@@ -186,3 +186,14 @@ def test_a_gang_prefers_one_host_then_one_rack_among_the_best_devices() -> None:
     four = ev.TaskSpec(id="t4", num_devices=4)
     assert len(best(LeastLoaded(), graph, four)) == 4  # no rack has four: the best four anywhere
     assert best(LeastLoaded(), graph, ev.TaskSpec(id="t6", num_devices=6)) == []
+
+
+def test_swapping_the_policy_reorders_the_queue() -> None:
+    graph = InfraGraph()
+    add_device(graph, "d", "h")
+    scheduler = Scheduler(graph, LeastLoaded(), PlacementLedger(), "c", clock=lambda: 0.0)
+    for spec in [ev.TaskSpec(id="short", work_ref_s=10), ev.TaskSpec(id="long", work_ref_s=1000)]:
+        scheduler.submit(spec, "c")
+    assert scheduler.queue_position("short") == 1  # arrival order
+    scheduler.policy = Heft()
+    assert scheduler.queue_position("long") == 1  # HEFT: the larger upward rank first
