@@ -148,6 +148,7 @@ class DeviceTable(Table):
         "temperature_c": (np.float64, 0.0),
         "health": (np.int8, ev.HEALTH_HEALTHY),
         "reserved_gb": (np.float64, 0.0),  # memory hlb reserved for the tasks it placed here
+        "placed_gb": (np.float64, 0.0),  # the part of reserved_gb whose tasks have not started yet
         "n_tasks": (np.int32, 0),  # tasks placed or running here
         "metrics_ms": (np.int64, 0),  # event time of the newest metrics
     }
@@ -164,6 +165,7 @@ class DeviceTable(Table):
     temperature_c: NDArray[np.float64]
     health: NDArray[np.int8]
     reserved_gb: NDArray[np.float64]
+    placed_gb: NDArray[np.float64]
     n_tasks: NDArray[np.int32]
     metrics_ms: NDArray[np.int64]
 
@@ -333,10 +335,12 @@ class InfraGraph:
         return self._tasks_on_device.get(row, set())
 
     def free_memory_gb(self, rows: Rows) -> NDArray[np.float64]:
-        """Memory free for new tasks. Reported use may already include hlb's own tasks, so the
-        larger of reserved and used counts. Shapes: rows [N] -> [N] GB."""
+        """Memory free for new tasks. Reported use may already include hlb's running tasks, so the
+        larger of reserved and used counts; but tasks placed and not started yet cannot be in the
+        reported use, so theirs is added to it. Shapes: rows [N] -> [N] GB."""
         d = self.devices
-        free: NDArray[np.float64] = d.memory_gb[rows] - np.maximum(d.reserved_gb[rows], d.memory_used_gb[rows])
+        used = d.memory_used_gb[rows] + d.placed_gb[rows]
+        free: NDArray[np.float64] = d.memory_gb[rows] - np.maximum(d.reserved_gb[rows], used)
         return free
 
     def load(self, rows: Rows) -> NDArray[np.float64]:
@@ -733,6 +737,7 @@ class InfraGraph:
         d = self.devices
         for row in rows:
             d.reserved_gb[row] += task.spec.memory_per_device_gb
+            d.placed_gb[row] += task.spec.memory_per_device_gb
             d.n_tasks[row] += 1
             self._tasks_on_device.setdefault(row, set()).add(task.spec.id)
         task.device_rows = tuple(int(r) for r in rows)
@@ -741,11 +746,22 @@ class InfraGraph:
         self.changes += len(rows)
 
     def mark_running(self, task: Task) -> None:
+        if task.state == TaskState.PLACED:
+            self._unplace(task)
         self._set_state(task, TaskState.RUNNING)
+
+    def _unplace(self, task: Task) -> None:
+        """The task's memory is no longer 'placed, not started' on its devices."""
+        d = self.devices
+        for row, device_id in zip(task.device_rows, task.device_ids, strict=True):
+            if d.ids[row] == device_id:
+                d.placed_gb[row] = max(0.0, d.placed_gb[row] - task.spec.memory_per_device_gb)
 
     def release(self, task: Task, final_state: TaskState) -> None:
         """Return the task's reservations and move it to a final state."""
         d = self.devices
+        if task.state == TaskState.PLACED:
+            self._unplace(task)
         for row, device_id in zip(task.device_rows, task.device_ids, strict=True):
             if d.ids[row] == device_id and task.spec.id in self._tasks_on_device.get(row, ()):
                 self._tasks_on_device[row].discard(task.spec.id)
