@@ -136,7 +136,7 @@ class ObjectiveWeightsSettings(_Section):
 class SchedulerSettings(_Section):
     # "gnn" is reserved for the learned policy; until a model ships it falls back to hetero-greedy.
     policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "gnn"] = (
-        "hetero-greedy"
+        "least-loaded"
     )
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
     seed: int = Field(0, ge=0, description="seed of the random policy")

@@ -338,8 +338,14 @@ def _best_domain(domains: NDArray[Any], scores: Scores, gang: int) -> NDArray[np
 
 
 def make_policy(name: str, weights: ObjectiveWeights | Mapping[str, float] | None = None, seed: int = 0) -> Policy:
-    """The policy called ``name`` (one of ``POLICY_NAMES``); ``ValueError`` for any other name."""
+    """The policy called ``name`` (one of ``POLICY_NAMES``, or ``gnn``, which falls back to
+    hetero-greedy until a model ships); ``ValueError`` for any other name."""
     w = ObjectiveWeights.of(weights)
+    if name == "gnn":  # reserved for the learned policy: a clear log line and the best baseline
+        import structlog
+
+        structlog.get_logger(__name__).warning("policy gnn has no model yet; using hetero-greedy")
+        name = "hetero-greedy"
     if name == "random":
         return RandomPolicy(seed)
     if name == "round-robin":
@@ -355,17 +361,6 @@ def make_policy(name: str, weights: ObjectiveWeights | Mapping[str, float] | Non
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
 
 
-def policy_from_settings(name: str, weights: Mapping[str, float], seed: int) -> Policy:
-    """The configured policy. ``gnn`` is reserved: until the learned model ships, it is a clear log
-    line and the best baseline (hetero-greedy), never a failed start."""
-    if name == "gnn":
-        import structlog
-
-        structlog.get_logger(__name__).warning("policy gnn has no model yet; using hetero-greedy")
-        name = "hetero-greedy"
-    return make_policy(name, weights, seed)
-
-
 __all__ = [
     "POLICY_NAMES",
     "BestFit",
@@ -378,5 +373,4 @@ __all__ = [
     "RoundRobin",
     "choose_gang",
     "make_policy",
-    "policy_from_settings",
 ]

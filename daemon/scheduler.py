@@ -177,7 +177,8 @@ class Scheduler:
             return  # a replayed or late event for a task that has ended
         if kind == "started":
             if task.state == TaskState.PLACED:
-                self.graph.mark_running(task)
+                self.graph.mark_running(task)  # its memory now shows in reported use instead
+                self._dirty = True
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
                 raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")

@@ -42,7 +42,7 @@ from daemon.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
 from daemon.ledger import PlacementLedger
 from daemon.logs import configure_logging
 from daemon.metrics import DaemonMetrics, MetricsServer, RpcMetricsInterceptor, StateSample, start_metrics_server
-from daemon.policy import policy_from_settings
+from daemon.policy import make_policy
 from daemon.ratelimit import RateLimitInterceptor, TokenBucket, default_burst
 from daemon.scheduler import Clock, Scheduler
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger
@@ -100,7 +100,7 @@ class Daemon:
         self.lock = threading.RLock()
         self.ledger = PlacementLedger()
         s = settings.scheduler
-        policy = policy_from_settings(s.policy, s.weights.model_dump(), s.seed)
+        policy = make_policy(s.policy, s.weights.model_dump(), s.seed)
         self.scheduler = Scheduler(InfraGraph(), policy, self.ledger, settings.cell, clock)
         self.publisher = bus.publisher()
         self.ready = asyncio.Event()
@@ -370,7 +370,7 @@ class Daemon:
 
     def _reload_scheduler(self, new: Settings) -> None:
         s = new.scheduler
-        policy = policy_from_settings(s.policy, s.weights.model_dump(), s.seed)
+        policy = make_policy(s.policy, s.weights.model_dump(), s.seed)
         with self.lock:
             self.scheduler.policy = policy
 

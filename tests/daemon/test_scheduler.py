@@ -231,6 +231,24 @@ def test_a_pass_with_nothing_new_does_no_work() -> None:
     assert [p.task_id for p in scheduler.schedule_pending()] == ["huge"]
 
 
+def test_memory_used_by_others_and_by_tasks_not_started_yet_both_count() -> None:
+    scheduler = make_scheduler()
+    used = ev.DeviceMetrics(device_id="big", memory_used_gb=30)  # 30 of 80 GB used by something else
+    scheduler.apply_telemetry(ev.TelemetryEvent(device_metrics=used))
+    first = scheduler.place(ev.TaskSpec(id="first", memory_per_device_gb=40))
+    assert first.placement is not None
+    assert list(first.placement.device_ids) == ["big"]
+    # 30 used + 40 placed (not started, so not in the report yet) leaves 10 GB, not 40.
+    second = ev.TaskSpec(id="second", memory_per_device_gb=20, allowed_models=["m80"])  # only "big" is m80
+    assert scheduler.place(second).pending is not None
+    scheduler.apply_task_event(ev.TaskEvent(started=ev.TaskStarted(task_id="first")))
+    report = ev.DeviceMetrics(device_id="big", memory_used_gb=70)  # now the report includes it
+    scheduler.apply_telemetry(ev.TelemetryEvent(device_metrics=report))
+    assert scheduler.schedule_pending() == []
+    scheduler.apply_telemetry(ev.TelemetryEvent(device_metrics=ev.DeviceMetrics(device_id="big", memory_used_gb=50)))
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["second"]  # it used less than it reserved
+
+
 def test_a_dependency_that_failed_says_the_task_can_never_start() -> None:
     scheduler = make_scheduler()
     submit(scheduler, ev.TaskSpec(id="prep"))

@@ -471,7 +471,7 @@ def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
     before = daemon.scheduler.policy
     built: list[str] = []
 
-    def make(name: str) -> Policy:
+    def make(name: str, weights: object = None, seed: int = 0) -> Policy:
         built.append(name)
         return LeastLoaded()
 
