@@ -173,8 +173,8 @@ class DeviceProfiles:
         gang = max(1, spec.num_devices) if gang is None else max(1, gang)
         rate = self.device_speedups(graph, rows, spec, gang, consolidated)
         work = (spec.work_ref_s if spec.work_ref_s > 0 else 1.0) / gang
-        with np.errstate(divide="ignore"):
-            runtime: NDArray[np.float64] = np.minimum(work / rate, NEVER_S)  # a rate of 0: never
+        # A rate of 0 (cannot run the task's kind) gives NEVER_S; the floor avoids dividing by 0.
+        runtime: NDArray[np.float64] = np.minimum(work / np.maximum(rate, 1e-12), NEVER_S)
         return runtime
 
 
