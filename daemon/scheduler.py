@@ -216,17 +216,21 @@ class Scheduler:
         placed: list[ev.Placement] = []
         # Feasible sets only shrink during a pass, so a shape (kinds, models, gang) that did not fit
         # with m GB does not fit with more: such tasks are skipped without a look at the devices.
-        refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], float] = {}
+        refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], tuple[float, str]] = {}
         for task in list(self._queue()):
             spec = task.spec
             shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), task.gang_size)
-            if spec.memory_per_device_gb >= refused.get(shape, np.inf) and not spec.dependencies:
+            smaller = refused.get(shape)
+            if smaller is not None and spec.memory_per_device_gb >= smaller[0] and not spec.dependencies:
+                task.pending_reason = smaller[1]
                 continue
             placement = self._try_place(task, dry_run=False)
             if placement is not None:
                 placed.append(placement)
-            elif not task.pending_reason.startswith("waiting for"):
-                refused[shape] = min(refused.get(shape, np.inf), spec.memory_per_device_gb)
+            elif not task.pending_reason.startswith("waiting for") and (
+                smaller is None or spec.memory_per_device_gb < smaller[0]
+            ):
+                refused[shape] = (spec.memory_per_device_gb, task.pending_reason)
         return placed
 
     def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:

@@ -249,6 +249,17 @@ def test_memory_used_by_others_and_by_tasks_not_started_yet_both_count() -> None
     assert [p.task_id for p in scheduler.schedule_pending()] == ["second"]  # it used less than it reserved
 
 
+def test_a_task_skipped_behind_a_smaller_one_of_its_shape_still_says_why() -> None:
+    scheduler = make_scheduler()
+    for task_id, memory in (("big", 500.0), ("bigger", 600.0)):
+        submit(scheduler, ev.TaskSpec(id=task_id, memory_per_device_gb=memory))
+    scheduler.schedule_pending()
+    for task_id in ("big", "bigger"):
+        pending = scheduler.lookup(task_id).pending
+        assert pending is not None
+        assert pending.reason.startswith("no feasible device")
+
+
 def test_a_dependency_that_failed_says_the_task_can_never_start() -> None:
     scheduler = make_scheduler()
     submit(scheduler, ev.TaskSpec(id="prep"))
