@@ -1,0 +1,404 @@
+"""``hlb eval``: every policy on the same workloads, loads and seeds; a results table and plots.
+
+Each run is one :class:`sim.simulator.Simulation` driving the daemon's own scheduler and policy.
+For a given (workload, load, seed) every policy sees the same tasks and the same telemetry noise
+and failure draws. Runs go over a process pool. Outputs, in ``--out``:
+
+- ``results.json``: the inputs, every run's metrics, and per (workload, load, policy) the mean and
+  the 95% confidence interval (Student's t over seeds) of each metric;
+- ``results.md``: the same summary as Markdown tables (the one printed at the end);
+- ``jct_cdf_<workload>_<load>.png``: JCT distribution per policy (all seeds pooled);
+- ``timeline_<workload>_<load>.png``: utilization and power over time per policy (first seed);
+- ``jct_vs_load_<workload>.png``: mean JCT against load with its interval (with several loads).
+
+Needs the ``eval`` extra (scipy, matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daemon.policy import Policy, make_policy
+from sim.catalogue import Catalogue, load_catalogue
+from sim.metrics import METRICS, compute_metrics, job_outcomes
+from sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
+from sim.simulator import FailureConfig, SimConfig, Simulation
+from sim.telemetry import TelemetryConfig
+from sim.topology import Inventory
+
+# Shown in the printed and Markdown tables (every metric is in results.json).
+TABLE_METRICS = (
+    "jct_mean_s",
+    "jct_p99_s",
+    "slowdown_mean",
+    "makespan_s",
+    "utilization",
+    "energy_kwh",
+    "queue_mean_s",
+    "slo_attainment",
+    "jct_gap",
+)
+SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One simulation: everything a worker process needs to rebuild it."""
+
+    cluster: str
+    workload: str
+    load: float
+    jobs: int
+    policy: str
+    seed: int
+    config: SimConfig
+
+
+def make_sim_policy(name: str) -> Policy:
+    """A daemon policy by name, or one the simulator adds (``lookahead``)."""
+    if name == "lookahead":
+        from sim.lookahead import LookaheadPolicy
+
+        return LookaheadPolicy()
+    try:
+        return make_policy(name)
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}") from None
+
+
+@lru_cache(maxsize=1)
+def _catalogue() -> Catalogue:
+    return load_catalogue()
+
+
+@lru_cache(maxsize=4)
+def _inventory(cluster: str) -> Inventory:
+    return build_cluster(cluster, _catalogue())
+
+
+def run_one(spec: RunSpec) -> dict[str, Any]:
+    """Simulate one run; returns its metrics, JCTs (s) and a timeline (for plots)."""
+    catalogue, inventory = _catalogue(), _inventory(spec.cluster)
+    tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
+    started = time.perf_counter()
+    sim = Simulation(catalogue, inventory, tasks, make_sim_policy(spec.policy), spec.seed, spec.config)
+    result = sim.run()
+    timeline = result.timeline
+    return {
+        "workload": spec.workload,
+        "load": spec.load,
+        "policy": spec.policy,
+        "seed": spec.seed,
+        "metrics": compute_metrics(result),
+        "wall_s": time.perf_counter() - started,
+        "jct_s": [j.jct_s for j in job_outcomes(result) if j.finished],
+        "timeline": {"t_s": timeline.t_s, "utilization": timeline.utilization, "power_w": timeline.power_w},
+    }
+
+
+def confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Mean and half-width of the Student-t interval over ``values`` (nan where undefined)."""
+    from scipy import stats
+
+    data = np.array([v for v in values if not math.isnan(v)], dtype=np.float64)
+    if not len(data):
+        return math.nan, math.nan
+    mean = float(data.mean())
+    if len(data) < 2:
+        return mean, math.nan
+    sem = float(data.std(ddof=1) / math.sqrt(len(data)))
+    return mean, float(stats.t.ppf(0.5 + level / 2, len(data) - 1) * sem)
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, load, policy): n and, per metric, mean and 95% half-width over seeds."""
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["workload"], run["load"], run["policy"]), []).append(run)
+    summary = []
+    for (workload, load, policy), group in groups.items():
+        metrics = {}
+        for key in group[0]["metrics"]:
+            mean, half = confidence_interval([r["metrics"][key] for r in group])
+            metrics[key] = {"mean": mean, "ci95": half}
+        summary.append({"workload": workload, "load": load, "policy": policy, "n": len(group), "metrics": metrics})
+    return summary
+
+
+def _format(value: float, unit: str) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if unit == "share":
+        return f"{value:.3f}"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.2f}"
+
+
+def table_markdown(summary: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS) -> str:
+    """Markdown tables, one per (workload, load): policies as rows, ``mean ± 95% CI`` per metric."""
+    info = {m.key: m for m in METRICS}
+    blocks = []
+    for workload, load in dict.fromkeys((s["workload"], s["load"]) for s in summary):
+        rows = [s for s in summary if s["workload"] == workload and s["load"] == load]
+        head = ["policy", "seeds"] + [
+            f"{info[m].label} ({info[m].unit})" if info[m].unit else info[m].label for m in metrics
+        ]
+        lines = [f"### {workload}, load {load:g}", "", "| " + " | ".join(head) + " |"]
+        lines.append("|" + "|".join("---" for _ in head) + "|")
+        for row in rows:
+            cells = [row["policy"], str(row["n"])]
+            for m in metrics:
+                stat = row["metrics"][m]
+                mean, half = _format(stat["mean"], info[m].unit), _format(stat["ci95"], info[m].unit)
+                cells.append(mean if half == "n/a" else f"{mean} ± {half}")
+            lines.append("| " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def write_plots(out: Path, runs: Sequence[dict[str, Any]]) -> list[Path]:
+    """The PNG plots (see the module docstring); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    keys = list(dict.fromkeys((r["workload"], r["load"]) for r in runs))
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    for workload, load in keys:
+        here = [r for r in runs if r["workload"] == workload and r["load"] == load]
+        tag = f"{_slug(workload)}_{load:g}"
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy in policies:
+            pooled = [np.asarray(r["jct_s"], dtype=np.float64) for r in here if r["policy"] == policy]
+            jct = np.sort(np.concatenate(pooled)) if pooled else np.empty(0)
+            if len(jct):
+                ax.step(jct / 3600.0, np.arange(1, len(jct) + 1) / len(jct), where="post", label=policy)
+        ax.set(xscale="log", xlabel="JCT (h)", ylabel="share of jobs", title=f"JCT CDF: {workload}, load {load:g}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out / f"jct_cdf_{tag}.png"))
+        plt.close(fig)
+
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        for policy in policies:
+            first = min((r for r in here if r["policy"] == policy), key=lambda r: r["seed"], default=None)
+            if first is None:
+                continue
+            t_h = np.asarray(first["timeline"]["t_s"]) / 3600.0
+            top.step(t_h, first["timeline"]["utilization"], where="post", label=policy)
+            bottom.step(t_h, np.asarray(first["timeline"]["power_w"]) / 1000.0, where="post", label=policy)
+        top.set(ylabel="mean utilization", title=f"{workload}, load {load:g} (first seed)")
+        bottom.set(xlabel="time (h)", ylabel="power (kW)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+        top.legend()
+        written.append(_save(fig, out / f"timeline_{tag}.png"))
+        plt.close(fig)
+
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        loads = sorted({r["load"] for r in runs if r["workload"] == workload})
+        if len(loads) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy in policies:
+            stats = [
+                confidence_interval(
+                    [
+                        r["metrics"]["jct_mean_s"] / 3600.0
+                        for r in runs
+                        if r["workload"] == workload and r["policy"] == policy and r["load"] == load
+                    ]
+                )
+                for load in loads
+            ]
+            means, halves = zip(*stats, strict=True)
+            ax.errorbar(loads, means, yerr=np.nan_to_num(halves), marker="o", capsize=3, label=policy)
+        ax.set(xlabel="load", ylabel="mean JCT (h)", title=f"JCT against load: {workload}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out / f"jct_vs_load_{_slug(workload)}.png"))
+        plt.close(fig)
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in Path(name).stem) or "workload"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _seeds(text: str) -> list[int]:
+    """``10`` (seeds 0..9), ``3-12`` or ``1,5,9``."""
+    if "," in text:
+        return [int(x) for x in text.split(",") if x]
+    if "-" in text:
+        low, high = (int(x) for x in text.split("-", 1))
+        return list(range(low, high + 1))
+    return list(range(int(text)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run placement policies on the same simulated workloads and seeds; write results.json, "
+        "results.md and PNG plots. Every policy runs through the daemon's scheduler."
+    )
+    parser.add_argument("--cluster", default="mixed:64", help=f"an inventory file or {CLUSTER_HELP}")
+    parser.add_argument("--inventory", type=Path, help="an inventory file (hlb-inventory/1); overrides --cluster")
+    parser.add_argument(
+        "--workload", default="gavel", help=f"comma-separated: {', '.join(sorted(WORKLOADS))}, or trace files"
+    )
+    parser.add_argument("--trace", type=Path, help="a trace file (.csv or .jsonl); overrides --workload")
+    parser.add_argument("--load", default="0.8", help="comma-separated offered loads (generated workloads)")
+    parser.add_argument("--jobs", type=int, default=300, help="jobs per generated workload")
+    parser.add_argument("--policies", default="least-loaded", help="comma-separated policy names")
+    parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
+    parser.add_argument("--out", type=Path, default=Path("eval-results"), help="output folder")
+    parser.add_argument("--telemetry-interval", type=float, default=TelemetryConfig.interval_s, help="s")
+    parser.add_argument("--telemetry-delay", type=float, default=TelemetryConfig.delay_s, help="s")
+    parser.add_argument("--utilization-noise", type=float, default=TelemetryConfig.utilization_noise)
+    parser.add_argument("--mtbf-h", type=float, default=math.inf, help="mean hours between failures per device")
+    parser.add_argument("--mttr-h", type=float, default=1.0, help="mean hours to repair a device")
+    parser.add_argument("--max-time-h", type=float, default=math.inf, help="stop each run at this simulated time")
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
+    try:
+        specs = _specs(args)
+    except ValueError as exc:
+        print(f"hlb eval: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+        import scipy  # noqa: F401
+    except ImportError:
+        print("hlb eval: needs the 'eval' extra: pip install 'hlb[eval]'", file=sys.stderr)
+        return 2
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    started = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    if args.workers > 1 and len(specs) > 1:
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            for run_result in pool.map(run_one, specs):
+                runs.append(run_result)
+                say(_progress_line(len(runs), len(specs), run_result, started))
+    else:
+        for spec in specs:
+            runs.append(run_one(spec))
+            say(_progress_line(len(runs), len(specs), runs[-1], started))
+    summary = summarize(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    inventory = _inventory(specs[0].cluster)
+    catalogue = _catalogue()
+    modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
+    models = {m: inventory.device_count(m) for m in sorted({d.model for d in inventory.devices})}
+    document = {
+        "format": "hlb-eval-results/1",
+        "command": "hlb eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else "",
+        "cluster": {
+            "spec": specs[0].cluster,
+            "devices": inventory.device_count(),
+            "models": models,
+            "modelled": modelled,
+        },
+        "config": asdict(specs[0].config),
+        "seeds": sorted({s.seed for s in specs}),
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k not in ("timeline", "jct_s")} for r in runs],
+    }
+    (args.out / "results.json").write_text(json.dumps(_plain(document), indent=1, allow_nan=False) + "\n")
+    table = table_markdown(summary)
+    note = (
+        f"Cluster `{specs[0].cluster}`: {inventory.device_count()} devices "
+        + ", ".join(f"{n} {m}" for m, n in models.items())
+        + (f". Modelled (not measured) device profiles: {', '.join(modelled)}." if modelled else ".")
+        + " Mean ± 95% confidence interval (Student's t) over seeds.\n\n"
+    )
+    (args.out / "results.md").write_text("# hlb eval results\n\n" + note + table)
+    plots = write_plots(args.out, runs)
+    print(table)
+    print(
+        f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and {len(plots)} plots "
+        f"({time.perf_counter() - started:.1f} s)"
+    )
+    return 0
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as strict JSON: nan -> null, infinities -> "inf" / "-inf"."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _progress_line(done: int, total: int, run_result: dict[str, Any], started: float) -> str:
+    width = 24
+    filled = round(width * done / total)
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {run_result['policy']} "
+        f"{run_result['workload']} load {run_result['load']:g} seed {run_result['seed']} "
+        f"({run_result['wall_s']:.1f} s; {time.perf_counter() - started:.0f} s elapsed)"
+    )
+
+
+def _specs(args: argparse.Namespace) -> list[RunSpec]:
+    cluster = str(args.inventory) if args.inventory else args.cluster
+    _inventory(cluster)  # fail early, with the loader's message
+    workloads = [str(args.trace)] if args.trace else [w for w in args.workload.split(",") if w]
+    for workload in workloads:
+        if workload not in WORKLOADS and not Path(workload).exists():
+            raise ValueError(f"unknown workload {workload!r}: one of {sorted(WORKLOADS)} or a trace file")
+    loads = _floats(args.load)
+    if not loads or min(loads) <= 0:
+        raise ValueError("--load needs loads > 0")
+    policies = [p for p in args.policies.split(",") if p]
+    for policy in policies:
+        make_sim_policy(policy)
+    seeds = _seeds(args.seeds)
+    if not seeds or not policies:
+        raise ValueError("at least one seed and one policy")
+    config = SimConfig(
+        telemetry=TelemetryConfig(
+            interval_s=args.telemetry_interval,
+            delay_s=args.telemetry_delay,
+            utilization_noise=args.utilization_noise,
+        ),
+        failures=FailureConfig(mtbf_s=args.mtbf_h * 3600.0, mttr_s=args.mttr_h * 3600.0),
+        max_time_s=args.max_time_h * 3600.0,
+    )
+    return [
+        RunSpec(cluster, workload, load, args.jobs, policy, seed, config)
+        for workload in workloads
+        for load in loads
+        for seed in seeds
+        for policy in policies
+    ]

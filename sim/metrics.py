@@ -1,0 +1,184 @@
+"""Metrics of a simulation run, and the lower bounds they are compared against.
+
+Job completion time (JCT) is the last finish of a job's tasks minus its first arrival. Every
+figure is computed from a :class:`sim.simulator.SimResult` alone. Units: s, J, kWh, 0..1 shares.
+
+Lower bounds (no policy can beat them on this cluster and workload):
+
+- ideal JCT of a job: the critical path of its DAG where each task runs, alone, at its fastest
+  feasible rate on this cluster, starting no earlier than its arrival, transfers free. JCT
+  slowdown is JCT over this ideal.
+- makespan: the larger of the latest ideal finish and ``total work / total capacity``: the sum
+  over work tasks of ``gang * ideal run time`` (device-seconds at full speed) over the number of
+  devices times the co-location gain (the most throughput a shared device can deliver).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.simulator import SimResult, TaskRecord
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    key: str
+    label: str
+    unit: str
+    better: str  # "lower" or "higher"; "" for counts that are context
+
+
+METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo("jct_mean_s", "JCT mean", "s", "lower"),
+    MetricInfo("jct_p95_s", "JCT p95", "s", "lower"),
+    MetricInfo("jct_p99_s", "JCT p99", "s", "lower"),
+    MetricInfo("slowdown_mean", "JCT slowdown mean", "x", "lower"),
+    MetricInfo("slowdown_p95", "JCT slowdown p95", "x", "lower"),
+    MetricInfo("makespan_s", "makespan", "s", "lower"),
+    MetricInfo("utilization", "utilization", "share", "higher"),
+    MetricInfo("allocation", "devices allocated", "share", "higher"),
+    MetricInfo("energy_kwh", "energy", "kWh", "lower"),
+    MetricInfo("throughput_jobs_per_h", "throughput", "jobs/h", "higher"),
+    MetricInfo("queue_mean_s", "queueing delay mean", "s", "lower"),
+    MetricInfo("slo_attainment", "SLO attainment", "share", "higher"),
+    MetricInfo("jct_gap", "JCT / lower bound", "x", "lower"),
+    MetricInfo("makespan_gap", "makespan / lower bound", "x", "lower"),
+    MetricInfo("jct_lb_mean_s", "JCT lower bound mean", "s", ""),
+    MetricInfo("makespan_lb_s", "makespan lower bound", "s", ""),
+    MetricInfo("jobs_finished", "jobs finished", "", ""),
+    MetricInfo("tasks_unfinished", "tasks not finished", "", ""),
+    MetricInfo("task_failures", "task attempts failed", "", ""),
+)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    job_id: str
+    arrival_s: float
+    finish_s: float  # nan while unfinished
+    ideal_s: float  # the lower bound on its JCT
+
+    @property
+    def finished(self) -> bool:
+        return not math.isnan(self.finish_s)
+
+    @property
+    def jct_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+def ideal_finish_s(tasks: Iterable[TaskRecord]) -> dict[str, float]:
+    """Earliest possible finish (s) of every task: arrival, critical path of ideal run times."""
+    by_id = {t.task_id: t for t in tasks}
+    finish: dict[str, float] = {}
+
+    def visit(task_id: str) -> float:
+        known = finish.get(task_id)
+        if known is not None:
+            return known
+        # Iterative depth-first order, so that long chains do not hit the recursion limit.
+        stack = [task_id]
+        while stack:
+            current = by_id[stack[-1]]
+            missing = [d for d in current.dependencies if d not in finish]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            ready = max([current.arrival_s] + [finish[d] for d in current.dependencies])
+            finish[current.task_id] = ready + current.ideal_s
+        return finish[task_id]
+
+    for task_id in by_id:
+        visit(task_id)
+    return finish
+
+
+def job_outcomes(result: SimResult) -> list[JobOutcome]:
+    """One outcome per job, in order of first arrival."""
+    ideal = ideal_finish_s(result.tasks)
+    jobs: dict[str, list[TaskRecord]] = {}
+    for task in result.tasks:
+        jobs.setdefault(task.job_id, []).append(task)
+    outcomes = []
+    for job_id, tasks in jobs.items():
+        arrival = min(t.arrival_s for t in tasks)
+        done = all(t.state == "finished" for t in tasks)
+        finish = max(t.finish_s for t in tasks) if done else math.nan
+        outcomes.append(JobOutcome(job_id, arrival, finish, max(ideal[t.task_id] for t in tasks) - arrival))
+    return sorted(outcomes, key=lambda j: (j.arrival_s, j.job_id))
+
+
+def makespan_lower_bound_s(result: SimResult) -> float:
+    """No schedule finishes every task sooner than this after the first arrival (s)."""
+    if not result.tasks:
+        return 0.0
+    start = min(t.arrival_s for t in result.tasks)
+    critical = max(ideal_finish_s(result.tasks).values()) - start
+    work = sum(t.min_device_s for t in result.tasks)
+    capacity = result.num_devices * result.colocation_gain
+    return max(critical, work / capacity if capacity > 0 else math.inf)
+
+
+def time_average(t_s: list[float], values: list[float], end_s: float) -> float:
+    """Mean over [t_s[0], end_s] of a step function that takes ``values[i]`` from ``t_s[i]``."""
+    if not t_s or end_s <= t_s[0]:
+        return values[0] if values else 0.0
+    times = np.append(np.asarray(t_s, dtype=np.float64), end_s)
+    widths = np.clip(np.diff(times), 0.0, None)
+    return float(np.dot(widths, np.asarray(values, dtype=np.float64)) / (end_s - t_s[0]))
+
+
+def slo_attainment(tasks: Iterable[TaskRecord]) -> float:
+    """Share of services that met their latency SLO and of deadline tasks finished in time; nan if none."""
+    met = total = 0
+    for task in tasks:
+        if task.latency_slo_ms > 0:
+            total += 1
+            met += task.state == "finished" and not task.slo_violated
+        if task.deadline_s > 0:
+            total += 1
+            met += task.state == "finished" and task.finish_s <= task.deadline_s
+    return met / total if total else math.nan
+
+
+def compute_metrics(result: SimResult) -> dict[str, float]:
+    """Every metric of :data:`METRICS` for one run (nan where undefined, e.g. no job finished)."""
+    jobs = job_outcomes(result)
+    done = [j for j in jobs if j.finished]
+    jct = np.array([j.jct_s for j in done])
+    slowdown = np.array([j.jct_s / j.ideal_s if j.ideal_s > 0 else 1.0 for j in done])
+    start = min((t.arrival_s for t in result.tasks), default=0.0)
+    finishes = [t.finish_s for t in result.tasks if t.state == "finished"]
+    makespan = (max(finishes) if finishes else result.end_s) - start
+    makespan_lb = makespan_lower_bound_s(result)
+    jct_lb = float(np.mean([j.ideal_s for j in done])) if done else math.nan
+    nan = math.nan
+    timeline = result.timeline
+    return {
+        "jct_mean_s": float(jct.mean()) if len(jct) else nan,
+        "jct_p95_s": float(np.percentile(jct, 95)) if len(jct) else nan,
+        "jct_p99_s": float(np.percentile(jct, 99)) if len(jct) else nan,
+        "slowdown_mean": float(slowdown.mean()) if len(slowdown) else nan,
+        "slowdown_p95": float(np.percentile(slowdown, 95)) if len(slowdown) else nan,
+        "makespan_s": makespan,
+        "utilization": time_average(timeline.t_s, timeline.utilization, result.end_s),
+        "allocation": time_average(timeline.t_s, timeline.allocated, result.end_s),
+        "energy_j": result.energy_j,
+        "energy_kwh": result.energy_j / 3.6e6,
+        "throughput_jobs_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else nan,
+        "queue_mean_s": float(np.mean([t.queue_s for t in result.tasks])) if result.tasks else nan,
+        "slo_attainment": slo_attainment(result.tasks),
+        "jct_gap": float(jct.mean()) / jct_lb if len(jct) and jct_lb > 0 else nan,
+        "makespan_gap": makespan / makespan_lb if makespan_lb > 0 else nan,
+        "jct_lb_mean_s": jct_lb,
+        "makespan_lb_s": makespan_lb,
+        "jobs": float(len(jobs)),
+        "jobs_finished": float(len(done)),
+        "tasks_unfinished": float(sum(t.state != "finished" for t in result.tasks)),
+        "task_failures": float(sum(max(0, t.attempts - (t.state == "finished")) for t in result.tasks)),
+    }
