@@ -97,7 +97,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     result = sim.run()
     timeline = result.timeline
     return {
-        "workload": spec.workload,
+        "workload": spec.workload if spec.workload in WORKLOADS else Path(spec.workload).name,
         "load": spec.load,
         "policy": spec.policy,
         "seed": spec.seed,
@@ -243,7 +243,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-." else "-" for c in Path(name).stem) or "workload"
+    return "".join(c if c.isalnum() or c in "-._" else "-" for c in Path(name).stem) or "workload"
 
 
 def _floats(text: str) -> list[float]:

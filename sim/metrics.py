@@ -180,5 +180,5 @@ def compute_metrics(result: SimResult) -> dict[str, float]:
         "jobs": float(len(jobs)),
         "jobs_finished": float(len(done)),
         "tasks_unfinished": float(sum(t.state != "finished" for t in result.tasks)),
-        "task_failures": float(sum(max(0, t.attempts - (t.state == "finished")) for t in result.tasks)),
+        "task_failures": float(sum(t.failed_attempts for t in result.tasks)),
     }

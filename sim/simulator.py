@@ -33,7 +33,8 @@ Model (units: s, steps/s, W, J, GB):
   ``rho = rate * S``; the SLO is missed if that latency ever exceeds ``latency_slo_ms``.
 - Failures: each device fails after an exponential time of mean ``mtbf_s`` and is repaired after
   one of mean ``mttr_s``. Its tasks fail (the scheduler hears ``failed``) and are resubmitted as a
-  new attempt ``<task>#<n>`` after ``retry_delay_s``; pending dependents are cancelled and
+  new attempt ``<task>#<n>`` after ``retry_delay_s`` (doubling per failure, at most an hour;
+  given up after ``max_attempts`` failures); pending dependents are cancelled and
   resubmitted against the new attempt. The scheduler hears of the failure and the repair only
   through telemetry; a task placed on a device that has failed meanwhile fails at once.
 - Tasks without an allow-list of models get one: the cluster's models on which their class runs
@@ -67,6 +68,7 @@ from sim.workloads import Task
 Decider = Callable[["Simulation"], list[ev.Placement]]
 """Makes the decisions at one instant: must place through ``sim.scheduler`` (its ledger records them)."""
 
+MAX_RETRY_DELAY_S = 3600.0  # the retry backoff doubles from retry_delay_s up to this
 TIME_SHARING_FACTOR = 0.5  # co-location fraction of a pair Gavel did not measure
 SPREAD_FALLBACK_FACTOR = 0.5  # spread gang of a class with no spread figure: this share of consolidated
 
@@ -98,7 +100,7 @@ class SimConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     retry_delay_s: float = 30.0
-    max_attempts: int = 20
+    max_attempts: int = 20  # failed attempts before a task is given up
     max_time_s: float = math.inf  # stop here even if work remains (it is reported as pending)
     restrict_to_runnable: bool = True
 
@@ -119,7 +121,8 @@ class TaskRecord:
     latency_slo_ms: float = 0.0
     deadline_s: float = 0.0
     state: str = "pending"  # pending, finished, failed, unrunnable
-    attempts: int = 0
+    attempts: int = 0  # submissions to the scheduler (resubmissions of dependents included)
+    failed_attempts: int = 0
     placed_s: float = math.nan  # final attempt
     start_s: float = math.nan  # final attempt, after its input transfers
     finish_s: float = math.nan
@@ -316,6 +319,14 @@ class Simulation:
         """Attempt ids computing on a device now (not those still waiting for their inputs)."""
         return set(self._running[self._index[device_id]])
 
+    def memory_used_gb(self) -> np.ndarray:
+        """Memory held by tasks on each device (GB), in inventory order. Shape [N]."""
+        return self._mem_used.copy()
+
+    def memory_gb(self) -> np.ndarray:
+        """Each device's memory (GB), in inventory order. Shape [N]."""
+        return self._memory_gb.copy()
+
     def true_utilization(self) -> np.ndarray:
         """Each device's true utilization (0..1), in inventory order. Shape [N]."""
         return self._util.copy()
@@ -401,7 +412,8 @@ class Simulation:
     def _model_fits(self, task: Task, model: str) -> bool:
         profile = self.catalogue.profile(model)
         return (
-            task.kind in profile.task_kinds
+            # The catalogue names training and inference; batch stages run where training runs.
+            (task.kind if task.kind != "batch_stage" else "training") in profile.task_kinds
             and (not task.allowed_kinds or profile.kind in task.allowed_kinds)
             and (not task.allowed_models or model in task.allowed_models)
             and task.memory_per_device_gb <= profile.memory_gb
@@ -564,11 +576,13 @@ class Simulation:
     def _fail_attempt(self, attempt: _Attempt, reason: str, retry: bool) -> None:
         record = attempt.record
         record.reason = reason
+        record.failed_attempts += 1
         self._release(attempt)
         self._task_event(failed=ev.TaskFailed(task_id=attempt.id, reason=reason))
-        if retry and record.attempts < self.config.max_attempts:
+        if retry and record.failed_attempts < self.config.max_attempts:
             self._retries_left += 1
-            self._push(self.clock.t_s + self.config.retry_delay_s, _RETRY, attempt.task.id)
+            backoff_s = min(self.config.retry_delay_s * 2.0 ** (record.failed_attempts - 1), MAX_RETRY_DELAY_S)
+            self._push(self.clock.t_s + backoff_s, _RETRY, attempt.task.id)
         else:
             record.state = "failed"
 

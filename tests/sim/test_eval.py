@@ -1,0 +1,79 @@
+"""``hlb eval`` end to end on a tiny cluster, and its statistics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from daemon.cli import main
+from sim.eval import confidence_interval
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_confidence_interval_is_students_t() -> None:
+    mean, half = confidence_interval([1.0, 2.0, 3.0])
+    assert mean == pytest.approx(2.0)
+    assert half == pytest.approx(stats.t.ppf(0.975, 2) * 1.0 / 3**0.5)
+    assert confidence_interval([5.0])[0] == 5.0
+
+
+def test_eval_writes_json_markdown_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results"
+    code = main(
+        ["eval", "--cluster", "mixed:8", "--workload", "gavel", "--jobs", "8", "--load", "0.5,0.9",
+         "--policies", "least-loaded", "--seeds", "2", "--workers", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["format"] == "hlb-eval-results/1"
+    assert document["cluster"]["devices"] == 8
+    assert "A100-SXM4-80GB" in document["cluster"]["modelled"]
+    assert len(document["runs"]) == 4
+    assert {(s["load"], s["policy"], s["n"]) for s in document["summary"]} == {
+        (0.5, "least-loaded", 2),
+        (0.9, "least-loaded", 2),
+    }
+    jct = document["summary"][0]["metrics"]["jct_mean_s"]
+    assert jct["mean"] > 0
+    assert jct["ci95"] >= 0
+    markdown = (out / "results.md").read_text()
+    assert "| least-loaded | 2 |" in markdown
+    assert "Modelled" in markdown
+    for name in ("jct_cdf_gavel_0.5.png", "timeline_gavel_0.9.png", "jct_vs_load_gavel.png"):
+        assert (out / name).read_bytes().startswith(PNG_MAGIC)
+    assert "| least-loaded |" in capsys.readouterr().out
+
+
+def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
+    out = tmp_path / "replay"
+    code = main(
+        ["eval", "--inventory", str(FIXTURES / "small_inventory.json"), "--trace", str(FIXTURES / "small_trace.jsonl"),
+         "--policies", "least-loaded,lookahead", "--seeds", "1", "--workers", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    document = json.loads((out / "results.json").read_text())
+    finished = {r["policy"]: r["metrics"]["jobs_finished"] for r in document["runs"]}
+    assert finished == {"least-loaded": 3, "lookahead": 3}
+    assert (out / "jct_cdf_small_trace_0.8.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--policies", "no-such-policy"], "unknown policy 'no-such-policy'"),
+        (["--workload", "no-such-workload"], "unknown workload"),
+        (["--cluster", "mixed:x"], "expected NAME:DEVICES"),
+        (["--load", "0"], "loads > 0"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["eval", "--jobs", "2", "--seeds", "1", "--out", str(tmp_path / "x"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

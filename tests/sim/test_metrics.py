@@ -1,0 +1,121 @@
+"""Metrics and lower bounds: hand-computed cases, and bounds that hold on every run."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from sim.catalogue import Catalogue, load_catalogue
+from sim.lookahead import LookaheadPolicy
+from sim.metrics import (
+    compute_metrics,
+    ideal_finish_s,
+    job_outcomes,
+    makespan_lower_bound_s,
+    slo_attainment,
+    time_average,
+)
+from sim.scenarios import build_cluster, build_workload
+from sim.simulator import SimConfig, SimResult, TaskRecord, Timeline, simulate
+
+
+def record(task_id: str, **fields: Any) -> TaskRecord:
+    values: dict[str, Any] = {
+        "task_id": task_id,
+        "job_id": task_id.split("/", maxsplit=1)[0],
+        "kind": "training",
+        "workload_class": "resnet18-bs16",
+        "num_devices": 1,
+        "arrival_s": 0.0,
+        "dependencies": (),
+        "ideal_s": 10.0,
+        "min_device_s": 10.0,
+    }
+    values.update(fields)
+    return TaskRecord(**values)
+
+
+def result_of(tasks: list[TaskRecord], num_devices: int = 1, gain: float = 1.0) -> SimResult:
+    end = max((t.finish_s for t in tasks if not math.isnan(t.finish_s)), default=0.0)
+    timeline = Timeline([0.0, end / 2], [1.0, 0.0], [300.0, 50.0], [1.0, 0.0])
+    return SimResult("p", 0, tasks, num_devices, end, 1.8e7, 50.0, gain, timeline, len(tasks), 0, 0)
+
+
+def test_ideal_finish_follows_the_critical_path_of_a_fork_and_join() -> None:
+    tasks = [
+        record("j/a", ideal_s=5.0, arrival_s=2.0),
+        record("j/b", ideal_s=7.0, arrival_s=2.0, dependencies=("j/a",)),
+        record("j/c", ideal_s=1.0, arrival_s=2.0, dependencies=("j/a",)),
+        record("j/d", ideal_s=3.0, arrival_s=2.0, dependencies=("j/b", "j/c")),
+    ]
+    assert ideal_finish_s(tasks) == {"j/a": 7.0, "j/b": 14.0, "j/c": 8.0, "j/d": 17.0}
+    finished = [
+        TaskRecord(**{**t.__dict__, "state": "finished", "finish_s": f})
+        for t, f in zip(tasks, (8.0, 20.0, 9.0, 26.0), strict=True)
+    ]
+    (job,) = job_outcomes(result_of(finished))
+    assert (job.arrival_s, job.finish_s, job.ideal_s, job.jct_s) == (2.0, 26.0, 15.0, 24.0)
+
+
+def test_makespan_bound_is_work_over_capacity_when_that_is_longer() -> None:
+    tasks = [record(f"t{i}/x", min_device_s=100.0, ideal_s=50.0) for i in range(4)]
+    assert makespan_lower_bound_s(result_of(tasks, num_devices=2)) == pytest.approx(200.0)
+    assert makespan_lower_bound_s(result_of(tasks, num_devices=2, gain=1.25)) == pytest.approx(160.0)
+    assert makespan_lower_bound_s(result_of(tasks, num_devices=100)) == pytest.approx(50.0)
+
+
+def test_time_average_of_a_step_function() -> None:
+    assert time_average([0.0, 10.0], [1.0, 0.0], 40.0) == pytest.approx(0.25)
+    assert time_average([0.0], [0.5], 0.0) == 0.5
+
+
+def test_slo_attainment_counts_services_and_deadlines() -> None:
+    tasks = [
+        record("s1/x", latency_slo_ms=10.0, state="finished", finish_s=5.0),
+        record("s2/x", latency_slo_ms=10.0, state="finished", finish_s=5.0, slo_violated=True),
+        record("d1/x", deadline_s=100.0, state="finished", finish_s=90.0),
+        record("d2/x", deadline_s=100.0, state="finished", finish_s=110.0),
+        record("plain/x", state="finished", finish_s=1.0),
+    ]
+    assert slo_attainment(tasks) == pytest.approx(0.5)
+    assert math.isnan(slo_attainment(tasks[-1:]))
+
+
+def test_metrics_of_a_hand_made_run() -> None:
+    tasks = [
+        record("a/x", state="finished", finish_s=20.0, queue_s=10.0),
+        record("b/x", arrival_s=10.0, state="finished", finish_s=40.0),
+    ]
+    metrics = compute_metrics(result_of(tasks))
+    assert metrics["jct_mean_s"] == pytest.approx(25.0)
+    assert metrics["slowdown_mean"] == pytest.approx(2.5)
+    assert metrics["makespan_s"] == pytest.approx(40.0)
+    assert metrics["utilization"] == pytest.approx(0.5)
+    assert metrics["energy_kwh"] == pytest.approx(5.0)
+    assert metrics["queue_mean_s"] == pytest.approx(5.0)
+    assert metrics["throughput_jobs_per_h"] == pytest.approx(2 / (40.0 / 3600.0))
+    assert metrics["makespan_lb_s"] == pytest.approx(20.0)  # 2 x 10 device-seconds on one device
+    assert metrics["jct_gap"] == pytest.approx(2.5)
+    assert metrics["makespan_gap"] == pytest.approx(2.0)
+
+
+@pytest.fixture(scope="module")
+def catalogue() -> Catalogue:
+    return load_catalogue()
+
+
+@pytest.mark.parametrize(("workload", "load"), [("gavel", 0.9), ("mixed", 1.5), ("inference", 0.8)])
+def test_lower_bounds_hold_for_every_policy(catalogue: Catalogue, workload: str, load: float) -> None:
+    inventory = build_cluster("mixed:16", catalogue)
+    tasks = build_workload(workload, 7, 12, catalogue, inventory, load)
+    config = SimConfig()
+    for policy in ("least-loaded", LookaheadPolicy(k=2, horizon_s=3600.0)):
+        result = simulate(catalogue, inventory, tasks, policy, 7, config)
+        metrics = compute_metrics(result)
+        assert metrics["jobs_finished"] == metrics["jobs"]
+        assert metrics["makespan_s"] >= metrics["makespan_lb_s"] * (1 - 1e-9)
+        for job in job_outcomes(result):
+            assert job.jct_s >= job.ideal_s * (1 - 1e-9)
+        assert metrics["jct_gap"] >= 1.0 - 1e-9

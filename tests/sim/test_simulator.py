@@ -1,0 +1,329 @@
+"""The simulator: hand-computed runtimes, co-location, transfers, energy, failures, determinism."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from daemon.policy import make_policy
+from hlb.v1 import events_pb2 as ev
+from sim.catalogue import Catalogue, load_catalogue
+from sim.lookahead import LookaheadPolicy
+from sim.metrics import compute_metrics
+from sim.network import Network
+from sim.scenarios import build_cluster, build_workload
+from sim.simulator import FailureConfig, SimConfig, SimResult, Simulation, simulate
+from sim.telemetry import TelemetryConfig
+from sim.topology import Inventory, homogeneous_cluster, inventory_from_document
+from sim.traces import read_trace
+from sim.workloads import Dependency, Task, merge_workloads
+
+FIXTURES = Path(__file__).parent / "fixtures"
+V100 = "V100-SXM2-16GB"
+EXACT = SimConfig(telemetry=TelemetryConfig(utilization_noise=0.0, power_noise=0.0, memory_noise_gb=0.0))
+
+
+@pytest.fixture(scope="module")
+def catalogue() -> Catalogue:
+    return load_catalogue()
+
+
+def task(task_id: str, work_ref_s: float, **fields: Any) -> Task:
+    values: dict[str, Any] = {
+        "id": task_id,
+        "job_id": task_id,
+        "arrival_s": 0.0,
+        "kind": "training",
+        "workload_class": "resnet18-bs16",
+        "num_devices": 1,
+        "memory_per_device_gb": 1.5,
+        "work_ref_s": work_ref_s,
+    }
+    values.update(fields)
+    return Task(**values)
+
+
+def host(host_id: str, rack: str, devices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    uplink = {"kind": "ethernet", "bandwidth_gbps": 100, "latency_us": 5}
+    return {"id": host_id, "rack": rack, "cpu_cores": 8, "memory_gb": 64, "uplink": uplink, "devices": devices, **extra}
+
+
+def two_host_inventory(catalogue: Catalogue) -> Inventory:
+    """A V100 host and a T4 host in one rack; links chosen for a hand-computed route."""
+    document = {
+        "format": "hlb-inventory/1",
+        "switches": [{"id": "rack"}],
+        "hosts": [
+            host(
+                "a",
+                "rack",
+                [{"id": "a/v100", "model": V100}],
+                device_link={"kind": "nvlink", "bandwidth_gbps": 2400, "latency_us": 1},
+                uplink={"kind": "infiniband", "bandwidth_gbps": 100, "latency_us": 1.5},
+            ),
+            host(
+                "b",
+                "rack",
+                [{"id": "b/t4", "model": "T4"}],
+                device_link={"kind": "pcie", "bandwidth_gbps": 128, "latency_us": 1.5},
+                uplink={"kind": "ethernet", "bandwidth_gbps": 25, "latency_us": 10},
+            ),
+        ],
+    }
+    return inventory_from_document(document, catalogue)
+
+
+def by_id(result: SimResult) -> dict[str, Any]:
+    return {r.task_id: r for r in result.tasks}
+
+
+def test_one_task_on_one_device_runs_for_the_catalogue_runtime(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 1)
+    result = simulate(catalogue, inventory, [task("t", 3600.0, arrival_s=100.0)], config=EXACT)
+    record = by_id(result)["t"]
+    assert record.state == "finished"
+    assert record.start_s == 100.0
+    assert record.finish_s - record.arrival_s == pytest.approx(catalogue.runtime_s(3600.0, "resnet18-bs16", V100))
+    assert record.device_ids == (inventory.devices[0].id,)
+    assert compute_metrics(result)["slowdown_mean"] == pytest.approx(1.0)
+
+
+def test_gang_runtime_depends_on_consolidation(catalogue: Catalogue) -> None:
+    consolidated = homogeneous_cluster(catalogue, V100, 8)  # one 8-GPU host
+    spread = inventory_from_document(
+        {
+            "format": "hlb-inventory/1",
+            "switches": [{"id": "rack"}],
+            "hosts": [host(f"h{i}", "rack", [{"model": V100, "count": 1}]) for i in range(4)],
+        },
+        catalogue,
+    )
+    gang = task("g", 7200.0, num_devices=4)
+    for inventory, together in ((consolidated, True), (spread, False)):
+        record = by_id(simulate(catalogue, inventory, [gang], config=EXACT))["g"]
+        expected = catalogue.runtime_s(7200.0, "resnet18-bs16", V100, 4, consolidated=together)
+        assert record.finish_s == pytest.approx(expected)
+    assert catalogue.runtime_s(7200.0, "resnet18-bs16", V100, 4, True) != catalogue.runtime_s(
+        7200.0, "resnet18-bs16", V100, 4, False
+    )
+
+
+def test_two_tasks_sharing_a_device_run_at_the_measured_colocation_factors(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 1)
+    a = task("a", 3600.0, workload_class="a3c", memory_per_device_gb=4.0)
+    b = task("b", 3600.0, workload_class="cyclegan", memory_per_device_gb=4.0)
+    records = by_id(simulate(catalogue, inventory, [a, b], config=EXACT))
+    fa, fb = catalogue.colocation_factors(V100, "a3c", "cyclegan", 1)
+    alone_a, alone_b = catalogue.runtime_s(3600.0, "a3c", V100), catalogue.runtime_s(3600.0, "cyclegan", V100)
+    # Both start at 0 on the one device; the first to finish ran shared all along, the other
+    # then runs what it has left alone.
+    shared_a, shared_b = alone_a / fa, alone_b / fb
+    first, second, second_alone, second_shared = (
+        ("a", "b", alone_b, shared_b) if shared_a < shared_b else ("b", "a", alone_a, shared_a)
+    )
+    t1 = min(shared_a, shared_b)
+    assert records[first].finish_s == pytest.approx(t1)
+    assert records[second].finish_s == pytest.approx(t1 + (1.0 - t1 / second_shared) * second_alone)
+
+
+def test_network_route_is_latency_plus_size_over_bottleneck(catalogue: Catalogue) -> None:
+    network = Network(two_host_inventory(catalogue))
+    # nvlink 1 µs + infiniband 1.5 µs + ethernet 10 µs + pcie 1.5 µs; the 25 Gbit/s ethernet limits.
+    assert network.transfer_s("a/v100", "b/t4", 10.0) == pytest.approx(14e-6 + 80.0 / 25.0)
+    assert network.transfer_s("a/v100", "a/v100", 10.0) == 0.0
+
+
+def test_a_dependent_task_starts_after_its_input_has_crossed_the_links(catalogue: Catalogue) -> None:
+    inventory = two_host_inventory(catalogue)
+    up = task("up", 600.0, job_id="dag", allowed_models=(V100,))
+    down = task("down", 600.0, job_id="dag", allowed_models=("T4",), dependencies=(Dependency("up", 10.0),))
+    records = by_id(simulate(catalogue, inventory, [up, down], config=EXACT))
+    transfer = 14e-6 + 80.0 / 25.0
+    assert records["down"].placed_s == pytest.approx(records["up"].finish_s)
+    assert records["down"].start_s == pytest.approx(records["up"].finish_s + transfer)
+    assert records["down"].transfer_s == pytest.approx(transfer)
+    runtime = catalogue.runtime_s(600.0, "resnet18-bs16", "T4")
+    assert records["down"].finish_s == pytest.approx(records["down"].start_s + runtime)
+
+
+def test_energy_is_idle_power_over_time_plus_the_busy_device_dynamic_power(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 2)
+    result = simulate(catalogue, inventory, [task("t", 3600.0, arrival_s=1000.0)], config=EXACT)
+    runtime = catalogue.runtime_s(3600.0, "resnet18-bs16", V100)
+    profile = catalogue.profile(V100)
+    idle_w = 2 * profile.idle_power_w
+    assert result.end_s == pytest.approx(1000.0 + runtime)
+    expected = idle_w * result.end_s + (profile.peak_power_w - profile.idle_power_w) * runtime
+    assert result.energy_j == pytest.approx(expected)
+    metrics = compute_metrics(result)
+    assert metrics["energy_kwh"] == pytest.approx(expected / 3.6e6)
+    # Before the arrival the cluster draws exactly its idle power.
+    assert result.timeline.power_w[0] == pytest.approx(idle_w)
+
+
+def test_a_failed_device_fails_its_tasks_and_they_are_resubmitted(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 2)
+    runtime = catalogue.runtime_s(36000.0, "resnet18-bs16", V100)
+    config = replace(EXACT, failures=FailureConfig(mtbf_s=runtime / 2, mttr_s=600.0))
+    tasks = [task(f"t{i}", 36000.0) for i in range(2)]
+    sim = Simulation(catalogue, inventory, tasks, seed=3, config=config)
+    result = sim.run()
+    assert result.failures > 0
+    assert all(r.state == "finished" for r in result.tasks)
+    retried = [r for r in result.tasks if r.attempts > 1]
+    assert retried
+    for record in retried:
+        # The scheduler saw every attempt; the first failed and the last finished.
+        assert sim.scheduler.graph.tasks[record.task_id].state.label == "failed"
+        assert sim.scheduler.graph.tasks[f"{record.task_id}#{record.attempts}"].state.label == "finished"
+        assert record.finish_s - record.arrival_s > runtime
+
+
+def test_dependents_of_a_failed_task_are_resubmitted_against_the_new_attempt(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 4)
+    tasks = []
+    for job in range(6):
+        prep = task(f"j{job}/prep", 600.0, job_id=f"j{job}", arrival_s=100.0 * job)
+        train = replace(prep, id=f"j{job}/train", work_ref_s=3000.0, dependencies=(Dependency(prep.id, 5.0),))
+        evaluate = replace(prep, id=f"j{job}/eval", dependencies=(Dependency(train.id, 1.0),))
+        tasks += [prep, train, evaluate]
+    config = replace(EXACT, failures=FailureConfig(mtbf_s=8000.0, mttr_s=300.0))
+    result = simulate(catalogue, inventory, tasks, seed=1, config=config)
+    assert result.failures > 0
+    assert all(r.state == "finished" for r in result.tasks)
+    finish = {r.task_id: r.finish_s for r in result.tasks}
+    for record in result.tasks:
+        assert all(record.start_s >= finish[d] for d in record.dependencies)
+
+
+def conserving_decider(seen: list[int]) -> Any:
+    """Checks, at every decision, that no device holds more memory than it has."""
+
+    def decide(sim: Simulation) -> list[ev.Placement]:
+        assert np.all(sim.memory_used_gb() <= sim.memory_gb() + 1e-9)
+        seen.append(sim.scheduler.pending_count)
+        return sim.scheduler.schedule_pending()
+
+    return decide
+
+
+def test_conservation_every_task_ends_and_no_device_is_overfilled(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:16", catalogue)
+    tasks = build_workload("mixed", 2, 40, catalogue, inventory, 1.2)
+    config = SimConfig(failures=FailureConfig(mtbf_s=200000.0, mttr_s=3600.0))
+    calls: list[int] = []
+    sim = Simulation(catalogue, inventory, tasks, seed=2, config=config, decider=conserving_decider(calls))
+    result = sim.run()
+    assert calls
+    assert {r.state for r in result.tasks} <= {"finished", "failed", "pending", "unrunnable"}
+    ended = [r for r in result.tasks if r.state != "pending"]
+    waiting = {t.spec.id for t in sim.scheduler.graph.tasks.values() if t.state.label == "pending"}
+    # A task still pending in the simulation is pending (under its current attempt) in the scheduler.
+    assert {sim.scheduler.graph.tasks[f"{r.task_id}#{r.attempts}" if r.attempts > 1 else r.task_id].spec.id
+            for r in result.tasks if r.state == "pending"} <= waiting  # fmt: skip
+    assert sum(r.state == "finished" for r in ended) >= 0.9 * len(tasks)
+    assert all(r.reason for r in result.tasks if r.state in ("failed", "unrunnable"))
+    assert not any(r.reason.startswith("out of memory") for r in result.tasks)
+    # One placement at most per attempt (dependents cancelled for a resubmission are never placed).
+    assert len(sim.scheduler.ledger) <= sum(r.attempts for r in result.tasks)
+
+
+def run_metrics(catalogue: Catalogue, seed: int, policy: str = "least-loaded") -> dict[str, float]:
+    inventory = build_cluster("mixed:16", catalogue)
+    tasks = build_workload("gavel", seed, 30, catalogue, inventory, 0.8)
+    config = SimConfig(failures=FailureConfig(mtbf_s=500000.0))
+    return compute_metrics(simulate(catalogue, inventory, tasks, policy, seed, config))
+
+
+def test_the_same_seed_gives_the_same_results(catalogue: Catalogue) -> None:
+    first, again, other = run_metrics(catalogue, 4), run_metrics(catalogue, 4), run_metrics(catalogue, 5)
+    assert first == again
+    assert first != other
+
+
+def test_a_service_misses_its_slo_when_its_device_is_too_slow(catalogue: Catalogue) -> None:
+    inventory = two_host_inventory(catalogue)
+    reference_ms = 1000.0 / catalogue.throughput(V100, "resnet50-bs16", 1)
+    labels = {"duration_s": "3600", "request_rate_per_s": "0.1", "request_work_ref_ms": repr(reference_ms)}
+    services = [
+        task(f"svc-{model}", 1.0, kind="inference", workload_class="resnet50-bs16", allowed_models=(model,),
+             latency_slo_ms=1.2 * reference_ms, labels=labels)
+        for model in (V100, "T4")
+    ]  # fmt: skip
+    records = by_id(simulate(catalogue, inventory, services, config=EXACT))
+    assert records[f"svc-{V100}"].finish_s == pytest.approx(3600.0)
+    assert not records[f"svc-{V100}"].slo_violated
+    assert catalogue.throughput("T4", "resnet50-bs16", 1) < catalogue.throughput(V100, "resnet50-bs16", 1) / 1.2
+    assert records["svc-T4"].slo_violated
+
+
+def test_a_class_that_cannot_run_on_the_cluster_is_reported_not_placed(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, "Alveo-U280", 1)  # inference only
+    result = simulate(catalogue, inventory, [task("t", 60.0)], config=EXACT)
+    assert by_id(result)["t"].state == "unrunnable"
+    assert math.isinf(by_id(result)["t"].ideal_s)
+
+
+def test_an_external_decider_must_place_through_the_scheduler(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 1)
+
+    def rogue(sim: Simulation) -> list[ev.Placement]:
+        return [ev.Placement(task_id="t", device_ids=[inventory.devices[0].id])]
+
+    with pytest.raises(ValueError, match="never recorded"):
+        simulate(catalogue, inventory, [task("t", 60.0)], decider=rogue)
+
+
+def test_policies_are_chosen_by_name_or_given_as_objects(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 2)
+    by_name = simulate(catalogue, inventory, [task("t", 60.0)], "least-loaded")
+    by_object = simulate(catalogue, inventory, [task("t", 60.0)], make_policy("least-loaded"))
+    assert by_name.policy == by_object.policy == "least-loaded"
+    assert by_name.tasks == by_object.tasks
+
+
+def test_lookahead_decides_through_the_same_scheduler(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:8", catalogue)
+    tasks = build_workload("gavel", 1, 12, catalogue, inventory, 0.9)
+    policy = LookaheadPolicy(k=3, horizon_s=4 * 3600.0)
+    sim = Simulation(catalogue, inventory, tasks, policy, seed=1)
+    result = sim.run()
+    assert policy.rollouts > 0
+    assert all(r.state == "finished" for r in result.tasks)
+    assert {p.policy for p in sim.scheduler.ledger.since(1)} == {"lookahead"}
+
+
+def replay(catalogue: Catalogue, trace: Sequence[Task]) -> SimResult:
+    from sim.topology import load_inventory
+
+    inventory = load_inventory(FIXTURES / "small_inventory.json", catalogue)
+    return simulate(catalogue, inventory, trace, seed=0, config=EXACT)
+
+
+def test_a_hand_written_inventory_and_trace_replay(catalogue: Catalogue) -> None:
+    from_csv = replay(catalogue, read_trace(FIXTURES / "small_trace.csv"))
+    from_jsonl = replay(catalogue, read_trace(FIXTURES / "small_trace.jsonl"))
+    assert from_csv.tasks == from_jsonl.tasks
+    records = by_id(from_csv)
+    assert all(r.state == "finished" for r in records.values())
+    assert records["gang-1/train"].models == (V100,) * 4
+    assert records["svc-1/serve"].models == ("T4",)
+    assert records["dag-1/train"].start_s >= records["dag-1/prep"].finish_s
+    assert records["dag-1/eval"].start_s >= records["dag-1/train"].finish_s
+    assert "Alveo-U280" not in records["dag-1/train"].models
+
+
+def test_unknown_classes_and_dependencies_are_clear_errors(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 1)
+    with pytest.raises(ValueError, match="workload class 'nope'"):
+        Simulation(catalogue, inventory, [task("t", 1.0, workload_class="nope")])
+    with pytest.raises(ValueError, match="unknown task 'ghost'"):
+        Simulation(catalogue, inventory, [task("t", 1.0, dependencies=(Dependency("ghost", 1.0),))])
+    with pytest.raises(ValueError, match="unique"):
+        Simulation(catalogue, inventory, merge_workloads([task("t", 1.0)]) * 2)
