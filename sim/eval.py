@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.policy import Policy, make_policy
+from daemon.policy import POLICY_NAMES, Policy, make_policy
 from sim.catalogue import Catalogue, load_catalogue
 from sim.metrics import METRICS, compute_metrics, job_outcomes
 from sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
@@ -66,16 +66,15 @@ class RunSpec:
     config: SimConfig
 
 
-def make_sim_policy(name: str) -> Policy:
-    """A daemon policy by name, or one the simulator adds (``lookahead``)."""
+def make_sim_policy(name: str, seed: int = 0) -> Policy:
+    """A daemon policy by name (``POLICY_NAMES``), or one the simulator adds (``lookahead``)."""
     if name == "lookahead":
         from sim.lookahead import LookaheadPolicy
 
         return LookaheadPolicy()
-    try:
-        return make_policy(name)
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}") from None
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {name!r}: one of {', '.join((*POLICY_NAMES, *SIM_POLICIES))}")
+    return make_policy(name, seed=seed)
 
 
 @lru_cache(maxsize=1)
@@ -93,7 +92,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     catalogue, inventory = _catalogue(), _inventory(spec.cluster)
     tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     started = time.perf_counter()
-    sim = Simulation(catalogue, inventory, tasks, make_sim_policy(spec.policy), spec.seed, spec.config)
+    sim = Simulation(catalogue, inventory, tasks, make_sim_policy(spec.policy, spec.seed), spec.seed, spec.config)
     result = sim.run()
     timeline = result.timeline
     return {

@@ -11,25 +11,28 @@ scheduler, graph and ledger as every other policy. For each decision it:
 3. keeps the candidate with the least total flow time in the fork: the sum over tasks that have
    arrived of ``min(finish, horizon end) - arrival`` (s), i.e. JCT truncated at the horizon.
 
-It needs the simulation it decides in (:meth:`attach`, done by :class:`sim.simulator.Simulation`);
-outside one it falls back to the base policy.
+The decision is made in :meth:`choose_gang` (the scheduler's seam for a gang); :meth:`score`
+gives the base policy's scores. It needs the simulation it decides in (:meth:`attach`, done by
+:class:`sim.simulator.Simulation`); outside one it falls back to the base policy.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
-from daemon.graph import InfraGraph, Rows
+from daemon.graph import InfraGraph, Rows, Task
 from daemon.policy import Policy, make_policy
 from hlb.v1 import events_pb2 as ev
 from sim.simulator import Simulation
 
 
-class PinnedPolicy:
-    """Gives one task exactly the given rows; every other task is scored by ``base``."""
+class PinnedPolicy(Policy):
+    """Gives one task exactly the given rows; ``base`` decides everything else."""
 
     def __init__(self, task_id: str, rows: Rows, base: Policy) -> None:
         self.task_id = task_id
@@ -37,18 +40,31 @@ class PinnedPolicy:
         self.base = base
         self.name = base.name
 
-    def score(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        if task.id != self.task_id:
-            return self.base.score(task, graph, rows)
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        if spec.id != self.task_id:
+            return self.base.score(spec, graph, rows)
         return np.isin(rows, self.rows).astype(np.float64)
 
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
+    ) -> tuple[Rows, float]:
+        if spec.id == self.task_id and np.isin(self.rows, feasible).all():
+            return self.rows, 1.0
+        return self.base.choose_gang(spec, graph, feasible, None if spec.id == self.task_id else scores)
 
-class LookaheadPolicy:
+    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
+        self.base.placed(spec, graph, rows)
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        return self.base.rank(graph, tasks)
+
+
+class LookaheadPolicy(Policy):
     """Rolls out the top-``k`` candidate gangs for ``horizon_s`` seconds; see the module docstring."""
 
     name = "lookahead"
 
-    def __init__(self, base: str = "least-loaded", k: int = 3, horizon_s: float = 6 * 3600.0) -> None:
+    def __init__(self, base: str = "hetero-greedy", k: int = 3, horizon_s: float = 6 * 3600.0) -> None:
         if k < 1 or horizon_s <= 0:
             raise ValueError("lookahead needs k >= 1 and horizon_s > 0")
         self.base = make_policy(base)
@@ -60,26 +76,40 @@ class LookaheadPolicy:
     def attach(self, sim: Simulation) -> None:
         self._sim = sim
 
-    def score(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        base_scores = self.base.score(task, graph, rows)
-        candidates = self.candidates(task, graph, rows, base_scores)
-        if self._sim is None or len(candidates) < 2:
-            return base_scores
-        costs = [self.rollout_cost(task.id, c) for c in candidates]
-        best = candidates[int(np.argmin(costs))]
-        # The chosen rows outrank all others; the base scores only break ties below them.
-        spread = float(np.ptp(base_scores)) if len(base_scores) else 0.0
-        scores: NDArray[np.float64] = 0.5 * (base_scores - base_scores.min()) / (spread or 1.0)
-        scores[np.isin(rows, best)] += 1.0
-        return scores
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        """The base policy's scores (what Explain and ScoreDevices see); the decision is :meth:`choose_gang`."""
+        return self.base.score(spec, graph, rows)
 
-    def candidates(self, task: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: NDArray[np.float64]) -> list[Rows]:
-        """Up to ``k`` distinct gangs: the base policy's choice, then the best of each model."""
-        gang = max(1, task.num_devices)
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
+    ) -> tuple[Rows, float]:
+        """The candidate gang whose rollout has the least flow time; the base's choice outside a simulation."""
+        base_choice = self.base.choose_gang(spec, graph, feasible)
+        if self._sim is None or not len(base_choice[0]):
+            return base_choice
+        base_scores = self.base.score(spec, graph, feasible)
+        candidates = self.candidates(spec, graph, feasible, base_scores, base_choice[0])
+        if len(candidates) < 2:
+            return base_choice
+        costs = [self.rollout_cost(spec.id, c) for c in candidates]
+        best = int(np.argmin(costs))
+        return candidates[best], -float(costs[best])
+
+    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
+        self.base.placed(spec, graph, rows)
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        return self.base.rank(graph, tasks)
+
+    def candidates(
+        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: NDArray[np.float64], first: Rows
+    ) -> list[Rows]:
+        """Up to ``k`` distinct gangs: ``first`` (the base policy's choice), then the best of each model."""
+        gang = max(1, spec.num_devices)
         if len(rows) < gang:
             return []
         order = np.argsort(-scores, kind="stable")
-        found: list[tuple[float, Rows]] = [(math.inf, np.sort(rows[order[:gang]]))]
+        found: list[tuple[float, Rows]] = [(math.inf, np.sort(first))]
         models = graph.devices.model[rows]
         for model in np.unique(models):
             members = order[models[order] == model][:gang]
@@ -96,7 +126,8 @@ class LookaheadPolicy:
         """Total flow time (s) up to the horizon in a fork where ``task_id`` goes to ``rows``."""
         assert self._sim is not None
         fork = self._sim.fork()
-        fork.policy = fork.scheduler.policy = PinnedPolicy(task_id, rows, self.base)
+        # A fresh policy object (the setter also makes the fork's scheduler take a new pass now).
+        fork.policy = fork.scheduler.policy = PinnedPolicy(task_id, rows, copy.deepcopy(self.base))
         fork.apply_new_placements()
         end_s = fork.now_s + self.horizon_s
         fork.decide_now()

@@ -205,7 +205,7 @@ class Simulation:
         self.seed = seed
         self.clock = SimClock()
         self.network = Network(inventory)
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = make_policy(policy, seed=seed) if isinstance(policy, str) else policy
         self.scheduler = Scheduler(InfraGraph(), self.policy, PlacementLedger(), self.config.cell, self.clock.now)
         self.decider: Decider = decider or _schedule_pending
         streams = np.random.SeedSequence(seed).spawn(2)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from daemon.policy import POLICY_NAMES, Policy
 from sim.catalogue import Catalogue, load_catalogue
 from sim.lookahead import LookaheadPolicy
 from sim.metrics import (
@@ -111,7 +112,8 @@ def test_lower_bounds_hold_for_every_policy(catalogue: Catalogue, workload: str,
     inventory = build_cluster("mixed:16", catalogue)
     tasks = build_workload(workload, 7, 12, catalogue, inventory, load)
     config = SimConfig()
-    for policy in ("least-loaded", LookaheadPolicy(k=2, horizon_s=3600.0)):
+    policies: list[str | Policy] = [*POLICY_NAMES, LookaheadPolicy(k=2, horizon_s=3600.0)]
+    for policy in policies:
         result = simulate(catalogue, inventory, tasks, policy, 7, config)
         metrics = compute_metrics(result)
         assert metrics["jobs_finished"] == metrics["jobs"]
