@@ -9,7 +9,9 @@ scheduler, graph and ledger as every other policy. For each decision it:
 2. for each candidate, forks the whole simulation (scheduler included), pins this task to the
    candidate, and rolls the fork forward ``horizon_s`` with the base policy deciding;
 3. keeps the candidate with the least total flow time in the fork: the sum over tasks that have
-   arrived of ``min(finish, horizon end) - arrival`` (s), i.e. JCT truncated at the horizon.
+   arrived by the horizon's end of ``finish - arrival`` (s), where a task still running then is
+   projected to finish at its current rate and a queued one after its ideal run time
+   (:meth:`sim.simulator.Simulation.projected_finish_s`).
 
 The decision is made in :meth:`choose_gang` (the scheduler's seam for a gang); :meth:`score`
 gives the base policy's scores. It needs the simulation it decides in (:meth:`attach`, done by
@@ -123,7 +125,7 @@ class LookaheadPolicy(Policy):
         return distinct[: self.k]
 
     def rollout_cost(self, task_id: str, rows: Rows) -> float:
-        """Total flow time (s) up to the horizon in a fork where ``task_id`` goes to ``rows``."""
+        """Projected total flow time (s) at the horizon in a fork where ``task_id`` goes to ``rows``."""
         assert self._sim is not None
         fork = self._sim.fork()
         # A fresh policy object (the setter also makes the fork's scheduler take a new pass now).
@@ -133,8 +135,9 @@ class LookaheadPolicy(Policy):
         fork.decide_now()
         fork.run_until(end_s)
         self.rollouts += 1
-        return sum(
-            min(r.finish_s if r.state == "finished" else end_s, end_s) - r.arrival_s
-            for r in fork.records.values()
-            if r.arrival_s <= end_s and r.state != "unrunnable"
-        )
+        total = 0.0
+        for record in fork.records.values():
+            if record.arrival_s <= end_s and record.state != "unrunnable":
+                finish = fork.projected_finish_s(record.task_id)
+                total += (finish if math.isfinite(finish) else end_s + self.horizon_s) - record.arrival_s
+        return total

@@ -319,6 +319,21 @@ class Simulation:
         """Attempt ids computing on a device now (not those still waiting for their inputs)."""
         return set(self._running[self._index[device_id]])
 
+    def projected_finish_s(self, task_id: str) -> float:
+        """When a task finishes if nothing changes from now (s): its finish when done; running at its
+        current rate; otherwise now plus its ideal run time (optimistic). inf if it cannot run."""
+        record = self.records[task_id]
+        if record.state == "finished":
+            return record.finish_s
+        attempt = self._current.get(task_id)
+        now = self.clock.t_s
+        if record.state == "pending" and attempt is not None and attempt.phase == "running":
+            if not math.isnan(attempt.fixed_end_s):
+                return attempt.fixed_end_s
+            done = attempt.steps_done + attempt.rate * (now - attempt.last_s)
+            return now + max(0.0, attempt.steps_total - done) / attempt.rate
+        return now + record.ideal_s
+
     def memory_used_gb(self) -> np.ndarray:
         """Memory held by tasks on each device (GB), in inventory order. Shape [N]."""
         return self._mem_used.copy()
