@@ -327,3 +327,31 @@ def test_unknown_classes_and_dependencies_are_clear_errors(catalogue: Catalogue)
         Simulation(catalogue, inventory, [task("t", 1.0, dependencies=(Dependency("ghost", 1.0),))])
     with pytest.raises(ValueError, match="unique"):
         Simulation(catalogue, inventory, merge_workloads([task("t", 1.0)]) * 2)
+
+
+def scheduler_view(sim: Simulation) -> float:
+    graph = sim.scheduler.graph
+    return float(graph.devices.utilization[graph.device_rows([sim.inventory.devices[0].id])][0])
+
+
+def test_telemetry_reaches_the_scheduler_late_and_noisy(catalogue: Catalogue) -> None:
+    inventory = homogeneous_cluster(catalogue, V100, 1)
+    tasks = [task("t", 36000.0)]
+    exact = TelemetryConfig(interval_s=300.0, delay_s=30.0, utilization_noise=0.0, power_noise=0.0, memory_noise_gb=0.0)
+    sim = Simulation(catalogue, inventory, tasks, config=SimConfig(telemetry=exact))
+    # The task runs from t = 0; the sample at 0 was taken before it started, the next at 300 s
+    # arrives at 330 s.
+    sim.run_until(329.0)
+    assert sim.true_utilization()[0] == 1.0
+    assert scheduler_view(sim) == 0.0
+    sim.run_until(331.0)
+    assert scheduler_view(sim) == 1.0
+
+    noisy = replace(exact, utilization_noise=0.2)
+    sim = Simulation(catalogue, inventory, tasks, seed=1, config=SimConfig(telemetry=noisy))
+    seen = []
+    for step in range(1, 7):
+        sim.run_until(330.0 + 1800.0 * step)
+        seen.append(scheduler_view(sim))
+    assert all(0.0 <= u <= 1.0 for u in seen)
+    assert any(u < 1.0 for u in seen)  # noise, clipped at the top
