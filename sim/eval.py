@@ -155,7 +155,7 @@ def table_markdown(summary: Sequence[dict[str, Any]], metrics: Sequence[str] = T
         head = ["policy", "seeds"] + [
             f"{info[m].label} ({info[m].unit})" if info[m].unit else info[m].label for m in metrics
         ]
-        lines = [f"### {workload}, load {load:g}", "", "| " + " | ".join(head) + " |"]
+        lines = [f"### {workload}, {_load_label(load)}", "", "| " + " | ".join(head) + " |"]
         lines.append("|" + "|".join("---" for _ in head) + "|")
         for row in rows:
             cells = [row["policy"], str(row["n"])]
@@ -180,14 +180,15 @@ def write_plots(out: Path, runs: Sequence[dict[str, Any]]) -> list[Path]:
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     for workload, load in keys:
         here = [r for r in runs if r["workload"] == workload and r["load"] == load]
-        tag = f"{_slug(workload)}_{load:g}"
+        tag = f"{_slug(workload)}_{load:g}" if load else _slug(workload)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for policy in policies:
             pooled = [np.asarray(r["jct_s"], dtype=np.float64) for r in here if r["policy"] == policy]
             jct = np.sort(np.concatenate(pooled)) if pooled else np.empty(0)
             if len(jct):
                 ax.step(jct / 3600.0, np.arange(1, len(jct) + 1) / len(jct), where="post", label=policy)
-        ax.set(xscale="log", xlabel="JCT (h)", ylabel="share of jobs", title=f"JCT CDF: {workload}, load {load:g}")
+        title = f"JCT CDF: {workload}, {_load_label(load)}"
+        ax.set(xscale="log", xlabel="JCT (h)", ylabel="share of jobs", title=title)
         ax.grid(alpha=0.3)
         ax.legend()
         written.append(_save(fig, out / f"jct_cdf_{tag}.png"))
@@ -201,7 +202,7 @@ def write_plots(out: Path, runs: Sequence[dict[str, Any]]) -> list[Path]:
             t_h = np.asarray(first["timeline"]["t_s"]) / 3600.0
             top.step(t_h, first["timeline"]["utilization"], where="post", label=policy)
             bottom.step(t_h, np.asarray(first["timeline"]["power_w"]) / 1000.0, where="post", label=policy)
-        top.set(ylabel="mean utilization", title=f"{workload}, load {load:g} (first seed)")
+        top.set(ylabel="mean utilization", title=f"{workload}, {_load_label(load)} (first seed)")
         bottom.set(xlabel="time (h)", ylabel="power (kW)")
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
@@ -239,6 +240,11 @@ def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def _load_label(load: float) -> str:
+    """A trace is replayed as recorded (load 0 stands for that); generated work has a load."""
+    return f"load {load:g}" if load else "replayed"
 
 
 def _slug(name: str) -> str:
@@ -364,7 +370,7 @@ def _progress_line(done: int, total: int, run_result: dict[str, Any], started: f
     filled = round(width * done / total)
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {run_result['policy']} "
-        f"{run_result['workload']} load {run_result['load']:g} seed {run_result['seed']} "
+        f"{run_result['workload']} {_load_label(run_result['load'])} seed {run_result['seed']} "
         f"({run_result['wall_s']:.1f} s; {time.perf_counter() - started:.0f} s elapsed)"
     )
 
@@ -397,7 +403,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     return [
         RunSpec(cluster, workload, load, args.jobs, policy, seed, config)
         for workload in workloads
-        for load in loads
+        for load in (loads if workload in WORKLOADS else [0.0])
         for seed in seeds
         for policy in policies
     ]

@@ -59,7 +59,7 @@ def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
     document = json.loads((out / "results.json").read_text())
     finished = {r["policy"]: r["metrics"]["jobs_finished"] for r in document["runs"]}
     assert finished == {"least-loaded": 3, "lookahead": 3}
-    assert (out / "jct_cdf_small_trace_0.8.png").exists()
+    assert (out / "jct_cdf_small_trace.png").exists()
 
 
 @pytest.mark.parametrize(
