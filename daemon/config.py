@@ -140,6 +140,9 @@ class SchedulerSettings(_Section):
     )
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
     seed: int = Field(0, ge=0, description="seed of the random policy")
+    # Tasks one device may hold at once: 1 gives each task its devices to itself (what GPU device
+    # plugins and Slurm's GRES give by default); more where devices are shared (MPS, time slicing).
+    max_tasks_per_device: int = Field(1, ge=0, le=1024, description="0: no limit")
 
 
 class LogSettings(_Section):

@@ -265,7 +265,7 @@ class Exclusion:
     detail: str
 
 
-CONSTRAINTS = ("health", "kind", "model", "memory")
+CONSTRAINTS = ("health", "kind", "model", "capacity", "memory")
 
 
 def _check_id(value: str, what: str) -> None:
@@ -297,7 +297,10 @@ class InfraGraph:
     can tell how much moved since it was computed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_tasks_per_device: int = 1) -> None:
+        # Tasks one device may hold at once; 1 (exclusive devices, as GPU device plugins and
+        # Slurm's GRES give by default) unless the cluster shares devices (MPS, time slicing); 0: no limit.
+        self.max_tasks_per_device = max_tasks_per_device
         self.devices = DeviceTable()
         self.hosts = HostTable()
         self.switches = SwitchTable()
@@ -382,6 +385,8 @@ class InfraGraph:
         if len(groups) > 1:
             rows.sort()
         ok = (self.devices.health[rows] != ev.HEALTH_FAILED) & (self.free_memory_gb(rows) >= spec.memory_per_device_gb)
+        if self.max_tasks_per_device > 0:
+            ok &= self.devices.n_tasks[rows] < self.max_tasks_per_device
         feasible: Rows = rows[ok]
         return feasible
 
@@ -390,7 +395,9 @@ class InfraGraph:
         d = self.devices
         out = np.full(len(rows), -1, dtype=np.int8)
         memory = self.free_memory_gb(rows) < spec.memory_per_device_gb
-        out[memory] = 3
+        out[memory] = 4
+        if self.max_tasks_per_device > 0:
+            out[d.n_tasks[rows] >= self.max_tasks_per_device] = 3
         if spec.allowed_models:
             models = [self._model_index[m] for m in spec.allowed_models if m in self._model_index]
             out[~np.isin(d.model[rows], models)] = 2
@@ -420,6 +427,8 @@ class InfraGraph:
                 detail = f"kind {KIND_NAMES.get(int(d.kind[row]), '?')} not in allowed kinds [{allowed}]"
             elif constraint == "model":
                 detail = f"model {self.model_of(row)} not in allowed models"
+            elif constraint == "capacity":
+                detail = f"runs {int(d.n_tasks[row])} task(s), the most a device may hold"
             else:
                 free = float(self.free_memory_gb(np.array([row]))[0])
                 detail = f"{free:.1f} GB free < {spec.memory_per_device_gb:.1f} GB needed"

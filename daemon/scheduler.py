@@ -77,7 +77,8 @@ class _BatchScores:
     """Feasible rows and their scores per task shape, kept exact through one batch.
 
     Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
-    memory: rows never become feasible, and only the rows just bound change score or drop out.
+    memory and capacity: rows never become feasible, and only the rows just bound change score or
+    drop out.
     With a row-local policy, rescoring those rows gives exactly what a full pass would.
     """
 
@@ -106,8 +107,7 @@ class _BatchScores:
             at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)] if len(rows) else at[:0]
             if not len(at):
                 continue
-            # Only memory changed: health, kind and model of the rows are as they were.
-            ok = self.graph.free_memory_gb(rows[at]) >= spec.memory_per_device_gb
+            ok = self.graph.violations(spec, rows[at]) < 0
             if ok.any():
                 scores[at[ok]] = self.policy.score(spec, self.graph, rows[at[ok]])
             if not ok.all():

@@ -101,7 +101,9 @@ class Daemon:
         self.ledger = PlacementLedger()
         s = settings.scheduler
         policy = make_policy(s.policy, s.weights.model_dump(), s.seed)
-        self.scheduler = Scheduler(InfraGraph(), policy, self.ledger, settings.cell, clock)
+        self.scheduler = Scheduler(
+            InfraGraph(settings.scheduler.max_tasks_per_device), policy, self.ledger, settings.cell, clock
+        )
         self.publisher = bus.publisher()
         self.ready = asyncio.Event()
         self.port = 0

@@ -103,6 +103,7 @@ class SimConfig:
     max_attempts: int = 20  # failed attempts before a task is given up
     max_time_s: float = math.inf  # stop here even if work remains (it is reported as pending)
     restrict_to_runnable: bool = True
+    max_tasks_per_device: int = 1  # the daemon's hard capacity constraint (scheduler.max_tasks_per_device)
 
 
 @dataclass
@@ -206,7 +207,13 @@ class Simulation:
         self.clock = SimClock()
         self.network = Network(inventory)
         self.policy = make_policy(policy, seed=seed) if isinstance(policy, str) else policy
-        self.scheduler = Scheduler(InfraGraph(), self.policy, PlacementLedger(), self.config.cell, self.clock.now)
+        self.scheduler = Scheduler(
+            InfraGraph(self.config.max_tasks_per_device),
+            self.policy,
+            PlacementLedger(),
+            self.config.cell,
+            self.clock.now,
+        )
         self.decider: Decider = decider or _schedule_pending
         streams = np.random.SeedSequence(seed).spawn(2)
         self._noise_rng = np.random.default_rng(streams[0])

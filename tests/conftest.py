@@ -100,6 +100,8 @@ def start_serve(tmp_path: Path, kafka_bootstrap: str, topics: Topics) -> Iterato
         "  topics:\n" + "".join(f"    {name}: {value}\n" for name, value in topics.model_dump().items()) + "grpc:\n"
         f"  listen: 127.0.0.1:{port}\n"
         "log:\n  format: json\n"
+        # Shared devices, so that the memory accounting (never overcommitted) is what is tested.
+        "scheduler:\n  max_tasks_per_device: 0\n"
     )
     env = {**os.environ, "HLB_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap}
     started: list[ServeProcess] = []

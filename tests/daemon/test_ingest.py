@@ -17,7 +17,7 @@ TOPICS = Topics()
 
 
 def make_ingestor(bus: MemoryBus, max_event_bytes: int = 4096) -> Ingestor:
-    scheduler = Scheduler(InfraGraph(), LeastLoaded(), PlacementLedger(), "c", clock=lambda: 0.0)
+    scheduler = Scheduler(InfraGraph(max_tasks_per_device=0), LeastLoaded(), PlacementLedger(), "c", clock=lambda: 0.0)
     source = bus.source([TOPICS.telemetry, TOPICS.tasks], "g")
     return Ingestor(source, bus, scheduler, threading.RLock(), TOPICS, max_event_bytes)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon.graph import InfraGraph
+from daemon.graph import InfraGraph, TaskState
 from daemon.ledger import PlacementLedger
 from daemon.policy import (
     POLICY_NAMES,
@@ -69,7 +69,7 @@ def test_random_is_reproducible_from_its_seed() -> None:
 
 
 def test_round_robin_takes_devices_in_turn_and_only_placements_advance_it() -> None:
-    graph = InfraGraph()
+    graph = InfraGraph(max_tasks_per_device=0)
     for i in range(3):
         add_device(graph, f"d{i}", "h")
     scheduler = Scheduler(graph, RoundRobin(), PlacementLedger(), "c", clock=lambda: 0.0)
@@ -132,6 +132,7 @@ def test_heft_counts_the_transfer_of_inputs_from_where_they_ran() -> None:
     add_device(graph, "there", "h1", A100, 80)
     upstream = graph.add_task(ev.TaskSpec(id="prep"), "c")
     graph.bind(upstream, [graph.devices.index["here"]])
+    graph.release(upstream, TaskState.FINISHED)  # its output stays where it ran
     small = ev.TaskSpec(
         id="a",
         workload_class="resnet50-bs64",

@@ -24,8 +24,9 @@ def device(device_id: str, host: str, kind: ev.DeviceKind.ValueType = GPU, memor
     return ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=spec)
 
 
-def make_scheduler(ledger: PlacementLedger | None = None) -> Scheduler:
-    scheduler = Scheduler(InfraGraph(), LeastLoaded(), ledger or PlacementLedger(), "c", clock=lambda: 1000.0)
+def make_scheduler(ledger: PlacementLedger | None = None, max_tasks_per_device: int = 1) -> Scheduler:
+    graph = InfraGraph(max_tasks_per_device)
+    scheduler = Scheduler(graph, LeastLoaded(), ledger or PlacementLedger(), "c", clock=lambda: 1000.0)
     for event in [
         device("g0", "h0"),
         device("g1", "h0"),
@@ -81,7 +82,7 @@ def test_a_pending_task_is_placed_once_capacity_frees_up() -> None:
     pending = scheduler.lookup("second").pending
     assert pending is not None
     assert pending.queue_position == 1
-    assert pending.reason == "no feasible device (4 ruled out by memory 4)"
+    assert pending.reason == "no feasible device (4 ruled out by memory 3, capacity 1)"
     scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id="first")))
     assert [p.task_id for p in scheduler.schedule_pending()] == ["second"]
     assert scheduler.graph.tasks["first"].state == TaskState.FINISHED
@@ -232,7 +233,7 @@ def test_a_pass_with_nothing_new_does_no_work() -> None:
 
 
 def test_memory_used_by_others_and_by_tasks_not_started_yet_both_count() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_tasks_per_device=2)
     used = ev.DeviceMetrics(device_id="big", memory_used_gb=30)  # 30 of 80 GB used by something else
     scheduler.apply_telemetry(ev.TelemetryEvent(device_metrics=used))
     first = scheduler.place(ev.TaskSpec(id="first", memory_per_device_gb=40))
@@ -286,7 +287,7 @@ def test_a_batch_is_placed_jointly_by_priority_and_answered_in_request_order() -
 
 
 def test_a_dry_run_batch_sees_its_own_reservations_and_leaves_nothing_behind() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_tasks_per_device=2)
     specs = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=30, allowed_kinds=[GPU]) for i in range(4)]
     decisions = scheduler.place_batch(specs, dry_run=True)
     placed = [d.placement.device_ids[0] for d in decisions if d.placement is not None]
@@ -466,7 +467,8 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(policy: str
     models = ["V100-SXM2-16GB", "A100-SXM4-80GB", "T4", "TPU-v4"]
 
     def cluster() -> Scheduler:
-        scheduler = Scheduler(InfraGraph(), make_policy(policy), PlacementLedger(), "c", clock=lambda: 0.0)
+        shared = InfraGraph(max_tasks_per_device=0)  # many placements per device: a long batch
+        scheduler = Scheduler(shared, make_policy(policy), PlacementLedger(), "c", clock=lambda: 0.0)
         for i in range(40):
             kind = TPU if models[i % 4] == "TPU-v4" else GPU
             spec = ev.Device(

@@ -118,7 +118,8 @@ def test_two_tasks_sharing_a_device_run_at_the_measured_colocation_factors(catal
     inventory = homogeneous_cluster(catalogue, V100, 1)
     a = task("a", 3600.0, workload_class="a3c", memory_per_device_gb=4.0)
     b = task("b", 3600.0, workload_class="cyclegan", memory_per_device_gb=4.0)
-    records = by_id(simulate(catalogue, inventory, [a, b], config=EXACT))
+    shared = replace(EXACT, max_tasks_per_device=2)
+    records = by_id(simulate(catalogue, inventory, [a, b], config=shared))
     fa, fb = catalogue.colocation_factors(V100, "a3c", "cyclegan", 1)
     alone_a, alone_b = catalogue.runtime_s(3600.0, "a3c", V100), catalogue.runtime_s(3600.0, "cyclegan", V100)
     # Both start at 0 on the one device; the first to finish ran shared all along, the other
