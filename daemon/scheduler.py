@@ -245,6 +245,8 @@ class Scheduler:
             probe = Task(spec=spec, cell=self.cell, arrival=0)
             return self._decision(probe, self._try_place(probe, dry_run=True))
         task = self.submit(spec, self.cell)
+        if task.spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
+            return self.lookup(spec.id)
         return self._decision(task, self._try_place(task, dry_run=False))
 
     def place_batch(self, specs: Sequence[ev.TaskSpec], dry_run: bool = False) -> list[Decision]:
@@ -290,6 +292,9 @@ class Scheduler:
                     decisions[i] = self._decision(probe, placement)
                 else:
                     task = self.submit(spec, self.cell)
+                    if spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
+                        decisions[i] = self.lookup(spec.id)
+                        continue
                     decisions[i] = self._decision(task, self._try_place(task, dry_run=False, cache=cache))
         finally:
             for probe in probes:

@@ -492,3 +492,29 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(policy: str
     single = [one_by_one.place(spec).placement for spec in specs]
     assert [p.device_ids if p else None for p in batched] == [p.device_ids if p else None for p in single]
     assert sum(p is not None for p in batched) > 60
+
+
+def _restarted_with(placement: ev.Placement) -> Scheduler:
+    """A daemon after a restart: its ledger holds ``placement``, its graph only the devices."""
+    ledger = PlacementLedger()
+    ledger.restore([placement])
+    return make_scheduler(ledger)
+
+
+def test_place_for_a_task_the_ledger_already_placed_returns_that_placement() -> None:
+    first = make_scheduler()
+    spec = ev.TaskSpec(id="t1", memory_per_device_gb=8)
+    placed = first.place(spec).placement
+    assert placed is not None
+    # After a restart, the client retries before the replay has reached the task's submission.
+    restarted = _restarted_with(placed)
+    again = restarted.place(spec)
+    assert again.placement == placed
+    assert len(restarted.ledger) == 1
+    assert restarted.graph.devices.reserved_gb.sum() == 8
+    # The same through PlaceBatch.
+    batched = _restarted_with(placed)
+    [decision] = batched.place_batch([spec])
+    assert decision.placement == placed
+    assert len(batched.ledger) == 1
+    assert batched.graph.devices.reserved_gb.sum() == 8
