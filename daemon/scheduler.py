@@ -133,6 +133,8 @@ class Scheduler:
         self._pending: dict[str, Task] = {}
         # Ledger placements whose task or devices have not been replayed yet.
         self._unbound: dict[str, ev.Placement] = {}
+        # Of those, the tasks whose start was replayed before their devices: running once bound.
+        self._started_unbound: set[str] = set()
         self._dirty = True  # something changed that may let a queued task fit
         self._seen = (graph.version, graph.metrics_version)
         self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
@@ -175,6 +177,9 @@ class Scheduler:
             raise InvalidEventError(f"{kind} event for unknown task {task_id!r}", "unknown_id")
         if task.state.is_final:
             return  # a replayed or late event for a task that has ended
+        if task_id in self._unbound:  # placed before a restart; its devices are not replayed yet
+            self._apply_to_unbound(task, kind)
+            return
         if kind == "started":
             if task.state == TaskState.PLACED:
                 self.graph.mark_running(task)  # its memory now shows in reported use instead
@@ -467,6 +472,21 @@ class Scheduler:
             if all(d in self.graph.devices for d in placement.device_ids):
                 self.graph.bind(task, [int(r) for r in self.graph.device_rows(placement.device_ids)])
                 del self._unbound[task_id]
+                if task_id in self._started_unbound:
+                    self._started_unbound.discard(task_id)
+                    self.graph.mark_running(task)
+                    self._dirty = True
+
+    def _apply_to_unbound(self, task: Task, kind: str) -> None:
+        """A lifecycle event for a restored placement that is not bound yet: it holds no devices."""
+        task_id = task.spec.id
+        if kind == "started":
+            self._started_unbound.add(task_id)
+            return
+        del self._unbound[task_id]
+        self._started_unbound.discard(task_id)
+        final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
+        self.graph.release(task, final)
 
     def _why_unplaceable(self, task: Task, feasible: int) -> str:
         if feasible == 0 and not len(self.graph.devices):

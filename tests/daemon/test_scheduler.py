@@ -518,3 +518,22 @@ def test_place_for_a_task_the_ledger_already_placed_returns_that_placement() -> 
     assert decision.placement == placed
     assert len(batched.ledger) == 1
     assert batched.graph.devices.reserved_gb.sum() == 8
+
+
+def test_lifecycle_events_replayed_before_the_devices_apply_to_the_restored_placement() -> None:
+    first = make_scheduler()
+    placed = {t: first.place(ev.TaskSpec(id=t, memory_per_device_gb=8)).placement for t in ("done", "busy")}
+    ledger = PlacementLedger()
+    ledger.restore([p for p in placed.values() if p is not None])
+    # On replay the tasks topic may be read before the telemetry topic that names the devices.
+    restarted = Scheduler(InfraGraph(), LeastLoaded(), ledger, "c", clock=lambda: 2000.0)
+    for task_id in ("done", "busy"):
+        submit(restarted, ev.TaskSpec(id=task_id, memory_per_device_gb=8))
+        restarted.apply_task_event(ev.TaskEvent(started=ev.TaskStarted(task_id=task_id)))
+    restarted.apply_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id="done")))
+    for event in [device("g0", "h0"), device("g1", "h0"), device("big", "h1", memory_gb=80)]:
+        restarted.apply_telemetry(event)
+    tasks = restarted.graph.tasks
+    assert (tasks["done"].state, tasks["busy"].state) == (TaskState.FINISHED, TaskState.RUNNING)
+    assert restarted.graph.devices.reserved_gb.sum() == 8  # only the running task holds memory
+    assert restarted.schedule_pending() == []
