@@ -727,6 +727,7 @@ class InfraGraph:
             if known.spec != spec:
                 raise InvalidEventError(f"task {spec.id} was already submitted with another spec", "duplicate_id")
             return known
+        self._check_no_cycle(spec)
         self._arrivals += 1
         task = Task(spec=spec, cell=cell, arrival=self._arrivals)
         t = self.task_table
@@ -740,6 +741,20 @@ class InfraGraph:
         t.submit_time_ms[row] = spec.submit_time_ms
         self.tasks[spec.id] = task
         return task
+
+    def _check_no_cycle(self, spec: ev.TaskSpec) -> None:
+        """Refuse a task that closes a dependency cycle: a known task it (transitively) needs needs it."""
+        seen: set[str] = set()
+        stack = [dep.task_id for dep in spec.dependencies]
+        while stack:
+            task_id = stack.pop()
+            if task_id == spec.id:
+                raise InvalidEventError(f"task {spec.id}: its dependencies lead back to it", "cycle")
+            upstream = self.tasks.get(task_id)
+            if task_id in seen or upstream is None:
+                continue
+            seen.add(task_id)
+            stack.extend(dep.task_id for dep in upstream.spec.dependencies)
 
     def bind(self, task: Task, rows: Sequence[int]) -> None:
         """Reserve the task's memory on each of its devices (rows of live devices)."""

@@ -537,3 +537,16 @@ def test_lifecycle_events_replayed_before_the_devices_apply_to_the_restored_plac
     assert (tasks["done"].state, tasks["busy"].state) == (TaskState.FINISHED, TaskState.RUNNING)
     assert restarted.graph.devices.reserved_gb.sum() == 8  # only the running task holds memory
     assert restarted.schedule_pending() == []
+
+
+def test_a_task_that_closes_a_dependency_cycle_is_refused() -> None:
+    scheduler = make_scheduler()
+    submit(scheduler, ev.TaskSpec(id="a", dependencies=[ev.Dependency(task_id="c")]))
+    submit(scheduler, ev.TaskSpec(id="b", dependencies=[ev.Dependency(task_id="a")]))
+    with pytest.raises(InvalidEventError) as refused:
+        submit(scheduler, ev.TaskSpec(id="c", dependencies=[ev.Dependency(task_id="b")]))
+    assert refused.value.reason == "cycle"
+    assert "c" not in scheduler.graph.tasks
+    # A diamond is not a cycle.
+    submit(scheduler, ev.TaskSpec(id="d", dependencies=[ev.Dependency(task_id="a"), ev.Dependency(task_id="b")]))
+    assert "d" in scheduler.graph.tasks
