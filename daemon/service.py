@@ -46,6 +46,7 @@ from daemon.policy import make_policy
 from daemon.ratelimit import RateLimitInterceptor, TokenBucket, default_burst
 from daemon.scheduler import Clock, Scheduler
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger
+from daemon.statedump import canonical_state, write_dump
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -147,6 +148,17 @@ class Daemon:
                 log.warning("unreadable ledger record skipped", offset=record.offset, error=str(exc))
         with self.lock:
             return self.ledger.restore(placements)
+
+    def dump_state(self) -> Path:
+        """Write the canonical state dump (``daemon.statedump``) to the state directory."""
+        with self.lock:
+            state = canonical_state(self.scheduler)
+            if self._ingestor is not None:
+                stats = self._ingestor.stats
+                state["ingest"] = {"applied": stats.applied, "rejected": dict(stats.rejected)}
+        path = write_dump(state, self.settings.state_dir)
+        log.info("state dumped", path=str(path))
+        return path
 
     def staleness_ms(self) -> float:
         newest = self.scheduler.graph.newest_telemetry_ms
@@ -476,6 +488,8 @@ async def _serve(settings: Settings, config_path: Path | None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+    # SIGUSR1 writes the canonical state dump, for operators and the fault-injection tests.
+    loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, daemon.dump_state))
     try:
         await daemon.run(stop)
     except ConfigError as exc:
