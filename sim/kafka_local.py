@@ -136,14 +136,28 @@ class LocalBroker:
             "-cp", f"{libs}/*", main_class, *args,
         ]  # fmt: skip
 
-    def start(self, timeout_s: float = 90.0) -> None:
-        """Format storage, start the broker and wait until it accepts clients."""
+    def start(self, timeout_s: float = 90.0, keep_data: bool = False) -> None:
+        """Format storage, start the broker and wait until it accepts clients.
+
+        With ``keep_data`` a broker stopped earlier restarts on its existing data (same port, same
+        topics and offsets), as after a broker outage; storage is formatted only when there is none.
+        """
         if not java_available():
             raise BrokerError("Java 17 or newer is needed to run the Kafka broker")
         libs = fetch(self.cache_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.work_dir / "data", ignore_errors=True)
         config = self._write_config()
+        if not (keep_data and (self.work_dir / "data" / "meta.properties").exists()):
+            self._format(libs, config)
+        out = (self.work_dir / "broker.out").open("wb")
+        self.process = subprocess.Popen(
+            self._java(libs, "kafka.Kafka", str(config)), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        (self.work_dir / "broker.pid").write_text(f"{self.process.pid}\n")
+        self._wait_ready(timeout_s)
+
+    def _format(self, libs: Path, config: Path) -> None:
+        shutil.rmtree(self.work_dir / "data", ignore_errors=True)
         fmt = subprocess.run(
             self._java(libs, "kafka.tools.StorageTool", "format", "-t", _cluster_id(), "-c", str(config)),
             capture_output=True,
@@ -152,12 +166,6 @@ class LocalBroker:
         )
         if fmt.returncode != 0:
             raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}{fmt.stderr}")
-        out = (self.work_dir / "broker.out").open("wb")
-        self.process = subprocess.Popen(
-            self._java(libs, "kafka.Kafka", str(config)), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        (self.work_dir / "broker.pid").write_text(f"{self.process.pid}\n")
-        self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
         from confluent_kafka.admin import AdminClient
