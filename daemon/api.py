@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import numpy as np
 import structlog
+from google.protobuf.message import DecodeError as ProtobufDecodeError
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -248,6 +251,90 @@ def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState
     )
 
 
+if TYPE_CHECKING:
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]  # generic in the stubs only
+else:
+    _Interceptor = grpc.aio.ServerInterceptor
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands for request bytes that do not decode, so the handler can refuse them itself."""
+
+    error: str
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except (ProtobufDecodeError, RecursionError) as exc:
+            return _Malformed(str(exc))
+
+    return parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext[Any, Any], request: _Malformed) -> NoReturn:
+    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid protobuf message: {request.error}")
+
+
+class RefuseMalformed(_Interceptor):
+    """Request bytes that do not decode get ``INVALID_ARGUMENT``; grpc alone answers ``UNKNOWN``."""
+
+    def __init__(self) -> None:
+        # method -> (the handler, its wrapper): wrapping once keeps the per-call cost at a lookup.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler)
+        self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        assert handler.request_deserializer is not None
+        parse = _lenient(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            unary: Any = handler.unary_unary  # the stubs type the sync server's handlers only
+
+            async def checked_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, request)
+                return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(checked_unary, parse, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            stream: Any = handler.unary_stream
+
+            async def checked_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, request)
+                async for item in stream(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(checked_stream, parse, handler.response_serializer)
+        if handler.unary_stream is not None:  # a coroutine that writes to the context (health's Watch)
+            writer: Any = handler.unary_stream
+
+            async def checked_writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, request)
+                await writer(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(checked_writer, parse, handler.response_serializer)
+        return handler  # streaming requests (reflection) decode message by message; grpc handles those
+
+
 class GrpcServer:
     """The aio server with the Scheduler, health and (optionally) reflection services.
 
@@ -268,7 +355,7 @@ class GrpcServer:
     ) -> None:
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(
-            interceptors=list(interceptors),
+            interceptors=[*interceptors, RefuseMalformed()],  # innermost: the others see its refusals
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),

@@ -278,3 +278,20 @@ def test_health_and_reflection_are_served(running: Running) -> None:
     replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
     names = {s.name for s in next(replies).list_services_response.service}
     assert {"hlb.v1.Scheduler", "grpc.health.v1.Health"} <= names
+
+
+def call_raw(channel: grpc.Channel, method: str, value: bytes) -> None:
+    """Call ``method`` with ``value`` as the serialized request, reading a stream to its end."""
+    path = f"/hlb.v1.Scheduler/{method}"
+    if method == "WatchPlacements":
+        list(channel.unary_stream(path, None, None)(value, timeout=5))
+    else:
+        channel.unary_unary(path, None, None)(value, timeout=5)
+
+
+@pytest.mark.parametrize("method", ["Place", "GetPlacement", "GetClusterState", "WatchPlacements"])
+def test_request_bytes_that_do_not_decode_are_invalid_argument(running: Running, method: str) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        call_raw(running.channel, method, b"\xff\xff\xff")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid protobuf message" in (refused.value.details() or "")
