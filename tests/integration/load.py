@@ -177,9 +177,15 @@ class Load:
     """
 
     def __init__(
-        self, bootstrap: str, topics: Topics, seed: int = 0, clock_ms: Callable[[], int] | None = None
+        self,
+        bootstrap: str,
+        topics: Topics,
+        seed: int = 0,
+        clock_ms: Callable[[], int] | None = None,
+        inventory: Sequence[ev.TelemetryEvent] = INVENTORY,
     ) -> None:
         self.topics = topics
+        self.cluster = inventory
         self.rng = np.random.default_rng(seed)
         self.clock_ms = clock_ms or now_ms
         self.producer = Producer(
@@ -200,7 +206,7 @@ class Load:
         assert self.producer.flush(timeout_s) == 0, "the producer could not deliver everything"
 
     def inventory(self) -> None:
-        for event in INVENTORY:
+        for event in self.cluster:
             event.event_time_ms = self.clock_ms()
             self.send(self.topics.telemetry, event.SerializeToString())
             entity = getattr(event, event.WhichOneof("payload") or "")

@@ -1,0 +1,157 @@
+"""A burst ten times the steady rate: memory stays bounded while the lag builds, and the lag drains.
+
+The load generator publishes metrics batches (one per cluster, every device) and task
+submissions at a steady rate the daemon keeps up with, then at ten times that rate, then stops.
+Meanwhile the test samples the serve process's resident memory from /proc and its progress (events
+applied, from the state dump). The burst must build a real backlog (the test fails if the daemon
+never fell behind, as it would then prove nothing), memory during burst and drain must stay
+within the consumer's prefetch limit plus a fixed margin of the steady-state peak however large
+the backlog (a daemon that buffered the backlog would exceed it), and every event must end up
+applied and every task placed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hlb.v1 import events_pb2 as ev
+from sim.agent import DEMO_DEVICES, inventory_events
+from tests.integration.load import (
+    CELL,
+    Daemon,
+    DaemonConfig,
+    LedgerFollower,
+    Load,
+    fresh_topics,
+    now_ms,
+    wait_until,
+)
+
+pytestmark = pytest.mark.kafka
+
+LONG = os.environ.get("HLB_FAULTS_LONG") == "1"
+# Four times the demo cluster (96 devices): each metrics batch is about 5 KB.
+INVENTORY = inventory_events(CELL, {model: count * 4 for model, count in DEMO_DEVICES.items()})
+DEVICES = [e.device_upsert for e in INVENTORY if e.HasField("device_upsert")]
+STEADY_PER_S = 600  # metrics batches per second
+TASKS_PER_S = 10
+STEADY_S = 3.0
+BURST_S = 12.0 if LONG else 6.0
+PREFETCH_KB = 8192  # the consumer's prefetch limit (queued.max.messages.kbytes)
+MARGIN_BYTES = 24 * 1024 * 1024  # allocator slack: Python frees to its arenas, not to the system
+
+
+class Sampler(threading.Thread):
+    """Samples the daemon's RSS every few milliseconds until stopped."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        super().__init__(daemon=True)
+        self.daemon_process = daemon
+        self.samples: list[tuple[float, int]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.monotonic(), self.daemon_process.rss_bytes()))
+            self.done.wait(0.02)
+
+    def peak(self, since: float, until: float = float("inf")) -> int:
+        return max(rss for t, rss in self.samples if since <= t <= until)
+
+
+def metrics_payload() -> bytes:
+    """The metrics batch of every device, as the bytes of a TelemetryEvent's payload field."""
+    batch = ev.MetricsBatch(
+        devices=[
+            ev.DeviceMetrics(device_id=d.id, utilization=0.5, memory_used_gb=1.0, power_w=200, temperature_c=60)
+            for d in DEVICES
+        ]
+    )
+    return ev.TelemetryEvent(metrics_batch=batch).SerializeToString()
+
+
+def publish_paced(load: Load, payload: bytes, per_s: float, seconds: float, tasks: list[ev.TaskSpec]) -> int:
+    """Publish metrics at ``per_s`` (and ``tasks`` spread evenly) for ``seconds``; returns how many metrics."""
+    start = time.monotonic()
+    total = int(per_s * seconds)
+    every = max(1, total // max(1, len(tasks)))
+    queue = list(tasks)
+    for i in range(total):
+        due = start + i / per_s
+        while time.monotonic() < due:  # pacing the load, not waiting for the daemon
+            load.producer.poll(0.001)
+        header = ev.TelemetryEvent(cell=CELL, event_time_ms=now_ms(), source="burst").SerializeToString()
+        load.send(load.topics.telemetry, header + payload)
+        if queue and i % every == 0:
+            load.submit(queue.pop())
+    for spec in queue:
+        load.submit(spec)
+    return total
+
+
+def test_a_burst_of_ten_times_the_steady_rate_keeps_memory_bounded_and_the_lag_drains(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    topics = fresh_topics()
+    config = DaemonConfig(
+        tmp_path, kafka_bootstrap, topics, client_config={"queued.max.messages.kbytes": str(PREFETCH_KB)}
+    )
+    daemon = config.start()
+    load = Load(kafka_bootstrap, topics, inventory=INVENTORY)
+    ledger = LedgerFollower(kafka_bootstrap, topics.placements)
+    sampler = Sampler(daemon)
+    payload = metrics_payload()
+    steady_tasks = [ev.TaskSpec(id=f"steady-{i}", memory_per_device_gb=0.1) for i in range(int(TASKS_PER_S * STEADY_S))]
+    burst_tasks = [
+        ev.TaskSpec(id=f"burst-{i}", memory_per_device_gb=0.1) for i in range(int(TASKS_PER_S * 10 * BURST_S))
+    ]
+    lags: list[int] = []
+    try:
+        load.inventory()
+        load.flush()
+        wait_until(lambda: daemon.cluster_state().devices == len(DEVICES), 30, "the inventory to be applied")
+        sampler.start()
+        steady_start = time.monotonic()
+        steady = publish_paced(load, payload, STEADY_PER_S, STEADY_S, steady_tasks)
+        steady_rate = steady / (time.monotonic() - steady_start)
+        load.flush()
+        burst_start = time.monotonic()
+        burst = publish_paced(load, payload, STEADY_PER_S * 10, BURST_S, burst_tasks)
+        burst_rate = burst / (time.monotonic() - burst_start)
+        published = len(INVENTORY) + steady + len(steady_tasks) + burst + len(burst_tasks)
+
+        def drained() -> bool:
+            applied: int = daemon.dump()["ingest"]["applied"]
+            lags.append(published - applied)
+            return applied == published
+
+        load.flush()
+        wait_until(drained, 120, "the daemon to apply every event of the burst", step_s=0.25)
+        ledger.wait_for([s.id for s in steady_tasks + burst_tasks], 60)
+        sampler.done.set()
+        sampler.join()
+        assert daemon.alive()
+        assert daemon.terminate() == 0, daemon.log()[-5000:]
+    finally:
+        sampler.done.set()
+        ledger.close()
+        config.stop_all()
+
+    steady_peak = sampler.peak(steady_start, burst_start)
+    burst_peak = sampler.peak(burst_start)
+    backlog_bytes = max(lags) * len(payload)
+    bound = steady_peak + PREFETCH_KB * 1024 + MARGIN_BYTES
+    report = (
+        f"steady peak {steady_peak >> 20} MiB, burst peak {burst_peak >> 20} MiB, bound {bound >> 20} MiB, "
+        f"largest lag {max(lags)} events (~{backlog_bytes >> 20} MiB); metrics published at {steady_rate:.0f}/s "
+        f"steady, {burst_rate:.0f}/s in the burst"
+    )
+    print(report)
+    assert max(lags) > 0.5 * STEADY_PER_S * BURST_S, f"the burst built no real backlog: {report}"
+    assert backlog_bytes > bound - steady_peak, f"the backlog is too small to tell buffering from noise: {report}"
+    assert burst_peak <= bound, f"memory grew with the backlog: {report}"
