@@ -39,12 +39,14 @@ DEVICES = [e.device_upsert for e in INVENTORY if e.HasField("device_upsert")]
 HOSTS = sorted({e.host_upsert.id for e in INVENTORY if e.HasField("host_upsert")})
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, step_s: float = 0.05) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
+def wait_until(
+    condition: Callable[[], bool], timeout_s: float, what: str | Callable[[], str], step_s: float = 0.05
+) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` (a text, or a function saying what is missing)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
+            raise AssertionError(f"not within {timeout_s} s: {what if isinstance(what, str) else what()}")
         time.sleep(step_s)
 
 
@@ -286,6 +288,8 @@ class LedgerFollower:
                 "bootstrap.servers": bootstrap,
                 "group.id": f"ledger-{uuid.uuid4().hex[:8]}",
                 "enable.auto.commit": False,
+                # A broker restart can reset the fetch position; start over rather than skip to the end.
+                "auto.offset.reset": "earliest",
                 "fetch.wait.max.ms": 10,
                 "topic.metadata.refresh.interval.ms": 500,
             }
@@ -312,7 +316,11 @@ class LedgerFollower:
             self.poll()
             return wanted <= self.by_task.keys()
 
-        wait_until(all_there, timeout_s, f"placements of {sorted(wanted - self.by_task.keys())[:5]}...", 0.0)
+        def missing() -> str:
+            left = sorted(wanted - self.by_task.keys())
+            return f"placements of {len(left)} tasks, e.g. {left[:5]}"
+
+        wait_until(all_there, timeout_s, missing, 0.0)
         return {t: self.by_task[t][0] for t in wanted}
 
     def close(self) -> None:

@@ -91,11 +91,17 @@ def test_placements_are_served_through_a_broker_outage_and_nothing_is_lost(tmp_p
             last_metrics = load.metrics()
             load.flush()
             everything = [s.id for s in before + during + after + over_grpc]
-            ledger.wait_for(everything, 90)
+            bus = KafkaBus(KafkaSettings(bootstrap_servers=broker.bootstrap))
+
+            def all_placed() -> bool:  # a fresh reader each time: nothing of the test's own survives the outage
+                return set(everything) <= {
+                    ev.Placement.FromString(r.value or b"").task_id for r in bus.read_all(topics.placements)
+                }
+
+            wait_until(all_placed, 90, "every task to be placed after the broker came back", step_s=0.5)
             wait_until(lambda: daemon.dump()["newest_telemetry_ms"] == last_metrics, 60, "ingest to resume", step_s=0.2)
             resumed = stub.GetClusterState(api.GetClusterStateRequest(), timeout=10)
             assert resumed.last_sequence == len(everything)
-        bus = KafkaBus(KafkaSettings(bootstrap_servers=broker.bootstrap))
         records = [ev.Placement.FromString(r.value or b"") for r in bus.read_all(topics.placements)]
         submitted = {ev.TaskEvent.FromString(r.value or b"").submitted.id for r in bus.read_all(topics.tasks)}
         assert daemon.terminate() == 0, daemon.log()[-5000:]

@@ -363,6 +363,7 @@ class DeadLetters:
                 "bootstrap.servers": bootstrap,
                 "group.id": "dlq-reader",
                 "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
                 "fetch.wait.max.ms": 20,
             }
         )
