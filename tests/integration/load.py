@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config import Topics
 from daemon.statedump import DUMP_NAME
@@ -66,6 +68,7 @@ class Daemon:
     target: str
     log_path: Path
     state_dir: Path
+    metrics_port: int
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -82,6 +85,17 @@ class Daemon:
         assert self.alive(), f"hlb serve exited with {self.process.returncode}:\n{self.log()[-5000:]}"
         state: dict[str, Any] = json.loads(path.read_text())
         return state
+
+    def metrics(self) -> dict[str, float]:
+        """The Prometheus samples on ``/metrics``, by name with labels (``hlb_consumer_lag{partition="0",...}``)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
 
     def rss_bytes(self) -> int:
         """Resident memory of the process, from /proc."""
@@ -116,6 +130,7 @@ class DaemonConfig:
     kafka: dict[str, Any] = field(default_factory=dict)
     client_config: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
     group_id: str = field(default_factory=lambda: f"hlb-{uuid.uuid4().hex[:8]}")
     starts: list[Daemon] = field(default_factory=list)
 
@@ -138,6 +153,7 @@ class DaemonConfig:
             "state_dir": str(self.state_dir),
             "kafka": kafka,
             "grpc": {"listen": f"127.0.0.1:{self.port}"},
+            "metrics": {"listen": f"127.0.0.1:{self.metrics_port}", "lag_interval_s": 0.5},
             "log": {"format": "json"},
         }
         path = self.root / "config.yaml"
@@ -157,7 +173,7 @@ class DaemonConfig:
                 cwd=REPO,
                 text=True,
             )
-        daemon = Daemon(process, f"127.0.0.1:{self.port}", log_path, self.state_dir)
+        daemon = Daemon(process, f"127.0.0.1:{self.port}", log_path, self.state_dir, self.metrics_port)
         self.starts.append(daemon)
         wait_serving(daemon.target, timeout_s, process=process, log_path=log_path)
         return daemon

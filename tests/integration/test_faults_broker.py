@@ -27,8 +27,8 @@ from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from sim.kafka_local import LocalBroker, java_available
 from tests.integration.load import (
     DEVICES,
+    Daemon,
     DaemonConfig,
-    LedgerFollower,
     Load,
     assert_exactly_once,
     fresh_topics,
@@ -55,63 +55,94 @@ def test_placements_are_served_through_a_broker_outage_and_nothing_is_lost(tmp_p
     config = DaemonConfig(tmp_path / "daemon", broker.bootstrap, topics)
     daemon = config.start()
     load = Load(broker.bootstrap, topics, seed=SEED)
-    ledger = LedgerFollower(broker.bootstrap, topics.placements)
+    bus = KafkaBus(KafkaSettings(bootstrap_servers=broker.bootstrap))
     before, during, after = (small_tasks(rng, name, 25) for name in ("before", "during", "after"))
     over_grpc = small_tasks(rng, "grpc", 10)
+    everything = [s.id for s in before + during + after + over_grpc]
     try:
         load.inventory()
         load.metrics()
         for spec in before:
             load.submit(spec)
         load.flush()
-        ledger.wait_for([s.id for s in before], 60)
+        wait_placed(bus, topics.placements, [s.id for s in before])
         wait_until(lambda: daemon.cluster_state().devices == len(DEVICES), 30, "the inventory to be applied")
 
         broker.stop()
         with grpc.insecure_channel(daemon.target) as channel:
             stub = api_grpc.SchedulerStub(channel)
-            stale_at_stop = stub.GetClusterState(api.GetClusterStateRequest(), timeout=10).staleness_ms
-            for spec in during:  # into the generator's queue, as an agent would
-                load.submit(spec)
-            load.metrics()
-            decided = place_over_grpc(stub, over_grpc)
-            earlier = stub.GetPlacement(api.GetPlacementRequest(task_id=before[0].id), timeout=10)
-            assert earlier.HasField("placement")
-
-            def staler() -> bool:
-                state = stub.GetClusterState(api.GetClusterStateRequest(), timeout=10)
-                return state.staleness_ms > stale_at_stop + 2000
-
-            wait_until(staler, 30, "the staleness to grow while the broker is away", step_s=0.1)
-            assert daemon.alive()
-
+            decided, stale_peak = serve_without_broker(daemon, stub, load, during, over_grpc, before[0].id)
             broker.start(keep_data=True)
             for spec in after:
                 load.submit(spec)
             last_metrics = load.metrics()
             load.flush()
-            everything = [s.id for s in before + during + after + over_grpc]
-            bus = KafkaBus(KafkaSettings(bootstrap_servers=broker.bootstrap))
-
-            def all_placed() -> bool:  # a fresh reader each time: nothing of the test's own survives the outage
-                return set(everything) <= {
-                    ev.Placement.FromString(r.value or b"").task_id for r in bus.read_all(topics.placements)
-                }
-
-            wait_until(all_placed, 90, "every task to be placed after the broker came back", step_s=0.5)
+            wait_placed(bus, topics.placements, everything)
             wait_until(lambda: daemon.dump()["newest_telemetry_ms"] == last_metrics, 60, "ingest to resume", step_s=0.2)
             resumed = stub.GetClusterState(api.GetClusterStateRequest(), timeout=10)
-            assert resumed.last_sequence == len(everything)
+
+            def fresh_again() -> bool:  # with telemetry flowing again, the reported staleness falls back
+                load.metrics()
+                load.flush()
+                return daemon.metrics()["hlb_graph_staleness_seconds"] < stale_peak
+
+            wait_until(fresh_again, 30, "the staleness metric to fall once telemetry flows again", step_s=0.2)
+        assert resumed.last_sequence == len(everything)
         records = [ev.Placement.FromString(r.value or b"") for r in bus.read_all(topics.placements)]
         submitted = {ev.TaskEvent.FromString(r.value or b"").submitted.id for r in bus.read_all(topics.tasks)}
         assert daemon.terminate() == 0, daemon.log()[-5000:]
     finally:
-        ledger.close()
         config.stop_all()
 
     assert_exactly_once(records, everything)
     assert {p.task_id: list(p.device_ids) for p in records if p.task_id in decided} == decided
     assert set(decided) <= submitted, "a task placed over gRPC during the outage is missing from the tasks topic"
+
+
+def serve_without_broker(
+    daemon: Daemon,
+    stub: api_grpc.SchedulerStub,
+    load: Load,
+    queued: list[ev.TaskSpec],
+    over_grpc: list[ev.TaskSpec],
+    known_task: str,
+) -> tuple[dict[str, list[str]], float]:
+    """The outage: tasks queue up at the generator, Place decides, staleness grows.
+
+    Returns what Place decided (task -> devices) and the staleness (s) the metrics reported last.
+    """
+    stale_at_stop = stub.GetClusterState(api.GetClusterStateRequest(), timeout=10).staleness_ms
+    for spec in queued:  # into the generator's queue, as an agent would
+        load.submit(spec)
+    load.metrics()
+    decided = place_over_grpc(stub, over_grpc)
+    assert stub.GetPlacement(api.GetPlacementRequest(task_id=known_task), timeout=10).HasField("placement")
+
+    def staler() -> bool:  # in the API and in the metrics
+        state = stub.GetClusterState(api.GetClusterStateRequest(), timeout=10)
+        scraped = daemon.metrics()["hlb_graph_staleness_seconds"]
+        return state.staleness_ms > stale_at_stop + 2000 and scraped > (stale_at_stop + 2000) / 1000
+
+    wait_until(staler, 30, "the staleness to grow while the broker is away", step_s=0.1)
+    assert daemon.alive()
+    scraped = daemon.metrics()
+    assert scraped["hlb_serving"] == 1
+    return decided, scraped["hlb_graph_staleness_seconds"]
+
+
+def wait_placed(bus: KafkaBus, topic: str, task_ids: list[str]) -> None:
+    """Wait until the ledger topic holds a placement of each task, read afresh each time.
+
+    A fresh reader per look: no consumer of the test's own has to live through the outage.
+    """
+    wanted = set(task_ids)
+    seen: set[str] = set()
+
+    def all_placed() -> bool:
+        seen.update(ev.Placement.FromString(r.value or b"").task_id for r in bus.read_all(topic))
+        return wanted <= seen
+
+    wait_until(all_placed, 90, lambda: f"placements of {sorted(wanted - seen)[:5]} and more", step_s=0.3)
 
 
 def place_over_grpc(stub: api_grpc.SchedulerStub, specs: list[ev.TaskSpec]) -> dict[str, list[str]]:
