@@ -627,6 +627,8 @@ class InfraGraph:
         _check_id(link.dst_id, f"link {link.id} dst")
         _check_range(link.bandwidth_gbps, f"link {link.id} bandwidth_gbps", 0.0, 1.0e6)
         _check_range(link.latency_us, f"link {link.id} latency_us", 0.0, 1.0e9)
+        if link.kind not in ev.LinkKind.values():
+            raise InvalidEventError(f"link {link.id}: unknown kind {link.kind}", "out_of_range")
         src_type, src = self._endpoint(link.src_id, f"link {link.id} src")
         dst_type, dst = self._endpoint(link.dst_id, f"link {link.id} dst")
         t = self.links
@@ -819,6 +821,8 @@ def check_task_spec(spec: ev.TaskSpec) -> None:
     _check_range(spec.memory_per_device_gb, f"task {spec.id} memory_per_device_gb", 0.0, MAX_MEMORY_GB)
     _check_range(spec.work_ref_s, f"task {spec.id} work_ref_s", 0.0, 1.0e10)
     _check_range(spec.latency_slo_ms, f"task {spec.id} latency_slo_ms", 0.0, 1.0e9)
+    if spec.kind not in ev.TaskKind.values():  # proto3 enums are open: any int32 decodes
+        raise InvalidEventError(f"task {spec.id}: unknown kind {spec.kind}", "out_of_range")
     for kind in spec.allowed_kinds:
         if kind not in ev.DeviceKind.values() or kind == ev.DEVICE_KIND_UNSPECIFIED:
             raise InvalidEventError(f"task {spec.id}: unknown allowed kind {kind}", "out_of_range")

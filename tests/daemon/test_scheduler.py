@@ -155,6 +155,7 @@ def test_replaying_the_same_events_twice_changes_nothing() -> None:
         (ev.TelemetryEvent(device_upsert=ev.Device(id="x", host_id="h", kind=GPU, memory_gb=-1)), "out_of_range"),
         (ev.TelemetryEvent(device_upsert=ev.Device(id="", host_id="h", kind=GPU)), "missing_id"),
         (ev.TelemetryEvent(device_upsert=ev.Device(id="x", host_id="h")), "out_of_range"),  # kind unspecified
+        (ev.TelemetryEvent(link_upsert=ev.Link(id="l", src_id="g0", dst_id="g1", kind=1000)), "out_of_range"),  # type: ignore[arg-type]
         (
             ev.TelemetryEvent(
                 metrics_batch=ev.MetricsBatch(
@@ -184,6 +185,7 @@ def test_bad_telemetry_is_refused_and_changes_nothing(event: ev.TelemetryEvent, 
         (ev.TaskSpec(id="t", memory_per_device_gb=float("nan")), "out_of_range"),
         (ev.TaskSpec(id="t", num_devices=100_000), "out_of_range"),
         (ev.TaskSpec(id="t", dependencies=[ev.Dependency(task_id="t")]), "cycle"),
+        (ev.TaskSpec(id="t", kind=-186), "out_of_range"),  # type: ignore[arg-type]  # open enum: any int32
     ],
 )
 def test_bad_task_specs_are_refused(spec: ev.TaskSpec, reason: str) -> None:
