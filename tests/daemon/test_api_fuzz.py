@@ -157,16 +157,6 @@ def assert_feasible(spec: ev.TaskSpec, placement: ev.Placement) -> None:
         assert device.memory_gb >= spec.memory_per_device_gb
 
 
-class NotImplementedOnServerError(Exception):
-    """The server answers UNIMPLEMENTED: the method is still to be written."""
-
-
-def require_implemented(method: Callable[..., Any], request: Any) -> None:
-    code, details = call(method, request)
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        raise NotImplementedOnServerError(details)
-
-
 # -- the methods -----------------------------------------------------------------------------
 
 
@@ -259,8 +249,6 @@ def test_get_cluster_state_and_every_method_fuzzed_with_raw_bytes(server: Server
             code = grpc.StatusCode.OK
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
-            if code == grpc.StatusCode.UNIMPLEMENTED and method in ("PlaceBatch", "ScoreDevices", "Explain"):
-                return  # not written yet: their own fuzzers below say so
             assert_well_formed(code, details)
         if code != grpc.StatusCode.OK or method not in ("Place", "PlaceBatch"):
             assert server.snapshot() == before, f"{method} with raw bytes changed the state ({code})"
@@ -276,10 +264,7 @@ def test_an_oversized_request_is_resource_exhausted_and_changes_nothing(server: 
     assert server.snapshot() == before
 
 
-@pytest.mark.xfail(raises=NotImplementedOnServerError, strict=False, reason="PlaceBatch answers UNIMPLEMENTED on main")
 def test_place_batch_fuzzed(server: Server) -> None:
-    require_implemented(server.stub.PlaceBatch, api.PlaceBatchRequest(dry_run=True))
-
     @FUZZ
     @given(tasks=st.lists(task_specs(), max_size=4), dry_run=st.booleans())
     def fuzz(tasks: list[ev.TaskSpec], dry_run: bool) -> None:
@@ -297,12 +282,7 @@ def test_place_batch_fuzzed(server: Server) -> None:
     fuzz()
 
 
-@pytest.mark.xfail(
-    raises=NotImplementedOnServerError, strict=False, reason="ScoreDevices answers UNIMPLEMENTED on main"
-)
 def test_score_devices_fuzzed(server: Server) -> None:
-    require_implemented(server.stub.ScoreDevices, api.ScoreDevicesRequest(task=ev.TaskSpec(id="probe")))
-
     @FUZZ
     @given(task=st.one_of(st.none(), task_specs()), devices=device_ids)
     def fuzz(task: ev.TaskSpec | None, devices: list[str]) -> None:
@@ -320,10 +300,7 @@ def test_score_devices_fuzzed(server: Server) -> None:
     fuzz()
 
 
-@pytest.mark.xfail(raises=NotImplementedOnServerError, strict=False, reason="Explain answers UNIMPLEMENTED on main")
 def test_explain_fuzzed(server: Server) -> None:
-    require_implemented(server.stub.Explain, api.ExplainRequest(task=ev.TaskSpec(id="probe")))
-
     @FUZZ
     @given(target=st.one_of(st.none(), ids, task_specs()), top_k=st.one_of(st.integers(0, 30), st.integers(*UINT32)))
     def fuzz(target: str | ev.TaskSpec | None, top_k: int) -> None:

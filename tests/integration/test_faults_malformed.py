@@ -134,7 +134,8 @@ class BadMessages:
             ("work_ref_s", 1e300),
             ("num_devices", 2**32 - 1),
             ("latency_slo_ms", -1.0),
-        ][int(self.rng.integers(6))]
+            ("kind", int(self.rng.integers(4, 2**31))),  # an open enum: any int32 decodes
+        ][int(self.rng.integers(7))]
         spec = self._spec()
         setattr(spec, field, value)
         return "tasks", task_bytes(spec), _reasons("out_of_range")
@@ -176,6 +177,10 @@ class BadMessages:
         if choice == 3:  # the top switch under one of its own racks
             switch = ev.Switch(id="spine", parent_id=f"rack-00{int(self.rng.integers(4))}")
             return "telemetry", telemetry_bytes(switch_upsert=switch), _reasons("cycle")
+        if self.rng.random() < 0.5:
+            kind = int(self.rng.integers(5, 2**31))
+            link = ev.Link(id=self._id("link"), src_id=DEVICES[0].id, dst_id=DEVICES[1].id, kind=kind)  # type: ignore[arg-type]
+            return "telemetry", telemetry_bytes(link_upsert=link), _reasons("out_of_range")
         link = ev.Link(id=self._id("link"), src_id=DEVICES[0].id, dst_id=self._id("nowhere"), bandwidth_gbps=10)
         return "telemetry", telemetry_bytes(link_upsert=link), _reasons("unknown_id")
 
