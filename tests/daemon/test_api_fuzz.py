@@ -71,7 +71,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    config = load_settings(None, bus="memory", grpc={"listen": f"127.0.0.1:{free_port()}"})
+    # Tasks share devices here, so that accepted requests keep finding room.
+    config = load_settings(
+        None, bus="memory", grpc={"listen": f"127.0.0.1:{free_port()}"}, scheduler={"max_tasks_per_device": 0}
+    )
     bus = MemoryBus()
     for event in INVENTORY:
         bus.publish(config.kafka.topics.telemetry, b"default", event.SerializeToString())

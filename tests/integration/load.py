@@ -152,6 +152,8 @@ class DaemonConfig:
             "cell": CELL,
             "state_dir": str(self.state_dir),
             "kafka": kafka,
+            # The load shares devices between small tasks (hlb's default is one task per device).
+            "scheduler": {"max_tasks_per_device": 0},
             "grpc": {"listen": f"127.0.0.1:{self.port}"},
             "metrics": {"listen": f"127.0.0.1:{self.metrics_port}", "lag_interval_s": 0.5},
             "log": {"format": "json"},
