@@ -395,7 +395,9 @@ class CountingPublisher:
         self._dlq_topic = dlq_topic
         self._metrics = metrics
 
-    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
         self._inner.publish(topic, key, value, headers)
         if topic == self._dlq_topic:
             source = dict(headers).get("hlb.source.topic", b"").decode("utf-8", "replace")
