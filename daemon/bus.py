@@ -111,15 +111,18 @@ class MemoryBus:
 
 
 class MemorySource:
-    """A consumer of a ``MemoryBus``; it starts at ``start`` where given, else at the group's
-    committed positions (a ``MemoryBus`` lives no longer than the process, so these are the same
-    state's)."""
+    """A consumer of a ``MemoryBus``. With ``start`` (a snapshot's offsets) it begins there, and at
+    the first record of a topic that ``start`` does not name, as ``KafkaSource`` does; without it,
+    at the group's committed positions (a ``MemoryBus`` lives no longer than the process, so those
+    belong to the same state)."""
 
     def __init__(self, bus: MemoryBus, topics: tuple[str, ...], group_id: str, start: Offsets | None = None) -> None:
         self._bus = bus
         self._group = group_id
-        given = start or {}
-        self._next = {topic: given.get((topic, 0), bus.committed(group_id, topic)) for topic in topics}
+        if start is None:
+            self._next = {topic: bus.committed(group_id, topic) for topic in topics}
+        else:
+            self._next = {topic: start.get((topic, 0), 0) for topic in topics}
 
     def next_batch(self, max_events: int, timeout_s: float) -> list[RawEvent]:
         with self._bus._changed:
