@@ -242,8 +242,16 @@ class KafkaSource:
         return dict(self._lag)
 
     def next_batch(self, max_events: int, timeout_s: float) -> list[RawEvent]:
+        # consume(n, t) waits until it has n records or t has passed: asked for a big batch with a
+        # timeout it would hold records back. So: take what is queued; when nothing is, wait for
+        # the first record only, then take what is queued behind it.
+        messages = self._consumer.consume(max_events, 0)
+        if not messages and timeout_s > 0:
+            messages = self._consumer.consume(1, timeout_s)
+            if messages and max_events > 1:
+                messages += self._consumer.consume(max_events - 1, 0)
         batch: list[RawEvent] = []
-        for message in self._consumer.consume(max_events, timeout_s):
+        for message in messages:
             error = message.error()
             if error is None:
                 batch.append(_raw(message))
