@@ -269,6 +269,7 @@ class KafkaSource:
             key = (record.topic, record.partition)
             ends[key] = max(ends.get(key, 0), record.offset + 1)
         self._consumer.store_offsets(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()])
+        self._start.update(ends)  # a partition revoked and assigned again resumes after what was applied
 
     def close(self) -> None:
         self._consumer.close()  # commits the stored offsets and leaves the group
