@@ -237,6 +237,7 @@ def install(snapshot: Snapshot, scheduler: Scheduler) -> None:
             snapshot_sequence=snapshot.ledger_sequence,
         )
     graph = snapshot.graph
+    graph.max_tasks_per_device = scheduler.graph.max_tasks_per_device  # configuration, not state
     scheduler.graph = graph
     scheduler._pending = {}
     scheduler._unbound = {}

@@ -89,8 +89,10 @@ def test_a_round_trip_restores_the_same_state() -> None:
     assert restored is not None
     state = restored[1]
     assert state.offsets == {(TOPICS.telemetry, 0): 13, (TOPICS.tasks, 0): 8}
-    fresh = Scheduler(InfraGraph(), LeastLoaded(), scheduler.ledger, "c", clock=lambda: 5.0)
+    fresh = Scheduler(InfraGraph(max_tasks_per_device=4), LeastLoaded(), scheduler.ledger, "c", clock=lambda: 5.0)
     snap.install(state, fresh)
+    assert fresh.graph.max_tasks_per_device == 4  # the running configuration, not the snapshot's
+    fresh.graph.max_tasks_per_device = scheduler.graph.max_tasks_per_device
     assert snap.state_arrays(fresh, {}).keys() == snap.state_arrays(scheduler, {}).keys()
     assert comparable(fresh) == comparable(scheduler)
     g = fresh.graph
