@@ -9,12 +9,14 @@ hands out batches and stores its position only when told the batch was applied.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+Offsets = Mapping[tuple[str, int], int]  # (topic, partition) -> next offset to read
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class RawEvent:
     """One record as it came off the bus, before decoding."""
 
@@ -35,12 +37,18 @@ class EventSource(Protocol):
         """Record that ``batch`` has been applied: a restart resumes after it."""
         ...
 
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Messages behind per assigned partition, as last measured (empty until known)."""
+        ...
+
     def close(self) -> None: ...
 
 
 class Publisher(Protocol):
-    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
-        """Queue one record for ``topic``; never blocks on the network."""
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """Queue one record for ``topic`` (``value`` None: a tombstone); never blocks on the network."""
         ...
 
     def flush(self, timeout_s: float) -> int:
@@ -51,7 +59,10 @@ class Publisher(Protocol):
 class EventBus(Protocol):
     def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None: ...
 
-    def source(self, topics: Sequence[str], group_id: str) -> EventSource: ...
+    def source(self, topics: Sequence[str], group_id: str, start: Offsets | None = None) -> EventSource:
+        """A consumer of ``topics``. ``start``: where to begin per partition (a snapshot's offsets);
+        a partition not named starts at its earliest retained record."""
+        ...
 
     def publisher(self) -> Publisher: ...
 
@@ -73,13 +84,15 @@ class MemoryBus:
             for topic in [*topics, *compacted]:
                 self.topics.setdefault(topic, [])
 
-    def source(self, topics: Sequence[str], group_id: str) -> MemorySource:
-        return MemorySource(self, tuple(topics), group_id)
+    def source(self, topics: Sequence[str], group_id: str, start: Offsets | None = None) -> MemorySource:
+        return MemorySource(self, tuple(topics), group_id, start)
 
     def publisher(self) -> MemoryBus:
         return self
 
-    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
         with self._changed:
             log = self.topics.setdefault(topic, [])
             log.append(RawEvent(topic, 0, len(log), key, value, tuple(headers)))
@@ -98,12 +111,18 @@ class MemoryBus:
 
 
 class MemorySource:
-    """A consumer of a ``MemoryBus``; it starts at the group's committed positions."""
+    """A consumer of a ``MemoryBus``. With ``start`` (a snapshot's offsets) it begins there, and at
+    the first record of a topic that ``start`` does not name, as ``KafkaSource`` does; without it,
+    at the group's committed positions (a ``MemoryBus`` lives no longer than the process, so those
+    belong to the same state)."""
 
-    def __init__(self, bus: MemoryBus, topics: tuple[str, ...], group_id: str) -> None:
+    def __init__(self, bus: MemoryBus, topics: tuple[str, ...], group_id: str, start: Offsets | None = None) -> None:
         self._bus = bus
         self._group = group_id
-        self._next = {topic: bus.committed(group_id, topic) for topic in topics}
+        if start is None:
+            self._next = {topic: bus.committed(group_id, topic) for topic in topics}
+        else:
+            self._next = {topic: start.get((topic, 0), 0) for topic in topics}
 
     def next_batch(self, max_events: int, timeout_s: float) -> list[RawEvent]:
         with self._bus._changed:
@@ -126,6 +145,10 @@ class MemorySource:
             for record in batch:
                 key = (self._group, record.topic)
                 self._bus._committed[key] = max(self._bus._committed.get(key, 0), record.offset + 1)
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        with self._bus._changed:
+            return {(t, 0): len(self._bus.topics.get(t, [])) - n for t, n in self._next.items()}
 
     def close(self) -> None:
         pass

@@ -145,6 +145,14 @@ class SchedulerSettings(_Section):
     max_tasks_per_device: int = Field(1, ge=0, le=1024, description="0: no limit")
 
 
+class SnapshotSettings(_Section):
+    """Snapshots of the daemon's state in ``state_dir`` (restored at start; see daemon/snapshot.py)."""
+
+    enabled: bool = True
+    interval_s: float = Field(60.0, gt=0, le=86400)  # also one at shutdown
+    keep: int = Field(3, ge=1, le=100)  # newest snapshots kept; an older one is the fallback for a corrupt one
+
+
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -169,6 +177,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = SchedulerSettings()
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
+    snapshot: SnapshotSettings = SnapshotSettings()
 
     _yaml_file: ClassVar[Path | None] = None
 

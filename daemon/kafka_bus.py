@@ -2,13 +2,16 @@
 
 The consumer runs on the ingest thread only. Offsets are stored by hand after a batch has been
 applied (``enable.auto.offset.store=false``) and committed in the background, which gives
-at-least-once delivery. Until the graph is snapshotted (a later step), the daemon's state lives
-in memory only, so every assigned partition is replayed from its beginning; the ledger makes the
-replay place nothing twice.
+at-least-once delivery. The offsets that count for recovery are the ones in the daemon's own
+snapshot (``daemon.snapshot``): an assigned partition starts at the snapshot's offset when a
+snapshot covers it, else at its earliest retained record; the group's committed offsets only
+show progress to lag tools. Consumer lag per partition comes from librdkafka's statistics
+(``statistics.interval.ms`` and ``stats_cb``), served on the ingest thread inside ``consume``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
@@ -25,7 +28,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from daemon.bus import RawEvent
+from daemon.bus import Offsets, RawEvent
 from daemon.config import KafkaSettings
 from daemon.errors import BrokerError
 
@@ -42,18 +45,35 @@ def _client_config(settings: KafkaSettings) -> ClientConfig:
 
 
 def _raw(message: Message) -> RawEvent:
-    raw_headers = message.headers() or []
-    pairs = raw_headers.items() if isinstance(raw_headers, dict) else raw_headers
-    headers = tuple((k, v.encode() if isinstance(v, str) else v or b"") for k, v in pairs)
+    raw_headers = message.headers()
+    headers: tuple[tuple[str, bytes], ...] = ()
+    if raw_headers:
+        pairs = raw_headers.items() if isinstance(raw_headers, dict) else raw_headers
+        headers = tuple((k, v.encode() if isinstance(v, str) else v or b"") for k, v in pairs)
     key, value = message.key(), message.value()
     return RawEvent(
-        topic=message.topic() or "",
-        partition=message.partition() or 0,
-        offset=message.offset() or 0,
-        key=key.encode() if isinstance(key, str) else key,
-        value=value.encode() if isinstance(value, str) else value,
-        headers=headers,
+        message.topic() or "",
+        message.partition() or 0,
+        message.offset() or 0,
+        key.encode() if isinstance(key, str) else key,
+        value.encode() if isinstance(value, str) else value,
+        headers,
     )
+
+
+def parse_lag(stats_json: str) -> dict[tuple[str, int], int]:
+    """``consumer_lag`` per (topic, partition) from a librdkafka statistics document (STATISTICS.md).
+
+    Partitions not assigned (or whose lag is not known yet, -1) are left out; ``consumer_lag``
+    is the high (or last stable) offset minus the committed offset.
+    """
+    lag: dict[tuple[str, int], int] = {}
+    for topic, data in json.loads(stats_json).get("topics", {}).items():
+        for partition, fields in data.get("partitions", {}).items():
+            value = int(fields.get("consumer_lag", -1))
+            if int(partition) >= 0 and value >= 0 and fields.get("fetch_state", "active") != "none":
+                lag[(topic, int(partition))] = value
+    return lag
 
 
 class KafkaBus:
@@ -100,8 +120,8 @@ class KafkaBus:
                 raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"no leader yet for topics {missing}"))
             time.sleep(0.2)
 
-    def source(self, topics: Sequence[str], group_id: str) -> KafkaSource:
-        return KafkaSource(self.settings, topics, group_id)
+    def source(self, topics: Sequence[str], group_id: str, start: Offsets | None = None) -> KafkaSource:
+        return KafkaSource(self.settings, topics, group_id, start)
 
     def publisher(self) -> KafkaPublisher:
         return KafkaPublisher(self.settings)
@@ -166,9 +186,19 @@ def _watermarks(consumer: Consumer, partition: TopicPartition, timeout_s: float)
 
 
 class KafkaSource:
-    """A group consumer of the input topics, replaying each assigned partition from its start."""
+    """A group consumer of the input topics; each assigned partition starts at ``start`` (the
+    snapshot's offsets) where given, else at its earliest retained record."""
 
-    def __init__(self, settings: KafkaSettings, topics: Sequence[str], group_id: str) -> None:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        topics: Sequence[str],
+        group_id: str,
+        start: Offsets | None = None,
+        statistics_interval_ms: int = 1000,
+    ) -> None:
+        self._start = dict(start or {})
+        self._lag: dict[tuple[str, int], int] = {}
         self._consumer = Consumer(
             {
                 **_client_config(settings),
@@ -178,24 +208,50 @@ class KafkaSource:
                 "auto.offset.reset": "earliest",
                 "partition.assignment.strategy": "cooperative-sticky",
                 "fetch.wait.max.ms": 50,
+                "statistics.interval.ms": statistics_interval_ms,
+                "stats_cb": self._on_stats,
             },
             logger=structlog.stdlib.get_logger("librdkafka"),
         )
-        self._consumer.subscribe(list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._consumer.subscribe(
+            list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for partition in partitions:
-            partition.offset = OFFSET_BEGINNING
+            partition.offset = self._start.get((partition.topic, partition.partition), OFFSET_BEGINNING)
         consumer.incremental_assign(partitions)
-        log.info("partitions assigned", partitions=[f"{p.topic}[{p.partition}]" for p in partitions])
+        log.info("partitions assigned", partitions=[f"{p.topic}[{p.partition}]@{p.offset}" for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.incremental_unassign(partitions)
         log.info("partitions revoked", partitions=[f"{p.topic}[{p.partition}]" for p in partitions])
 
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Another member may own them already: nothing is committed for them.
+        consumer.incremental_unassign(partitions)
+        log.warning("partitions lost", partitions=[f"{p.topic}[{p.partition}]" for p in partitions])
+
+    def _on_stats(self, stats_json: str) -> None:
+        try:
+            self._lag = parse_lag(stats_json)
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.warning("unreadable consumer statistics", error=str(exc))
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        return dict(self._lag)
+
     def next_batch(self, max_events: int, timeout_s: float) -> list[RawEvent]:
+        # consume(n, t) waits until it has n records or t has passed: asked for a big batch with a
+        # timeout it would hold records back. So: take what is queued; when nothing is, wait for
+        # the first record only, then take what is queued behind it.
+        messages = self._consumer.consume(max_events, 0)
+        if not messages and timeout_s > 0:
+            messages = self._consumer.consume(1, timeout_s)
+            if messages and max_events > 1:
+                messages += self._consumer.consume(max_events - 1, 0)
         batch: list[RawEvent] = []
-        for message in self._consumer.consume(max_events, timeout_s):
+        for message in messages:
             error = message.error()
             if error is None:
                 batch.append(_raw(message))
@@ -213,6 +269,7 @@ class KafkaSource:
             key = (record.topic, record.partition)
             ends[key] = max(ends.get(key, 0), record.offset + 1)
         self._consumer.store_offsets(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()])
+        self._start.update(ends)  # a partition revoked and assigned again resumes after what was applied
 
     def close(self) -> None:
         self._consumer.close()  # commits the stored offsets and leaves the group
@@ -225,7 +282,9 @@ class KafkaPublisher:
             logger=structlog.stdlib.get_logger("librdkafka"),
         )
 
-    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
         while True:
             try:
                 self._producer.produce(topic, value=value, key=key, headers=list(headers), on_delivery=_delivered)

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel
 
+from daemon import snapshot
 from daemon.api import GrpcServer, SchedulerService, cluster_state
 from daemon.bus import EventBus, MemoryBus, Publisher
 from daemon.codec import decode
@@ -122,6 +123,11 @@ class Daemon:
         self.rate_limit = RateLimitInterceptor(_bucket(settings, monotonic), self.metrics.count_rate_limited)
         self._monotonic = monotonic
         self._ingestor: Ingestor | None = None
+        self.snapshots: snapshot.SnapshotStore | None = (
+            snapshot.FileSnapshotStore(settings.state_dir / "snapshots", settings.snapshot.keep)
+            if settings.snapshot.enabled and settings.bus == "kafka"  # a memory bus ends with the process
+            else None
+        )
         self._lag: Lag = {}
         self._reload_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
@@ -159,6 +165,37 @@ class Daemon:
         path = write_dump(state, self.settings.state_dir)
         log.info("state dumped", path=str(path))
         return path
+
+    def restore_snapshot(self) -> dict[tuple[str, int], int] | None:
+        """Install the newest valid snapshot; returns the input offsets it covers (None: replay all)."""
+        if self.snapshots is None:
+            return None
+        found = snapshot.restore_newest(self.snapshots)
+        if found is None:
+            log.info("no snapshot to restore: replaying the inputs from their earliest records")
+            return None
+        name, state = found
+        inputs = {self.settings.kafka.topics.telemetry, self.settings.kafka.topics.tasks}
+        foreign = sorted({t for t, _ in state.offsets} - inputs)
+        if foreign:
+            log.error("snapshot skipped: it covers other input topics", name=name, topics=foreign)
+            return None
+        with self.lock:
+            snapshot.install(state, self.scheduler)
+        log.info("snapshot restored", name=name, devices=len(state.graph.devices), offsets=len(state.offsets))
+        return state.offsets
+
+    def write_snapshot(self) -> None:
+        if self.snapshots is not None and self._ingestor is not None:
+            snapshot.take(self.snapshots, self.scheduler, self._ingestor.positions, self.lock)
+
+    async def _snapshot_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.to_thread(self.write_snapshot)
+            except OSError as exc:  # a full disk must not stop the daemon; the next try may work
+                log.error("snapshot failed", error=str(exc))
 
     def staleness_ms(self) -> float:
         newest = self.scheduler.graph.newest_telemetry_ms
@@ -209,16 +246,20 @@ class Daemon:
         )
         restored = await asyncio.to_thread(self.restore_ledger)
         log.info("ledger restored", placements=restored, last_sequence=self.ledger.last_sequence)
+        start = await asyncio.to_thread(self.restore_snapshot)  # after the ledger: it binds to it
         self.ledger.subscribe(self._publish_placement)
 
         inputs = [topics.telemetry, topics.tasks]
-        source = self.bus.source(inputs, self.settings.kafka.group_id)
+        source = self.bus.source(inputs, self.settings.kafka.group_id, start)
         dead_letters = CountingPublisher(self.publisher, topics.dlq, self.metrics)
         self._ingestor = Ingestor(
             source, dead_letters, self.scheduler, self.lock, topics, self.settings.kafka.max_event_bytes
         )
         ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
         self.ingest = ingest
+        if self.snapshots is not None:
+            self.on_shutdown_snapshot = self.write_snapshot
+            self._spawn(self._snapshot_every(self.settings.snapshot.interval_s))
         metrics_server: MetricsServer | None = None
         try:
             await server.start()
@@ -407,7 +448,9 @@ class CountingPublisher:
         self._dlq_topic = dlq_topic
         self._metrics = metrics
 
-    def publish(self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()) -> None:
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
         self._inner.publish(topic, key, value, headers)
         if topic == self._dlq_topic:
             source = dict(headers).get("hlb.source.topic", b"").decode("utf-8", "replace")

@@ -1,9 +1,10 @@
 """``hlb agent``: a simulated telemetry agent and job submitter for a small heterogeneous cluster.
 
-It publishes the cluster's inventory (to the telemetry topic and the compacted inventory topic),
-periodic metrics per host, and a Poisson stream of task submissions. It also plays the executor:
-it reads the placement ledger, reports each of its tasks as started, and as finished once the
-task's runtime has passed, so that devices free up and the daemon keeps placing.
+It publishes the cluster's inventory to the telemetry topic (the daemon mirrors what it applies to
+the compacted inventory topic), periodic metrics per host, and a Poisson stream of task
+submissions. It also plays the executor: it reads the placement ledger, reports each of its tasks
+as started, and as finished once the task's runtime has passed, so that devices free up and the
+daemon keeps placing.
 """
 
 from __future__ import annotations
@@ -114,8 +115,6 @@ class Agent:
     def publish_inventory(self) -> None:
         for event in self.inventory:
             self._publish_telemetry(event)
-            entity = getattr(event, event.WhichOneof("payload") or "")
-            self.publisher.publish(self.topics.inventory, entity.id.encode(), event.SerializeToString())
 
     def publish_metrics(self) -> None:
         batch = ev.MetricsBatch()

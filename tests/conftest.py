@@ -94,6 +94,7 @@ def start_serve(tmp_path: Path, kafka_bootstrap: str, topics: Topics) -> Iterato
     config = tmp_path / "config.yaml"
     config.write_text(
         "cell: it\n"
+        f"state_dir: {tmp_path / 'state'}\n"
         "kafka:\n"
         f"  group_id: hlb-{uuid.uuid4().hex[:8]}\n"
         "  poll_timeout_s: 0.05\n"

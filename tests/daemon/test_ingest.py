@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 from daemon.bus import MemoryBus
 from daemon.config import Topics
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, drain
+from daemon.kafka_bus import parse_lag
 from daemon.ledger import PlacementLedger
 from daemon.policy import LeastLoaded
 from daemon.scheduler import Scheduler
@@ -72,3 +74,103 @@ def test_a_new_consumer_of_the_same_group_resumes_after_the_committed_offsets() 
     publish(bus, TOPICS.tasks, ev.TaskEvent(submitted=ev.TaskSpec(id="later")).SerializeToString())
     second = make_ingestor(bus)
     assert drain(second) == 1
+
+
+def telemetry(time_ms: int = 1000, **payload: object) -> bytes:
+    return ev.TelemetryEvent(cell="c", event_time_ms=time_ms, **payload).SerializeToString()  # type: ignore[arg-type]
+
+
+def metrics(*reports: tuple[str, float]) -> ev.MetricsBatch:
+    return ev.MetricsBatch(devices=[ev.DeviceMetrics(device_id=d, utilization=u) for d, u in reports])
+
+
+def device(device_id: str) -> ev.Device:
+    return ev.Device(id=device_id, host_id="h0", kind=ev.DEVICE_KIND_GPU, memory_gb=16)
+
+
+def test_a_bad_report_in_a_metrics_run_is_dead_lettered_and_the_rest_applied_in_order() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus)
+    publish(bus, TOPICS.telemetry, DEVICE)
+    publish(bus, TOPICS.telemetry, telemetry(1000, metrics_batch=metrics(("d0", 0.2))))
+    publish(bus, TOPICS.telemetry, telemetry(1100, metrics_batch=metrics(("d0", 0.3), ("d1", 0.5))))  # d1 unknown
+    publish(bus, TOPICS.telemetry, telemetry(1200, device_upsert=device("d1")))  # splits the run
+    publish(bus, TOPICS.telemetry, telemetry(1300, metrics_batch=metrics(("d1", 0.7), ("d0", 9.0))))  # 9 > 1
+    publish(bus, TOPICS.telemetry, telemetry(1400, device_metrics=ev.DeviceMetrics(device_id="d1", utilization=0.6)))
+    publish(bus, TOPICS.telemetry, telemetry(1500, metrics_batch=metrics(("d0", 0.4))))
+    assert drain(ingestor) == 7
+
+    g = ingestor.scheduler.graph
+    assert dict(ingestor.stats.rejected) == {"unknown_id": 1, "out_of_range": 1}
+    assert [int(dict(r.headers)["hlb.source.offset"]) for r in bus.read_all(TOPICS.dlq)] == [2, 4]
+    assert g.devices.utilization[g.devices.index["d0"]] == 0.4
+    assert g.devices.utilization[g.devices.index["d1"]] == 0.6
+    assert g.devices.metrics_ms[g.devices.index["d1"]] == 1400
+    assert g.newest_telemetry_ms == 1500
+    assert ingestor.stats.metrics_reports == 3
+
+
+def test_a_submission_that_closes_a_dependency_cycle_is_refused() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus)
+
+    def task(task_id: str, *deps: str) -> bytes:
+        spec = ev.TaskSpec(id=task_id, dependencies=[ev.Dependency(task_id=d) for d in deps])
+        return ev.TaskEvent(submitted=spec).SerializeToString()
+
+    publish(bus, TOPICS.tasks, task("a", "c"))  # c is not submitted yet: allowed
+    publish(bus, TOPICS.tasks, task("b", "a"))
+    publish(bus, TOPICS.tasks, task("c", "b"))  # c -> b -> a -> c
+    publish(bus, TOPICS.tasks, task("d", "a", "b"))  # a DAG with shared ancestors is fine
+    publish(bus, TOPICS.tasks, task("b", "a"))  # a replay of a known submission
+    drain(ingestor)
+    assert dict(ingestor.stats.rejected) == {"cycle": 1}
+    dead = bus.read_all(TOPICS.dlq)
+    assert b"['c', 'b', 'a', 'c']" in dict(dead[0].headers)["hlb.error.message"]
+    assert set(ingestor.scheduler.graph.tasks) == {"a", "b", "d"}
+
+
+def test_applied_inventory_is_mirrored_to_the_compacted_topic_with_tombstones_for_removals() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus)
+    publish(bus, TOPICS.telemetry, DEVICE)
+    publish(bus, TOPICS.telemetry, telemetry(device_removed=ev.EntityRef(id="d0")))
+    publish(bus, TOPICS.telemetry, telemetry(link_upsert=ev.Link(id="l", src_id="nowhere", dst_id="x")))  # refused
+    publish(bus, TOPICS.telemetry, telemetry(metrics_batch=metrics()))
+    drain(ingestor)
+    mirrored = bus.read_all(TOPICS.inventory)
+    assert [(r.key, r.value is None) for r in mirrored] == [(b"d0", False), (b"d0", True)]
+    assert mirrored[0].value == DEVICE
+
+
+def test_lag_and_staleness_are_measured() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus)
+    ingestor.clock = lambda: 2.0  # 2000 ms
+    publish(bus, TOPICS.telemetry, DEVICE)
+    for t in (1500, 1900, 1990):
+        publish(bus, TOPICS.telemetry, telemetry(t, metrics_batch=metrics(("d0", 0.1))))
+    assert ingestor.stats.staleness_p99_ms() == -1.0
+    ingestor.run_once(2, 0.0)
+    assert ingestor.stats.lag == {(TOPICS.telemetry, 0): 2, (TOPICS.tasks, 0): 0}
+    ingestor.run_once(1, 0.0)
+    ingestor.run_once(1, 0.0)
+    assert list(ingestor.stats.staleness_ms) == [500.0, 100.0, 10.0]
+    assert 100.0 < ingestor.stats.staleness_p99_ms() <= 500.0
+    assert ingestor.stats.lag[(TOPICS.telemetry, 0)] == 0
+
+
+def test_librdkafka_statistics_give_lag_per_assigned_partition() -> None:
+    stats = {
+        "topics": {
+            "hlb.telemetry": {
+                "partitions": {
+                    "0": {"consumer_lag": 42, "fetch_state": "active"},
+                    "1": {"consumer_lag": -1, "fetch_state": "active"},  # not known yet
+                    "2": {"consumer_lag": 5, "fetch_state": "none"},  # not assigned
+                    "-1": {"consumer_lag": 0},  # librdkafka's internal UA partition
+                }
+            }
+        }
+    }
+    assert parse_lag(json.dumps(stats)) == {("hlb.telemetry", 0): 42}

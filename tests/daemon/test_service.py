@@ -24,7 +24,7 @@ from structlog.testing import capture_logs
 
 from daemon import service as service_module
 from daemon.api import GrpcServer, SchedulerService
-from daemon.bus import MemoryBus, MemorySource
+from daemon.bus import MemoryBus, MemorySource, Offsets
 from daemon.config import Settings, Topics, load_settings
 from daemon.graph import InfraGraph
 from daemon.ledger import PlacementLedger
@@ -166,14 +166,14 @@ class RecordingBus(MemoryBus):
         super().__init__()
         self.events: list[str] = []
 
-    def source(self, topics: Sequence[str], group_id: str) -> MemorySource:
+    def source(self, topics: Sequence[str], group_id: str, start: Offsets | None = None) -> MemorySource:
         bus = self
 
         class Source(MemorySource):
             def close(self) -> None:
                 bus.events.append("source closed")
 
-        return Source(self, tuple(topics), group_id)
+        return Source(self, tuple(topics), group_id, start)
 
     def flush(self, timeout_s: float) -> int:
         self.events.append("flushed")

@@ -71,6 +71,7 @@ def test_serve_notifies_systemd_and_commits_offsets_on_sigterm(
             {
                 "cell": "svc",
                 "bus": "kafka",
+                "state_dir": str(tmp_path / "state"),
                 "kafka": {
                     "bootstrap_servers": kafka_bootstrap,
                     "group_id": group,
