@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sim.demo", "start Kafka, the daemon and an agent, and show placements arriving"),
     "broker": ("sim.kafka_local", "fetch, start or stop a local single-node Kafka broker"),
     "bench": ("daemon.bench", "benchmarks that print JSON (latency, ...)"),
+    "export": ("export.cli", "write the GNN's encoder and scorer ONNX files (needs the export extra)"),
 }
 
 
