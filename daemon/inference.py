@@ -4,7 +4,8 @@ Sessions get explicit settings (intra-op threads, graph optimization level, no s
 explicit provider list, CUDA first when onnxruntime has it, then CPU; ``providers`` on the loaded
 model says what onnxruntime actually uses, since a CUDA provider that fails to load falls back to
 CPU silently. Each file's metadata is checked at load: its role, the feature schema version, the
-feature order and the input names must be those of :mod:`daemon.features`, else
+feature order and scaling, the neighbour lists and the input names must be those of
+:mod:`daemon.features`, else
 :class:`ModelError` says which and why. No torch here.
 
 Caching embeddings, fallbacks and hot reload belong to the policy that uses this module.
@@ -86,6 +87,11 @@ def check_metadata(path: Path, metadata: Mapping[str, str], role: str, inputs: S
             order = [entry["name"] for entry in schema[group]]
             if order != feat.names(features):
                 raise ModelError(f"{path}: {group} feature order differs from this hlb's: {order}")
+            changed = [a["name"] for a, b in zip(schema[group], features, strict=True) if a != b.as_dict()]
+            if changed:
+                raise ModelError(f"{path}: {group} features {changed} are scaled differently from this hlb's")
+        if [tuple(n) for n in schema["neighbours"]] != list(feat.NEIGHBOUR_LISTS):
+            raise ModelError(f"{path}: neighbour lists differ from this hlb's: {schema['neighbours']}")
     except (ValueError, KeyError, TypeError) as error:
         raise ModelError(f"{path}: metadata hlb.feature_schema is missing or malformed ({error})") from None
 

@@ -58,6 +58,14 @@ def test_a_model_with_another_feature_order_is_refused(exported: Exported, tmp_p
         load_model(folder)
 
 
+def test_a_model_trained_on_other_feature_scales_is_refused(exported: Exported, tmp_path: Path) -> None:
+    schema = feat.schema()
+    schema["pair"][0]["scale"] = 2.0  # type: ignore[index]
+    folder = copy_with_metadata(exported, tmp_path, "encoder", "hlb.feature_schema", json.dumps(schema))
+    with pytest.raises(ModelError, match=r"pair features \['speed'\] are scaled differently"):
+        load_model(folder)
+
+
 def test_swapped_files_a_missing_file_and_a_corrupt_file_are_each_named(exported: Exported, tmp_path: Path) -> None:
     swapped = tmp_path / "swapped"
     swapped.mkdir()
