@@ -14,7 +14,11 @@ sizes for every node count, neighbour-list width and candidate count. Each file'
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,9 +165,16 @@ def export_scorer(scorer: Scorer, model: HlbGnn, path: Path, info: ExportInfo) -
 def export_model(model: HlbGnn, out_dir: Path, info: ExportInfo) -> tuple[Path, Path]:
     """Write ``encoder.onnx`` and ``scorer.onnx`` into ``out_dir``; returns their paths."""
     encoder_path, scorer_path = out_dir / ENCODER_FILE, out_dir / SCORER_FILE
-    with torch.no_grad(), warnings.catch_warnings():
+    # Without torchvision installed the exporter logs a warning per torchvision op it skips.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    progress = io.StringIO()  # the exporter prints its steps; shown only when it fails
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(progress):
         # The exporter warns once per symbolic size that it keeps the name it was given.
         warnings.filterwarnings("ignore", message=".*axis name.*will not be used", category=UserWarning)
-        export_encoder(model.encoder, model, encoder_path, info)
-        export_scorer(model.scorer, model, scorer_path, info)
+        try:
+            export_encoder(model.encoder, model, encoder_path, info)
+            export_scorer(model.scorer, model, scorer_path, info)
+        except Exception:
+            sys.stderr.write(progress.getvalue())
+            raise
     return encoder_path, scorer_path
