@@ -5,10 +5,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hlb-installed
+EXPORT_STAMP := $(VENV)/.hlb-export-installed
 DURATION ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: help install kafka lint test demo proto clean
+.PHONY: help install install-export kafka lint test demo proto clean
 
 help:
 	@echo "make demo [DURATION=60]  start Kafka, the daemon and a simulated agent; show placements"
@@ -24,17 +25,26 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The export extra (torch, onnx) for export/ and its tests; the daemon never needs it. On Linux
+# torch's wheel pulls its CUDA libraries too (about 5 GB installed, 1-2 minutes from a cold cache):
+# torch cannot be imported without them, even on a CPU-only machine.
+$(EXPORT_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,export]"
+	touch $@
+
+install-export: $(EXPORT_STAMP)
+
 # Apache Kafka's jars from Maven Central into .cache/kafka (skipped where Java is missing).
 kafka: install
 	@if command -v java >/dev/null 2>&1; then $(PY) -m sim.kafka_local fetch; \
 	else echo "java not found: the Kafka broker cannot run here"; fi
 
-lint: install
+lint: install-export
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: install kafka lint
+test: install-export kafka lint
 	$(PY) -m sim.kafka_local exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install kafka

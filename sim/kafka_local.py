@@ -159,7 +159,7 @@ class LocalBroker:
     def _format(self, libs: Path, config: Path) -> None:
         shutil.rmtree(self.work_dir / "data", ignore_errors=True)
         fmt = subprocess.run(
-            self._java(libs, "kafka.tools.StorageTool", "format", "-t", _cluster_id(), "-c", str(config)),
+            self._java(libs, "kafka.tools.StorageTool", "format", f"--cluster-id={_cluster_id()}", "-c", str(config)),
             capture_output=True,
             text=True,
             check=False,

@@ -1,0 +1,249 @@
+"""The GNN's inputs: padded neighbour lists, scaled physical features and (task, device) pair features."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from daemon import features as feat
+from daemon.graph import InfraGraph, TaskState
+from hlb.v1 import events_pb2 as ev
+
+GPU = ev.DEVICE_KIND_GPU
+
+
+def add_device(
+    graph: InfraGraph, device_id: str, host: str, model: str = "m", memory_gb: float = 32.0, peak_tflops: float = 125.0
+) -> int:
+    spec = ev.Device(
+        id=device_id,
+        host_id=host,
+        kind=GPU,
+        model=model,
+        memory_gb=memory_gb,
+        peak_tflops=peak_tflops,
+        idle_power_w=50.0,
+        peak_power_w=300.0,
+    )
+    graph.apply_telemetry(ev.TelemetryEvent(device_upsert=spec))
+    row = graph.devices.row(device_id)
+    assert row is not None
+    return row
+
+
+def small_graph() -> InfraGraph:
+    """Rack r0 with hosts h0 (d0, d1) and h1 (d2); host h2 (d3) without a rack."""
+    graph = InfraGraph()
+    graph.apply_telemetry(ev.TelemetryEvent(switch_upsert=ev.Switch(id="r0")))
+    for host in ("h0", "h1"):
+        graph.apply_telemetry(ev.TelemetryEvent(host_upsert=ev.Host(id=host, rack_id="r0", cpu_cores=64)))
+    for device_id, host in (("d0", "h0"), ("d1", "h0"), ("d2", "h1"), ("d3", "h2")):
+        add_device(graph, device_id, host)
+    return graph
+
+
+def submit(graph: InfraGraph, task_id: str, gang: int = 1, deps: tuple[tuple[str, float], ...] = ()) -> None:
+    spec = ev.TaskSpec(
+        id=task_id,
+        num_devices=gang,
+        memory_per_device_gb=4.0,
+        work_ref_s=600.0,
+        workload_class="resnet50",
+        dependencies=[ev.Dependency(task_id=t, transfer_gb=gb) for t, gb in deps],
+    )
+    graph.add_task(spec, "c0")
+
+
+def real_neighbours(lists: feat.Neighbours, node: int) -> list[int]:
+    return [int(i) for i, m in zip(lists.index[node], lists.mask[node], strict=True) if m > 0]
+
+
+def test_padded_lists_keep_duplicates_and_pad_with_the_source_count() -> None:
+    lists = feat.neighbours(np.array([2, 0, 2, 2]), np.array([5, 1, 5, 3]), n_dst=4, n_src=6)
+    assert lists.index.shape == (4, 3)
+    assert lists.index.dtype == np.int64
+    assert lists.mask.dtype == np.float32
+    assert real_neighbours(lists, 2) == [5, 5, 3]  # edge order, duplicate kept
+    assert real_neighbours(lists, 0) == [1]
+    assert real_neighbours(lists, 1) == []
+    assert set(lists.index[1]) == {6}  # padding points at the appended zero row
+    assert list(lists.degree) == [1, 0, 3, 0]
+
+
+def test_a_list_without_edges_is_one_padding_column_even_with_no_sources() -> None:
+    lists = feat.neighbours(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), n_dst=3, n_src=0)
+    assert lists.index.shape == (3, 1)
+    assert (lists.index == 0).all()
+    assert (lists.mask == 0).all()
+
+
+def test_encoder_inputs_link_devices_hosts_and_racks() -> None:
+    graph = small_graph()
+    inputs = feat.encoder_inputs(graph)
+    assert inputs.device_x.shape == (4, len(feat.DEVICE_FEATURES))
+    assert inputs.host_x.shape == (3, len(feat.HOST_FEATURES))
+    assert inputs.switch_x.shape == (1, len(feat.SWITCH_FEATURES))
+    assert inputs.task_x.shape == (0, len(feat.TASK_FEATURES))
+    host_ids = [graph.hosts.ids[r] for r in inputs.host_rows]
+    device_ids = [graph.devices.ids[r] for r in inputs.device_rows]
+    h0, h2 = host_ids.index("h0"), host_ids.index("h2")
+    assert real_neighbours(inputs.lists["device_host"], device_ids.index("d1")) == [h0]
+    assert sorted(device_ids[i] for i in real_neighbours(inputs.lists["host_device"], h0)) == ["d0", "d1"]
+    assert real_neighbours(inputs.lists["host_rack"], h0) == [0]
+    assert real_neighbours(inputs.lists["host_rack"], h2) == []  # no rack
+    assert sorted(host_ids[i] for i in real_neighbours(inputs.lists["rack_host"], 0)) == ["h0", "h1"]
+    assert set(inputs.feeds()) == set(feat.encoder_feed_names())
+
+
+def test_tasks_link_to_their_devices_and_to_live_dependencies_only() -> None:
+    graph = small_graph()
+    submit(graph, "gone")
+    graph.release(graph.tasks["gone"], TaskState.FINISHED)
+    submit(graph, "a", gang=2)
+    submit(graph, "b", deps=(("a", 2.0), ("gone", 1.0)))
+    graph.bind(graph.tasks["a"], [graph.devices.index["d0"], graph.devices.index["d1"]])
+    inputs = feat.encoder_inputs(graph)
+    assert inputs.task_ids == ["a", "b"]
+    device_ids = [graph.devices.ids[r] for r in inputs.device_rows]
+    a, b = inputs.task_ids.index("a"), inputs.task_ids.index("b")
+    assert sorted(device_ids[i] for i in real_neighbours(inputs.lists["task_device"], a)) == ["d0", "d1"]
+    assert real_neighbours(inputs.lists["device_task"], device_ids.index("d1")) == [a]
+    assert real_neighbours(inputs.lists["device_task"], device_ids.index("d2")) == []
+    assert real_neighbours(inputs.lists["task_parent"], b) == [a]  # "gone" is no longer a node
+    assert real_neighbours(inputs.lists["task_child"], a) == [b]
+    pending = feat.names(feat.TASK_FEATURES).index("pending")
+    placed = feat.names(feat.TASK_FEATURES).index("placed")
+    assert inputs.task_x[a, placed] == 1.0
+    assert inputs.task_x[b, pending] == 1.0
+
+
+def test_positions_follow_live_rows_after_a_row_is_reused() -> None:
+    graph = small_graph()
+    graph.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id="d1")))
+    add_device(graph, "d9", "h1")  # takes d1's freed row
+    inputs = feat.encoder_inputs(graph)
+    rows = graph.device_rows(["d9", "d3"])
+    positions = inputs.device_positions(rows)
+    assert [graph.devices.ids[inputs.device_rows[p]] for p in positions] == ["d9", "d3"]
+    with pytest.raises(KeyError, match="not in these inputs"):
+        inputs.device_positions(np.array([graph.devices.capacity - 1]))
+
+
+def test_features_are_scaled_physical_quantities_and_ignore_model_names() -> None:
+    one, other = InfraGraph(), InfraGraph()
+    add_device(one, "d0", "h0", model="A100", memory_gb=80.0, peak_tflops=312.0)
+    add_device(other, "d0", "h0", model="never-seen-chip", memory_gb=80.0, peak_tflops=312.0)
+    x_one, x_other = feat.encoder_inputs(one).device_x, feat.encoder_inputs(other).device_x
+    np.testing.assert_array_equal(x_one, x_other)
+    column = dict(zip(feat.names(feat.DEVICE_FEATURES), x_one[0], strict=True))
+    assert column["memory_gb"] == pytest.approx(math.log1p(80.0 / 16.0), rel=1e-6)
+    assert column["peak_tflops"] == pytest.approx(math.log1p(312.0 / 100.0), rel=1e-6)
+    assert column["free_memory_share"] == 1.0
+    assert column["healthy"] == 1.0
+    assert column["kind_gpu"] == 1.0
+
+
+def test_features_stay_finite_and_clipped_for_extreme_and_empty_values() -> None:
+    graph = InfraGraph()
+    add_device(graph, "zero", "h0", memory_gb=0.0, peak_tflops=0.0)  # divisions by zero
+    add_device(graph, "huge", "h0", memory_gb=1.0e6, peak_tflops=1.0e7)
+    spec = ev.TaskSpec(id="t", work_ref_s=1.0e10, priority=-1_000_000, deadline_ms=1, submit_time_ms=2)
+    inputs = feat.encoder_inputs(graph, now_ms=10**13)
+    rows = graph.devices.live_rows()
+    for matrix in (
+        inputs.device_x,
+        inputs.host_x,
+        feat.pair_features(spec, graph, rows),
+        feat.task_features(spec, now_ms=10**13)[None],
+    ):
+        assert np.isfinite(matrix).all()
+        assert np.abs(matrix).max() <= feat.CLIP
+    slack = feat.names(feat.TASK_FEATURES).index("deadline_slack_s")
+    assert feat.task_features(spec, now_ms=10**13)[slack] < 0  # the deadline has passed
+
+
+def test_normalize_refuses_a_column_count_that_does_not_match() -> None:
+    with pytest.raises(ValueError, match="3 columns for 4 features"):
+        feat.normalize(np.zeros((2, 3)), feat.SWITCH_FEATURES)
+
+
+def test_waiting_time_and_deadline_slack_come_from_the_given_clock() -> None:
+    spec = ev.TaskSpec(id="t", submit_time_ms=1_000, deadline_ms=601_000)
+    names = feat.names(feat.TASK_FEATURES)
+    x = feat.task_features(spec, now_ms=61_000)
+    assert x[names.index("waiting_s")] == pytest.approx(math.log1p(60.0 / 60.0), rel=1e-6)
+    assert x[names.index("deadline_slack_s")] == pytest.approx(math.log1p(540.0 / 600.0), rel=1e-6)
+    unknown_clock = feat.task_features(spec)
+    assert unknown_clock[names.index("waiting_s")] == 0.0
+
+
+def pair_column(matrix: np.ndarray, name: str) -> np.ndarray:
+    return matrix[:, feat.names(feat.PAIR_FEATURES).index(name)]
+
+
+def test_speed_uses_peak_throughput_unless_a_profile_is_given() -> None:
+    graph = InfraGraph()
+    add_device(graph, "fast", "h0", model="X", peak_tflops=250.0)
+    add_device(graph, "slow", "h0", model="Y", peak_tflops=62.5)
+    spec = ev.TaskSpec(id="t", workload_class="lm", work_ref_s=100.0)
+    rows = graph.device_rows(["fast", "slow"])
+    speed, profiled = feat.estimated_speed(spec, graph, rows)
+    np.testing.assert_allclose(speed, [2.0, 0.5])
+    assert not profiled.any()
+    speed, profiled = feat.estimated_speed(spec, graph, rows, profile={("lm", "Y"): 3.0, ("other", "X"): 9.0})
+    np.testing.assert_allclose(speed, [2.0, 3.0])
+    assert list(profiled) == [False, True]
+    x = feat.pair_features(spec, graph, rows)
+    np.testing.assert_allclose(pair_column(x, "runtime_s"), np.log1p(np.array([50.0, 200.0]) / 3600.0), rtol=1e-6)
+
+
+def test_dependency_outputs_count_as_local_on_the_host_where_the_parent_ran() -> None:
+    graph = small_graph()
+    submit(graph, "parent")
+    graph.bind(graph.tasks["parent"], [graph.devices.index["d0"]])
+    graph.release(graph.tasks["parent"], TaskState.FINISHED)  # finished: its output stays on h0
+    spec = ev.TaskSpec(id="child", dependencies=[ev.Dependency(task_id="parent", transfer_gb=3.0)])
+    rows = graph.device_rows(["d0", "d1", "d2", "d3"])
+    np.testing.assert_array_equal(feat.local_input_gb(spec, graph, rows), [3.0, 3.0, 0.0, 0.0])
+    x = feat.pair_features(spec, graph, rows)
+    np.testing.assert_allclose(pair_column(x, "local_input_share"), [1.0, 1.0, 0.0, 0.0])
+
+
+def test_same_host_share_counts_candidates_on_the_host_against_the_gang() -> None:
+    graph = small_graph()
+    spec = ev.TaskSpec(id="t", num_devices=4)
+    rows = graph.device_rows(["d0", "d1", "d2"])
+    np.testing.assert_allclose(pair_column(feat.pair_features(spec, graph, rows), "same_host_share"), [0.5, 0.5, 0.25])
+
+
+def test_colocation_memory_fit_and_preference_are_visible_per_candidate() -> None:
+    graph = small_graph()
+    submit(graph, "busy")
+    graph.bind(graph.tasks["busy"], [graph.devices.index["d0"]])  # 4 GB reserved of 32
+    spec = ev.TaskSpec(id="t", memory_per_device_gb=8.0, preferred_models=["m", "unknown"])
+    rows = graph.device_rows(["d0", "d1"])
+    x = feat.pair_features(spec, graph, rows)
+    np.testing.assert_allclose(pair_column(x, "colocated_tasks"), [math.log1p(1.0), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(pair_column(x, "memory_fit"), [8.0 / 28.0, 8.0 / 32.0], rtol=1e-6)
+    np.testing.assert_allclose(pair_column(x, "reserved_share_after"), [12.0 / 32.0, 8.0 / 32.0], rtol=1e-6)
+    np.testing.assert_array_equal(pair_column(x, "preferred"), [1.0, 1.0])
+
+
+def test_the_schema_lists_every_feature_in_input_order() -> None:
+    schema = feat.schema()
+    assert schema["version"] == feat.FEATURE_SCHEMA_VERSION
+    device = schema["device"]
+    assert isinstance(device, list)
+    assert [entry["name"] for entry in device] == feat.names(feat.DEVICE_FEATURES)
+    assert [tuple(n) for n in schema["neighbours"]] == list(feat.NEIGHBOUR_LISTS)  # type: ignore[attr-defined]
+
+
+def test_features_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, daemon.features, daemon.inference; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,101 @@
+"""The exported files carry the metadata the daemon checks, and the loader refuses what does not fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from daemon import features as feat
+from daemon.inference import ModelError, available_providers, load_model, session_options
+from tests.export.conftest import Exported
+
+torch = pytest.importorskip("torch", reason="export tests need the export extra: pip install 'hlb[export]'")
+onnx = pytest.importorskip("onnx", reason="export tests need the export extra: pip install 'hlb[export]'")
+
+
+def test_metadata_names_the_schema_the_model_version_and_the_training_data(exported: Exported) -> None:
+    model = load_model(exported.folder, providers=["CPUExecutionProvider"])
+    meta = model.encoder.metadata
+    assert meta["hlb.role"] == "encoder"
+    assert model.scorer.metadata["hlb.role"] == "scorer"
+    assert meta["hlb.feature_schema_version"] == str(feat.FEATURE_SCHEMA_VERSION)
+    assert json.loads(meta["hlb.feature_schema"]) == json.loads(json.dumps(feat.schema()))
+    assert meta["hlb.model_version"] == model.version == "test-7"
+    assert meta["hlb.training_data"] == "none: seeded random weights"
+    assert json.loads(meta["hlb.model_config"])["hidden"] == 16
+    assert json.loads(meta["hlb.inputs"]) == feat.encoder_feed_names()
+    assert meta["hlb.opset"] == "18"
+    assert model.providers[-1] == "CPUExecutionProvider"
+
+
+def copy_with_metadata(exported: Exported, tmp_path: Path, role: str, key: str, value: str) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(exported.folder, folder)
+    proto = onnx.load(str(folder / f"{role}.onnx"))
+    for entry in proto.metadata_props:
+        if entry.key == key:
+            entry.value = value
+    onnx.save(proto, str(folder / f"{role}.onnx"))
+    return folder
+
+
+def test_a_model_for_another_feature_schema_version_is_refused_with_the_reason(
+    exported: Exported, tmp_path: Path
+) -> None:
+    folder = copy_with_metadata(exported, tmp_path, "scorer", "hlb.feature_schema_version", "999")
+    with pytest.raises(ModelError, match=r"feature schema version '999'.*export the model again"):
+        load_model(folder)
+
+
+def test_a_model_with_another_feature_order_is_refused(exported: Exported, tmp_path: Path) -> None:
+    schema = feat.schema()
+    schema["device"] = list(reversed(schema["device"]))  # type: ignore[call-overload]
+    folder = copy_with_metadata(exported, tmp_path, "encoder", "hlb.feature_schema", json.dumps(schema))
+    with pytest.raises(ModelError, match="device feature order differs"):
+        load_model(folder)
+
+
+def test_a_model_trained_on_other_feature_scales_is_refused(exported: Exported, tmp_path: Path) -> None:
+    schema = feat.schema()
+    schema["pair"][0]["scale"] = 2.0  # type: ignore[index]
+    folder = copy_with_metadata(exported, tmp_path, "encoder", "hlb.feature_schema", json.dumps(schema))
+    with pytest.raises(ModelError, match=r"pair features \['speed'\] are scaled differently"):
+        load_model(folder)
+
+
+def test_swapped_files_a_missing_file_and_a_corrupt_file_are_each_named(exported: Exported, tmp_path: Path) -> None:
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    shutil.copy(exported.folder / "scorer.onnx", swapped / "encoder.onnx")
+    shutil.copy(exported.folder / "encoder.onnx", swapped / "scorer.onnx")
+    with pytest.raises(ModelError, match=r"hlb\.role is 'scorer', expected 'encoder'"):
+        load_model(swapped)
+    with pytest.raises(ModelError, match="model file not found"):
+        load_model(tmp_path / "nowhere")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(exported.folder, corrupt)
+    (corrupt / "encoder.onnx").write_bytes(b"not a model")
+    with pytest.raises(ModelError, match="onnxruntime cannot load it"):
+        load_model(corrupt)
+
+
+def test_session_settings_are_checked() -> None:
+    assert session_options(2).intra_op_num_threads == 2
+    with pytest.raises(ValueError, match="at least 1"):
+        session_options(0)
+    with pytest.raises(ValueError, match="optimization must be one of"):
+        session_options(1, "fastest")
+    assert available_providers(["NoSuchExecutionProvider"]) == ["CPUExecutionProvider"]
+
+
+def test_export_from_a_bad_checkpoint_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from daemon.cli import main
+
+    bad = tmp_path / "bad.pt"
+    torch.save({"format": "something else"}, bad)
+    assert main(["export", "--checkpoint", str(bad), "--out", str(tmp_path / "out")]) == 1
+    assert "not an hlb checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
