@@ -45,6 +45,9 @@ Step = Callable[[RawEvent, Event], Event]  # one pipeline stage: raises EventErr
 Offsets = dict[tuple[str, int], int]  # (topic, partition) -> next offset to read
 
 STALENESS_SAMPLES = 4096
+# Device reports applied as one vectorized update at most: enough to amortize the numpy calls,
+# few enough that the decoded messages held meanwhile stay small (a few MB).
+MAX_RUN_REPORTS = 4096
 INVENTORY_KINDS = frozenset(
     {"device_upsert", "device_removed", "host_upsert", "host_removed", "switch_upsert", "switch_removed",
      "link_upsert", "link_removed"}
@@ -212,16 +215,21 @@ class Ingestor:
         """Apply every record of ``batch`` in order (the caller holds the lock)."""
         telemetry = self.topics.telemetry
         run: list[tuple[RawEvent, ev.TelemetryEvent]] = []
+        reports = 0
         for record in batch:
             event = None
             if record.topic == telemetry:
                 event = self._decode_telemetry(record)
                 if event is not None and _is_device_metrics(event):
                     run.append((record, event))
+                    reports += _report_count(event)
+                    if reports >= MAX_RUN_REPORTS:  # bounds what a run holds decoded at once
+                        self._apply_metrics_run(run)
+                        run, reports = [], 0
                     continue
             if run:
                 self._apply_metrics_run(run)
-                run = []
+                run, reports = [], 0
             self._apply(record, event)
         if run:
             self._apply_metrics_run(run)
@@ -344,6 +352,10 @@ class Ingestor:
         lag = getattr(self.source, "lag", None)
         if callable(lag):
             self.stats.lag = lag()
+
+
+def _report_count(event: ev.TelemetryEvent) -> int:
+    return 1 if event.HasField("device_metrics") else len(event.metrics_batch.devices)
 
 
 def _is_device_metrics(event: ev.TelemetryEvent) -> bool:
