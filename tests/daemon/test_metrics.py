@@ -86,6 +86,7 @@ def test_the_endpoint_follows_ingest_placements_and_rejections(running: Backgrou
         lambda s: (
             value(s, "hlb_devices") == DEVICES
             and value(s, "hlb_events_rejected_total", reason="decode") == 1.0
+            and value(s, "hlb_dlq_records_total", topic=topics.telemetry) == 1.0
             and value(s, "hlb_consumer_lag", topic=topics.telemetry, partition="0") == 0.0
         ),
     )
@@ -103,7 +104,14 @@ def test_the_endpoint_follows_ingest_placements_and_rejections(running: Backgrou
         with pytest.raises(grpc.RpcError):
             stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="bad", memory_per_device_gb=-1)), timeout=5)
 
-    after = scrape(port)
+    # The client sees an aborted RPC's status before the server's interceptor has counted it.
+    after = wait_for(
+        port,
+        lambda s: (
+            value(s, "hlb_rpc_requests_total", rpc="Place", code="INVALID_ARGUMENT") == 1.0
+            and value(s, "hlb_decision_latency_seconds_count", rpc="Place", policy="least-loaded") == 3.0
+        ),
+    )
     assert value(after, "hlb_placements_total", policy="least-loaded") == 1.0
     assert value(after, "hlb_ledger_sequence") == 1.0
     assert value(after, "hlb_pending_tasks") == 1.0

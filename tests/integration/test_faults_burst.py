@@ -1,18 +1,19 @@
 """A burst ten times the steady rate: memory stays bounded while the lag builds, and the lag drains.
 
-The load generator publishes metrics batches (one per cluster, every device) and task
-submissions at a steady rate the daemon keeps up with, then at ten times that rate, then stops.
-Meanwhile the test samples the serve process's resident memory from /proc and its progress (events
-applied, from the state dump). The burst must build a real backlog (the test fails if the daemon
-never fell behind, as it would then prove nothing), memory during burst and drain must stay
-within the consumer's prefetch limit plus a fixed margin of the steady-state peak however large
-the backlog (a daemon that buffered the backlog would exceed it), and every event must end up
-applied and every task placed.
+The load generator publishes metrics batches (one per cluster, every device) and task submissions at
+a steady rate the daemon keeps up with, then at ten times that rate while the daemon's consumer
+stalls for a few seconds (SIGSTOP), then stops. Meanwhile the test samples the serve process's
+resident memory from /proc and its progress (events applied, from the state dump). The burst must
+build a real backlog (the test fails if the daemon never fell behind, as it would then prove
+nothing), memory during burst and drain must stay within the consumer's prefetch limit plus a fixed
+margin of the steady-state peak however large the backlog (a daemon that buffered the backlog would
+exceed it), and every event must end up applied and every task placed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ TASKS_PER_S = 10
 STEADY_S = 3.0
 BURST_S = 12.0 if LONG else 6.0
 PREFETCH_KB = 8192  # the consumer's prefetch limit (queued.max.messages.kbytes)
+STALL_S = 3.0  # the consumer stops this long at the burst's start (less than its session timeout)
 MARGIN_BYTES = 24 * 1024 * 1024  # allocator slack: Python frees to its arenas, not to the system
 
 
@@ -111,16 +113,22 @@ class Run:
 
 
 def steady_then_burst(
-    load: Load, payload: bytes, steady_tasks: list[ev.TaskSpec], burst_tasks: list[ev.TaskSpec]
+    load: Load, payload: bytes, steady_tasks: list[ev.TaskSpec], burst_tasks: list[ev.TaskSpec], daemon: Daemon
 ) -> Run:
     steady_start = time.monotonic()
     steady = publish_paced(load, payload, STEADY_PER_S, STEADY_S, steady_tasks)
     steady_rate = steady / (time.monotonic() - steady_start)
     load.flush()
     burst_start = time.monotonic()
+    # The consumer stalls (a slow disk, a long pause) as the burst begins: the backlog builds
+    # however fast ingest is, and it must stay on the broker, not in the daemon's memory.
+    daemon.process.send_signal(signal.SIGSTOP)
+    resume = threading.Timer(STALL_S, daemon.process.send_signal, args=(signal.SIGCONT,))
+    resume.start()
     burst = publish_paced(load, payload, STEADY_PER_S * 10, BURST_S, burst_tasks)
     burst_rate = burst / (time.monotonic() - burst_start)
     load.flush()
+    resume.join()
     published = len(INVENTORY) + steady + len(steady_tasks) + burst + len(burst_tasks)
     return Run(published, steady_start, burst_start, steady_rate, burst_rate)
 
@@ -165,7 +173,7 @@ def test_a_burst_of_ten_times_the_steady_rate_keeps_memory_bounded_and_the_lag_d
         load.flush()
         wait_until(lambda: daemon.cluster_state().devices == len(DEVICES), 30, "the inventory to be applied")
         sampler.start()
-        run = steady_then_burst(load, payload, steady_tasks, burst_tasks)
+        run = steady_then_burst(load, payload, steady_tasks, burst_tasks, daemon)
         lags = wait_drained(daemon, run.published)
         ledger.wait_for([s.id for s in steady_tasks + burst_tasks], 60)
         sampler.done.set()
