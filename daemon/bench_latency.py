@@ -131,7 +131,10 @@ def build_scheduler(devices: int, pending: int, policy: str) -> Any:
     from daemon.scheduler import Scheduler
     from hlb.v1 import events_pb2 as ev
 
-    scheduler = Scheduler(InfraGraph(), make_policy(policy), PlacementLedger(), "bench", clock=time.time)
+    # Devices shared (memory alone decides), so that the batches keep finding room on 1,000 devices.
+    scheduler = Scheduler(
+        InfraGraph(max_tasks_per_device=0), make_policy(policy), PlacementLedger(), "bench", clock=time.time
+    )
     for event in synthetic_devices(devices):
         scheduler.apply_telemetry(event)
     for i in range(pending):
