@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from daemon.config import TlsSettings
 from daemon.errors import InvalidEventError, UnknownTaskError
 from daemon.graph import TaskState
+from daemon.interceptors import HandlerWrapper
 from daemon.scheduler import DEFAULT_TOP_K, Decision, Scheduler
 from daemon.tls import server_credentials
 from hlb.v1 import events_pb2 as ev
@@ -251,12 +252,6 @@ def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState
     )
 
 
-if TYPE_CHECKING:
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]  # generic in the stubs only
-else:
-    _Interceptor = grpc.aio.ServerInterceptor
-
-
 @dataclass(frozen=True)
 class _Malformed:
     """Stands for request bytes that do not decode, so the handler can refuse them itself."""
@@ -278,30 +273,13 @@ async def _refuse(context: grpc.aio.ServicerContext[Any, Any], request: _Malform
     await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid protobuf message: {request.error}")
 
 
-class RefuseMalformed(_Interceptor):
+class RefuseMalformed(HandlerWrapper):
     """Request bytes that do not decode get ``INVALID_ARGUMENT``; grpc alone answers ``UNKNOWN``."""
 
-    def __init__(self) -> None:
-        # method -> (the handler, its wrapper): wrapping once keeps the per-call cost at a lookup.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
+    def applies(self, handler: grpc.RpcMethodHandler[Any, Any]) -> bool:
+        return handler.request_deserializer is not None
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        cached = self._wrapped.get(handler_call_details.method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler)
-        self._wrapped[handler_call_details.method] = (handler, wrapped)
-        return wrapped
-
-    @staticmethod
-    def _wrap(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
         assert handler.request_deserializer is not None
         parse = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:

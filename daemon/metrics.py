@@ -33,6 +33,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from daemon.interceptors import HandlerWrapper
+
 # Seconds. Decisions are meant to take well under a millisecond at 1k devices (DESIGN.md §7);
 # the upper buckets catch a 10k-device cluster or a slow scorer.
 LATENCY_BUCKETS_S = (
@@ -174,7 +176,7 @@ class _StateCollector(Collector):
         return [*metrics, info, applied, rejected, lag]
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class RpcMetricsInterceptor(HandlerWrapper):
     """Counts every unary RPC by status code and times the deciding ones into ``decision_latency``.
 
     Streaming RPCs (``WatchPlacements``, reflection) pass through untouched: their duration is
@@ -188,25 +190,13 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
     def __init__(self, metrics: DaemonMetrics, policy: Callable[[], str]) -> None:
         self._metrics = metrics
         self._policy = policy
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
+        super().__init__()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, method.rpartition("/")[2])
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+    def applies(self, handler: grpc.RpcMethodHandler[Any, Any]) -> bool:
+        return handler.unary_unary is not None
 
-    def _wrap(self, handler: grpc.RpcMethodHandler[Any, Any], rpc: str) -> grpc.RpcMethodHandler[Any, Any]:
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
+        rpc = method.rpartition("/")[2]
         # The stubs describe sync handlers; on grpc.aio the behaviour is a coroutine function.
         behaviour: Callable[[object, Any], Awaitable[object]] = handler.unary_unary  # type: ignore[assignment]
         rpcs = self._metrics.rpcs
