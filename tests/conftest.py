@@ -84,6 +84,19 @@ def wait_serving(
     raise AssertionError(f"daemon on {target} not SERVING after {timeout_s} s")
 
 
+def spawn_serve(config: Path, log_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``hlb serve --config config`` as a child process, its output in ``log_path``."""
+    with log_path.open("w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            text=True,
+        )
+
+
 @pytest.fixture
 def start_serve(tmp_path: Path, kafka_bootstrap: str, topics: Topics) -> Iterator[Callable[[], ServeProcess]]:
     """Starts ``hlb serve --config`` against the real broker; every start shares one config and group.
@@ -109,15 +122,7 @@ def start_serve(tmp_path: Path, kafka_bootstrap: str, topics: Topics) -> Iterato
 
     def start() -> ServeProcess:
         log_path = tmp_path / f"serve-{len(started)}.log"
-        with log_path.open("w") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                text=True,
-            )
+        process = spawn_serve(config, log_path, env)
         handle = ServeProcess(process, f"127.0.0.1:{port}", log_path)
         started.append(handle)
         wait_serving(handle.target, process=process, log_path=log_path)

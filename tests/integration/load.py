@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -33,7 +32,7 @@ from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from sim.agent import inventory_events
 from sim.kafka_local import free_port
-from tests.conftest import REPO, wait_serving
+from tests.conftest import spawn_serve, wait_serving
 
 CELL = "it"
 INVENTORY = inventory_events(CELL)
@@ -166,15 +165,7 @@ class DaemonConfig:
         config = self.write()
         log_path = self.root / f"serve-{len(self.starts)}.log"
         env = {**os.environ, "HLB_KAFKA__BOOTSTRAP_SERVERS": self.bootstrap}
-        with log_path.open("w") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                text=True,
-            )
+        process = spawn_serve(config, log_path, env)
         daemon = Daemon(process, f"127.0.0.1:{self.port}", log_path, self.state_dir, self.metrics_port)
         self.starts.append(daemon)
         wait_serving(daemon.target, timeout_s, process=process, log_path=log_path)
