@@ -138,7 +138,7 @@ class GnnPolicy(Policy):
         self._degraded_code = "model_missing"
         self._logged: tuple[str, str] | None = None
         self._loaded_signature: FileSignature = None
-        self._rejected_signature: FileSignature = None
+        self._rejected: list[FileSignature] = []  # the files last refused, if any (a missing file is None)
         self._tried_load = False
         self._graph: InfraGraph | None = None
         self._lock: threading.RLock | None = None
@@ -277,13 +277,13 @@ class GnnPolicy(Policy):
         with self._work:
             if signature is not None and signature == self._loaded_signature and self._cache is not None:
                 return False
-            if not retry and signature == self._rejected_signature:
+            if not retry and signature in self._rejected:
                 return False
             graph = self._graph_for_load()
             try:
                 _, cache = self._load_and_warm(self.settings, graph)
             except Exception as error:  # ModelError, or onnxruntime failing the warm-up
-                self._rejected_signature = signature
+                self._rejected = [signature]
                 code = error.reason if isinstance(error, ModelError) else "inference_error"
                 code = code if code.startswith(("model_", "inference")) else f"model_{code}"
                 if self._cache is not None:
@@ -317,7 +317,7 @@ class GnnPolicy(Policy):
         previous = self._cache
         self._swap(cache)
         self._loaded_signature = signature
-        self._rejected_signature = None
+        self._rejected = []
         self._logged = None
         log.info(
             "gnn model serving",
@@ -448,7 +448,7 @@ class GnnPolicy(Policy):
         """The running model failed: stop using it (until the files change, or SIGHUP)."""
         if self._cache is cache:
             self._swap(None)
-        self._rejected_signature = self._loaded_signature
+        self._rejected = [self._loaded_signature]
         self._loaded_signature = None
         self._set_degraded(code, message)
 
