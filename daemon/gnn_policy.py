@@ -146,6 +146,7 @@ class GnnPolicy(Policy):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._task_x: tuple[ev.TaskSpec, feat.Matrix] | None = None
         self.refreshes = 0
         self.reloads_rejected = 0
 
@@ -196,7 +197,7 @@ class GnnPolicy(Policy):
             return np.zeros(0, dtype=np.float64)
         try:
             scores = cache.model.score(
-                feat.task_features(spec),
+                self._task_features(spec),
                 cache.device_emb[positions],
                 feat.pair_features(spec, graph, rows),
                 cache.context,
@@ -208,6 +209,15 @@ class GnnPolicy(Policy):
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
             return self._fall_back("inference_error", spec, graph, rows)
         return scores.astype(np.float64)
+
+    def _task_features(self, spec: ev.TaskSpec) -> feat.Matrix:
+        """The task's features, kept for the last spec: a batch rescores rows for one spec many times."""
+        last = self._task_x
+        if last is not None and last[0] is spec:
+            return last[1]
+        task_x = feat.task_features(spec)
+        self._task_x = (spec, task_x)
+        return task_x
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.fallback.placed(spec, graph, rows)
