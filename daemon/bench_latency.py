@@ -331,6 +331,9 @@ def run(args: argparse.Namespace) -> int:
     if args.pending < 0 or args.warmup < 0:
         print("hlb bench latency: --pending and --warmup must be >= 0", file=sys.stderr)
         return 2
+    from daemon.logs import configure_logging
+
+    configure_logging("warning", "console", sys.stderr)  # stdout carries the figures only
     try:
         result = measure(args)
     except MissingExportExtraError as error:
