@@ -146,18 +146,18 @@ def child_rss(devices: int, model: Path, threads: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from daemon.bench_latency import MissingExportExtraError, model_folder
-    from daemon.logs import configure_logging
+    from daemon.bench_latency import MissingExportExtraError, logs_to_stderr, model_folder
 
-    configure_logging("warning", "console", sys.stderr)  # stdout carries the figures only
     if args.child_rss:
-        print(json.dumps(child_rss(args.child_rss, args.model, args.threads)))
+        with logs_to_stderr():
+            figures = child_rss(args.child_rss, args.model, args.threads)
+        print(json.dumps(figures))
         return 0
     if args.repeats < 1 or min(args.devices) < 1 or args.rss_devices < 0:
         print("hlb bench scale: --devices and --repeats must be at least 1, --rss-devices at least 0", file=sys.stderr)
         return 2
     try:
-        with model_folder(args.model) as (folder, what):
+        with logs_to_stderr(), model_folder(args.model) as (folder, what):
             sizes = [refresh_times(n, folder, args.threads, args.repeats) for n in args.devices]
             rss = _measure_rss(args.rss_devices, folder, args.threads) if args.rss_devices else None
     except MissingExportExtraError as error:
