@@ -516,7 +516,7 @@ def test_a_batch_names_its_first_bad_spec_as_checking_them_in_order_would() -> N
     good = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=1.0) for i in range(6)]
     cases = {
         2: ev.TaskSpec(id="bad-memory", memory_per_device_gb=float("nan")),
-        3: ev.TaskSpec(id="bad-kind", allowed_kinds=[GPU, 99]),
+        3: ev.TaskSpec(id="bad-kind", allowed_kinds=[GPU, ev.DeviceKind.ValueType(99)]),
         4: ev.TaskSpec(id="x" * 300),
         1: ev.TaskSpec(id="bad-dep", dependencies=[ev.Dependency(task_id="bad-dep")]),
     }
