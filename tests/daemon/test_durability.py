@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -176,5 +175,3 @@ def test_a_place_answer_whose_records_never_reached_the_bus_is_kept_after_a_rest
         # A later decision is numbered after the kept one.
         other = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="later", memory_per_device_gb=1.0)), timeout=5)
         assert other.placement.sequence == answered.sequence + 1
-
-
