@@ -200,7 +200,7 @@ def test_a_restarted_daemon_decides_nothing_before_its_replay_reaches_the_start_
     config = DaemonConfig(tmp_path, kafka_bootstrap, topics)
     load = Load(kafka_bootstrap, topics, seed=SEED)
     load.inventory()
-    for _ in range(3000):  # replay takes a while: the daemon is asked long before it has caught up
+    for _ in range(5000):  # replay takes a while: the daemon is asked long before it has caught up
         load.metrics()
     load.flush()
     spec = small_tasks(np.random.default_rng(SEED), "first", 1)[0]
@@ -208,7 +208,13 @@ def test_a_restarted_daemon_decides_nothing_before_its_replay_reaches_the_start_
     process = spawn_serve(config.write(), tmp_path / "serve.log", env)
     refusals: list[tuple[grpc.StatusCode, str]] = []
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{config.port}") as channel:
+        # Reconnect at once while the daemon starts (gRPC's default backoff would skip the window).
+        fast = [
+            ("grpc.initial_reconnect_backoff_ms", 20),
+            ("grpc.min_reconnect_backoff_ms", 20),
+            ("grpc.max_reconnect_backoff_ms", 50),
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{config.port}", options=fast) as channel:
             stub = api_grpc.SchedulerStub(channel)
             deadline = time.monotonic() + 120
             while True:
