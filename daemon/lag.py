@@ -141,16 +141,15 @@ class KafkaEndOffsets:
     def read(self) -> Watermarks:
         from confluent_kafka import TopicPartition
 
+        from daemon.kafka_bus import _watermarks  # retries while a partition's leader settles
+
         metadata = self._consumer.list_topics(timeout=10.0).topics
         marks: Watermarks = {}
         for topic in self._topics:
             if topic not in metadata or metadata[topic].error is not None:
                 continue
             for partition in metadata[topic].partitions:
-                low, high = self._consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=10.0, cached=False
-                )
-                marks[(topic, partition)] = (low, high)
+                marks[(topic, partition)] = _watermarks(self._consumer, TopicPartition(topic, partition), 30.0)
         return marks
 
     def close(self) -> None:
