@@ -4,7 +4,10 @@ Handlers validate the request, then call the scheduling core under the daemon's 
 request changes nothing and gets ``INVALID_ARGUMENT`` naming the field; an unknown task
 ``NOT_FOUND``; a request whose deadline has already passed ``DEADLINE_EXCEEDED`` before any work.
 Sizes are bounded (``MAX_BATCH_TASKS`` tasks per batch, ``MAX_CANDIDATES`` candidate devices,
-``MAX_TOP_K`` explained candidates) on top of the server's message size limit.
+``MAX_TOP_K`` explained candidates) on top of the server's message size limit. While the daemon
+cannot decide soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a
+shutdown), the RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
+(or answers with a placement) waits for ``SchedulerService.durable`` before it answers.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -46,6 +49,12 @@ MAX_EXCLUDED = 100
 
 # Called with each task that Place accepted, so that it is also recorded on the tasks topic.
 OnSubmitted = Callable[[ev.TaskSpec], None]
+# Returns once the decisions made so far are durable (the daemon's journal); awaited before answering.
+Durable = Callable[[], Awaitable[None]]
+
+
+async def _nothing_to_wait_for() -> None:
+    return None
 
 
 async def _abort(context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, details: str) -> NoReturn:
@@ -66,12 +75,22 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self.lock = lock
         self.on_submitted = on_submitted
         self.staleness_ms: Callable[[], float] = lambda: -1.0
+        # Why decisions are refused now (answered UNAVAILABLE), e.g. a replay after a restart that
+        # has not caught up; None: served.
+        self.refusal: Callable[[], str | None] = lambda: None
+        self.durable: Durable = _nothing_to_wait_for
+
+    async def _check_serving(self, context: grpc.aio.ServicerContext[object, object]) -> None:
+        why = self.refusal()
+        if why is not None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, why)
 
     async def Place(
         self, request: api.PlaceRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.PlaceResponse:
         if not request.HasField("task"):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        await self._check_serving(context)
         await _check_deadline(context)
         try:
             with self.lock:
@@ -81,6 +100,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if is_new and not request.dry_run:
             self.on_submitted(request.task)
+        if not request.dry_run:
+            await self.durable()  # the answer may be acted on: it must survive a crash
         return _place_response(decision)
 
     async def GetPlacement(
@@ -88,12 +109,15 @@ class SchedulerService(api_grpc.SchedulerServicer):
     ) -> api.GetPlacementResponse:
         if not request.task_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task_id: required")
+        await self._check_serving(context)
         await _check_deadline(context)
         try:
             with self.lock:
                 decision = self.scheduler.lookup(request.task_id)
         except UnknownTaskError as exc:
             await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        if decision.placement is not None:
+            await self.durable()
         if decision.placement is not None:
             return api.GetPlacementResponse(placement=decision.placement)
         return api.GetPlacementResponse(pending=decision.pending)
@@ -140,6 +164,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tasks: {len(request.tasks)} tasks, at most {MAX_BATCH_TASKS} per batch",
             )
+        await self._check_serving(context)
         await _check_deadline(context)
         try:
             with self.lock:
@@ -151,6 +176,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if not request.dry_run:
             for spec in new:
                 self.on_submitted(spec)
+            await self.durable()  # one fsync for the whole batch
         reply = api.PlaceBatchResponse()
         for decision in decisions:
             result = reply.results.add()
@@ -173,6 +199,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"device_ids: {len(request.device_ids)} candidates, at most {MAX_CANDIDATES}",
             )
+        await self._check_serving(context)
         await _check_deadline(context)
         try:
             with self.lock:
@@ -189,6 +216,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "target: task_id or task required")
         if request.top_k > MAX_TOP_K:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k: {request.top_k}, at most {MAX_TOP_K}")
+        await self._check_serving(context)
         await _check_deadline(context)
         target: str | ev.TaskSpec = request.task_id if which == "task_id" else request.task
         try:

@@ -20,6 +20,16 @@ least 20,000 placements/s at 1,000 devices).
 sharing the server's lock) with the model of ``--model``, else the one shipped in the package,
 else one exported now with random weights (needs the export extra: torch); the JSON says which
 (``"model": "random-weights"``) and how many decisions fell back to hetero-greedy.
+
+per second of wall time, and as a same-run reference the placements made in the time of one
+floor RPC (its mean), which varies less with what else runs on the machine. Output: p50/p99 in
+microseconds and the ratios to the floor (DESIGN.md §7 targets: ``Place`` p99 within 2x of the
+floor at 1,000 devices, 4x at 10,000; PlaceBatch at least 20,000 placements/s at 1,000 devices).
+
+``--journal`` runs the server as the daemon runs with Kafka: every decision and API submission
+goes to the decision journal (``daemon.journal``, in a temporary directory) and each ``Place`` or
+``PlaceBatch`` answers only once the journal is on disk (one fsync per call, group commit).
+Nothing is sent to a broker either way.
 """
 
 from __future__ import annotations
@@ -57,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="hetero-greedy", help="placement policy (default: %(default)s)")
     parser.add_argument(
         "--model", type=Path, default=None, help="with --policy gnn: model folder (default: shipped, else random)"
+    )
+    parser.add_argument(
+        "--journal", action="store_true", help="fsync decisions to a decision journal before answering, as the daemon"
     )
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
 
@@ -102,16 +115,32 @@ def _percentiles_us(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
-class LoopbackServer:
-    """The daemon's gRPC server for ``scheduler`` on 127.0.0.1, its event loop in a thread."""
+class Discard:
+    """A publisher with no broker behind it: everything is delivered at once."""
 
-    def __init__(self, scheduler: Any, lock: Any = None) -> None:
+    def publish(self, topic: str, key: bytes | None, value: bytes | None, headers: Any = ()) -> None:
+        pass
+
+    def flush(self, timeout_s: float) -> int:
+        return 0
+
+
+class LoopbackServer:
+    """The daemon's gRPC server for ``scheduler`` on 127.0.0.1, its event loop in a thread.
+
+    ``journal_dir``: journal decisions there and answer once they are on disk, as the daemon does.
+    """
+
+    def __init__(self, scheduler: Any, lock: Any = None, journal_dir: Any = None) -> None:
         import asyncio
         import threading
 
         from daemon.api import GrpcServer, SchedulerService
 
         service = SchedulerService(scheduler, lock or threading.RLock(), lambda spec: None)
+        self.journal: Any = None
+        if journal_dir is not None:
+            self.journal = _journal_service(service, scheduler, journal_dir)
         self.loop = asyncio.new_event_loop()
 
         async def start() -> GrpcServer:
@@ -132,6 +161,34 @@ class LoopbackServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()
+        if self.journal is not None:
+            self.journal.close()
+
+
+def _journal_service(service: Any, scheduler: Any, journal_dir: Any) -> Any:
+    """Wire ``service`` to a decision journal as ``Daemon`` does: ledger records and submissions
+    are journaled when published, and the handlers wait for the journal's fsync."""
+    import asyncio
+
+    from daemon.journal import JournaledPublisher, JournalFile
+    from hlb.v1 import events_pb2 as ev
+
+    journal = JournalFile.open(Path(journal_dir))
+    publisher = JournaledPublisher(Discard(), journal)
+    scheduler.ledger.subscribe(lambda p: publisher.publish("hlb.placements", p.cell.encode(), p.SerializeToString()))
+
+    def submitted(spec: Any) -> None:
+        event = ev.TaskEvent(cell=scheduler.cell, event_time_ms=int(time.time() * 1000), submitted=spec)
+        publisher.publish("hlb.tasks", scheduler.cell.encode(), event.SerializeToString())
+
+    async def durable() -> None:
+        target = journal.appended
+        if journal.durable < target:
+            await asyncio.to_thread(journal.sync, target)
+
+    service.on_submitted = submitted
+    service.durable = durable
+    return journal
 
 
 @contextmanager
@@ -274,7 +331,10 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
         spec_id = f"{prefix}-{next(counter)}"
         return ev.TaskSpec(id=spec_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=TASK_MEMORY_GB)
 
-    server = LoopbackServer(scheduler, lock)
+    import tempfile
+
+    journal_dir = tempfile.TemporaryDirectory(prefix="hlb-bench-journal-") if args.journal else None
+    server = LoopbackServer(scheduler, lock, journal_dir.name if journal_dir is not None else None)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -302,6 +362,8 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
                 batch_placed += sum(r.HasField("placement") for r in reply.results)
     finally:
         server.close()
+        if journal_dir is not None:
+            journal_dir.cleanup()
     return {**summarize(args, timings, batch_placed, batch_ns, scheduler), **extra}
 
 
@@ -314,6 +376,7 @@ def summarize(
         "devices": args.devices,
         "pending": args.pending,
         "policy": args.policy,
+        "journal": args.journal,
         "calls": args.calls,
         "floor": {"rpc": "grpc.health.v1.Health/Check", **floor},
     }
@@ -331,6 +394,8 @@ def summarize(
         "placed": batch_placed,
         "seconds": round(seconds, 4),
         "placements_per_s": round(batch_placed / seconds, 1) if seconds > 0 else 0.0,
+        # The same-run reference: placements made in the time one floor RPC takes (its mean).
+        "placements_per_floor_rpc": round(batch_placed / seconds * floor["mean_us"] / 1e6, 2) if seconds > 0 else 0.0,
     }
     result["placed_total"] = len(scheduler.ledger)
     result["queue_after"] = scheduler.pending_count

@@ -35,6 +35,10 @@ KIND_NAMES: dict[int, str] = {
     int(value): name.removeprefix("DEVICE_KIND_").lower() for name, value in ev.DeviceKind.items()
 }
 
+# proto3 enums are open (any int32 decodes): the values a task spec may name.
+TASK_KINDS = frozenset(int(v) for v in ev.TaskKind.values())
+ALLOWED_DEVICE_KINDS = frozenset(int(v) for v in ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED}
+
 # Endpoint types of a link (``LinkTable.src_type`` / ``dst_type``).
 DEVICE_NODE, HOST_NODE, SWITCH_NODE = 0, 1, 2
 
@@ -384,11 +388,17 @@ class InfraGraph:
         rows = np.concatenate([self._rows_of_group(g) for g in groups])
         if len(groups) > 1:
             rows.sort()
-        ok = (self.devices.health[rows] != ev.HEALTH_FAILED) & (self.free_memory_gb(rows) >= spec.memory_per_device_gb)
-        if self.max_tasks_per_device > 0:
-            ok &= self.devices.n_tasks[rows] < self.max_tasks_per_device
+        ok = (self.devices.health[rows] != ev.HEALTH_FAILED) & self.room(spec, rows)
         feasible: Rows = rows[ok]
         return feasible
+
+    def room(self, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.bool_]:
+        """Whether each row has the free memory and a free task slot for ``spec``: the hard
+        constraints that a binding can change (health, kind and model it cannot). [N] -> [N]."""
+        ok: NDArray[np.bool_] = self.free_memory_gb(rows) >= spec.memory_per_device_gb
+        if self.max_tasks_per_device > 0:
+            ok &= self.devices.n_tasks[rows] < self.max_tasks_per_device
+        return ok
 
     def violations(self, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.int8]:
         """For each row, the index into ``CONSTRAINTS`` of the first one it breaks, or -1. [N] -> [N]."""
@@ -721,9 +731,14 @@ class InfraGraph:
 
     # -- tasks -----------------------------------------------------------------------------
 
-    def add_task(self, spec: ev.TaskSpec, cell: str) -> Task:
-        """Record a submitted task (validated); a replay of the same submission returns it unchanged."""
-        check_task_spec(spec)
+    def add_task(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False) -> Task:
+        """Record a submitted task (validated); a replay of the same submission returns it unchanged.
+
+        ``checked``: the caller has already passed ``spec`` through ``check_task_spec`` (or
+        ``check_task_specs``), so it is not checked twice.
+        """
+        if not checked:
+            check_task_spec(spec)
         known = self.tasks.get(spec.id)
         if known is not None:
             if known.spec != spec:
@@ -746,6 +761,8 @@ class InfraGraph:
 
     def _check_no_cycle(self, spec: ev.TaskSpec) -> None:
         """Refuse a task that closes a dependency cycle: a known task it (transitively) needs needs it."""
+        if not spec.dependencies:
+            return
         seen: set[str] = set()
         stack = [dep.task_id for dep in spec.dependencies]
         while stack:
@@ -761,11 +778,13 @@ class InfraGraph:
     def bind(self, task: Task, rows: Sequence[int]) -> None:
         """Reserve the task's memory on each of its devices (rows of live devices)."""
         d = self.devices
+        memory, task_id = task.spec.memory_per_device_gb, task.spec.id
+        on_device = self._tasks_on_device
         for row in rows:
-            d.reserved_gb[row] += task.spec.memory_per_device_gb
-            d.placed_gb[row] += task.spec.memory_per_device_gb
+            d.reserved_gb[row] += memory
+            d.placed_gb[row] += memory
             d.n_tasks[row] += 1
-            self._tasks_on_device.setdefault(row, set()).add(task.spec.id)
+            on_device.setdefault(row, set()).add(task_id)
         task.device_rows = tuple(int(r) for r in rows)
         task.device_ids = tuple(self.device_ids_of(task.device_rows))
         self._set_state(task, TaskState.PLACED)
@@ -821,13 +840,47 @@ def check_task_spec(spec: ev.TaskSpec) -> None:
     _check_range(spec.memory_per_device_gb, f"task {spec.id} memory_per_device_gb", 0.0, MAX_MEMORY_GB)
     _check_range(spec.work_ref_s, f"task {spec.id} work_ref_s", 0.0, 1.0e10)
     _check_range(spec.latency_slo_ms, f"task {spec.id} latency_slo_ms", 0.0, 1.0e9)
-    if spec.kind not in ev.TaskKind.values():  # proto3 enums are open: any int32 decodes
+    if spec.kind not in TASK_KINDS:
         raise InvalidEventError(f"task {spec.id}: unknown kind {spec.kind}", "out_of_range")
     for kind in spec.allowed_kinds:
-        if kind not in ev.DeviceKind.values() or kind == ev.DEVICE_KIND_UNSPECIFIED:
+        if kind not in ALLOWED_DEVICE_KINDS:
             raise InvalidEventError(f"task {spec.id}: unknown allowed kind {kind}", "out_of_range")
     for dep in spec.dependencies:
         if dep.task_id == spec.id:
             raise InvalidEventError(f"task {spec.id} depends on itself", "cycle")
         _check_id(dep.task_id, f"task {spec.id} dependency")
         _check_range(dep.transfer_gb, f"task {spec.id} dependency transfer_gb", 0.0, MAX_MEMORY_GB)
+
+
+def check_task_specs(specs: Sequence[ev.TaskSpec]) -> None:
+    """``check_task_spec`` for many specs at once: raises for the first bad one (lowest index) with
+    ``tasks[i]: `` before the message, exactly as checking them one by one in order would.
+
+    The numeric ranges are checked vectorized; only a spec that fails one, or that has lists to
+    check (allowed kinds, dependencies) or an id of unusual length, goes through the full check.
+    """
+    n = len(specs)
+    if not n:
+        return
+    memory = np.fromiter((s.memory_per_device_gb for s in specs), dtype=np.float64, count=n)
+    work = np.fromiter((s.work_ref_s for s in specs), dtype=np.float64, count=n)
+    slo = np.fromiter((s.latency_slo_ms for s in specs), dtype=np.float64, count=n)
+    gang = np.fromiter((s.num_devices for s in specs), dtype=np.int64, count=n)
+    bad = ~(np.isfinite(memory) & (memory >= 0.0) & (memory <= MAX_MEMORY_GB))
+    bad |= ~(np.isfinite(work) & (work >= 0.0) & (work <= 1.0e10))
+    bad |= ~(np.isfinite(slo) & (slo >= 0.0) & (slo <= 1.0e9))
+    bad |= gang > MAX_GANG
+    kinds = TASK_KINDS
+    for i, spec in enumerate(specs):
+        if (
+            not 0 < len(spec.id) <= MAX_ID_CHARS
+            or spec.kind not in kinds
+            or len(spec.allowed_kinds)
+            or len(spec.dependencies)
+        ):
+            bad[i] = True
+    for index in np.flatnonzero(bad).tolist():
+        try:
+            check_task_spec(specs[index])
+        except InvalidEventError as exc:
+            raise InvalidEventError(f"tasks[{index}]: {exc}", exc.reason) from None

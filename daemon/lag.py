@@ -95,3 +95,62 @@ class KafkaLagProbe:
             if not self._closed:
                 self._closed = True
                 self._consumer.close()
+
+
+# (topic, partition) -> (low, high) watermarks: the first retained offset and the next to be written.
+Watermarks = dict[tuple[str, int], tuple[int, int]]
+
+
+class EndOffsetProbe(Protocol):
+    def read(self) -> Watermarks:
+        """Watermarks of every partition of the topics now; may block on the network for a few seconds."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class MemoryEndOffsets:
+    """Watermarks of ``MemoryBus`` topics (one partition each, nothing ever deleted)."""
+
+    def __init__(self, bus: MemoryBus, topics: Sequence[str]) -> None:
+        self._bus = bus
+        self._topics = tuple(topics)
+
+    def read(self) -> Watermarks:
+        return {(t, 0): (0, len(self._bus.read_all(t))) for t in self._topics}
+
+    def close(self) -> None:
+        pass
+
+
+class KafkaEndOffsets:
+    """Watermarks of ``topics`` as the broker reports them, read with a client outside any group."""
+
+    def __init__(self, settings: KafkaSettings, topics: Sequence[str]) -> None:
+        import structlog
+        from confluent_kafka import Consumer
+
+        from daemon.kafka_bus import _client_config
+
+        self._topics = tuple(topics)
+        self._consumer = Consumer(
+            {**_client_config(settings), "group.id": "hlb-watermarks", "enable.auto.commit": False},
+            logger=structlog.stdlib.get_logger("librdkafka"),
+        )
+
+    def read(self) -> Watermarks:
+        from confluent_kafka import TopicPartition
+
+        from daemon.kafka_bus import _watermarks  # retries while a partition's leader settles
+
+        metadata = self._consumer.list_topics(timeout=10.0).topics
+        marks: Watermarks = {}
+        for topic in self._topics:
+            if topic not in metadata or metadata[topic].error is not None:
+                continue
+            for partition in metadata[topic].partitions:
+                marks[(topic, partition)] = _watermarks(self._consumer, TopicPartition(topic, partition), 30.0)
+        return marks
+
+    def close(self) -> None:
+        self._consumer.close()

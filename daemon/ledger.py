@@ -44,12 +44,19 @@ class PlacementLedger:
             added += 1
         return added
 
-    def record(self, placement: ev.Placement) -> ev.Placement:
-        """Number a new decision, store it and tell the listeners. One placement per task."""
+    def record(self, placement: ev.Placement, *, owned: bool = False) -> ev.Placement:
+        """Number a new decision, store it and tell the listeners. One placement per task.
+
+        ``owned``: the caller hands ``placement`` over (it keeps no reference), so it is numbered
+        and stored as it is instead of copied.
+        """
         if placement.task_id in self._by_task:
             raise ValueError(f"task {placement.task_id} is already placed")
-        numbered = ev.Placement()
-        numbered.CopyFrom(placement)
+        if owned:
+            numbered = placement
+        else:
+            numbered = ev.Placement()
+            numbered.CopyFrom(placement)
         numbered.sequence = self.last_sequence + 1
         self._append(numbered)
         for listener in list(self._listeners):

@@ -16,7 +16,7 @@ where its dependencies ran). The objective weights (completion time, utilization
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,10 @@ class Policy:
     # True when a row's score depends only on that row and the task (not on the other candidates
     # or the policy's own state): a batch may then rescore only the rows its placements changed.
     row_local = False
+    # True when binding a task to a row never raises that row's score for any task (more tasks and
+    # reserved memory only make a device look worse): a batch may then treat a score computed
+    # before the binding as an upper bound and rescore lazily.
+    binding_lowers_scores = False
 
     @property
     def degraded(self) -> str:
@@ -92,6 +96,11 @@ class Policy:
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         """Scores of the device ``rows`` for ``spec``. Shapes: rows [C] -> scores [C], float64."""
         raise NotImplementedError
+
+    def batch_scorer(self, spec: ev.TaskSpec, graph: InfraGraph) -> Callable[[Rows], Scores]:
+        """``score`` for ``spec`` while the inventory stays as it is now (one batch, under the lock):
+        a policy may compute what depends only on the devices once. Same scores as ``score``."""
+        return lambda rows: self.score(spec, graph, rows)
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         """The task was bound to ``rows``."""
@@ -146,6 +155,7 @@ class LeastLoaded(Policy):
 
     name = "least-loaded"
     row_local = True
+    binding_lowers_scores = True  # load rises and free memory falls
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         free = graph.free_memory_gb(rows)
@@ -202,19 +212,30 @@ class HeteroGreedy(Policy):
 
     name = "hetero-greedy"
     row_local = True
+    # The share a new task gets falls with the tasks placed there and the load rises: with weights
+    # >= 0 (set in __init__) every term can only fall.
 
     def __init__(self, weights: ObjectiveWeights | None = None, profiles: DeviceProfiles | None = None) -> None:
         self.weights = weights or ObjectiveWeights()
         self.profiles = profiles or default_profiles()
+        w = self.weights
+        self.binding_lowers_scores = min(w.completion_time, w.utilization, w.energy) >= 0
 
     def ready_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
         """When the task's inputs would be on each row, seconds from now. [N] -> [N]."""
         return np.zeros(len(rows))
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        return self._score(spec, graph, rows, self.profiles.runtime_s(graph, rows, spec))
+
+    def batch_scorer(self, spec: ev.TaskSpec, graph: InfraGraph) -> Callable[[Rows], Scores]:
+        """The run times (a device's model and peak) are computed once for every device row."""
+        runtime = self.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
+        return lambda rows: self._score(spec, graph, rows, runtime[rows])
+
+    def _score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, runtime: NDArray[np.float64]) -> Scores:
         w = self.weights
         work = spec.work_ref_s if spec.work_ref_s > 0 else 1.0
-        runtime = self.profiles.runtime_s(graph, rows, spec)
         finish = self.ready_s(spec, graph, rows) + runtime / device_share(graph, rows)
         scores: Scores = finish * (-w.completion_time / work)
         if w.energy:

@@ -22,7 +22,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import CONSTRAINTS, Exclusion, InfraGraph, Rows, Task, TaskState, check_task_spec
+from daemon.graph import (
+    CONSTRAINTS,
+    Exclusion,
+    InfraGraph,
+    Rows,
+    Task,
+    TaskState,
+    check_task_spec,
+    check_task_specs,
+)
 from daemon.ledger import PlacementLedger
 from daemon.policy import Policy
 from hlb.v1 import events_pb2 as ev
@@ -73,47 +82,91 @@ def _shape(spec: ev.TaskSpec) -> ShapeKey | None:
     )
 
 
+@dataclass
+class _Shape:
+    """One task shape's feasible rows (ascending) and their scores, with the rows bound since."""
+
+    spec: ev.TaskSpec
+    score: Callable[[Rows], NDArray[np.float64]]  # the policy's batch_scorer for the shape
+    rows: Rows
+    scores: NDArray[np.float64]
+    stale: set[int] = field(default_factory=set)  # device rows bound since ``scores`` were computed
+
+
 class _BatchScores:
     """Feasible rows and their scores per task shape, kept exact through one batch.
 
     Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
     memory and capacity: rows never become feasible, and only the rows just bound change score or
-    drop out.
-    With a row-local policy, rescoring those rows gives exactly what a full pass would.
+    drop out. With a row-local policy, rescoring those rows gives exactly what a full pass would.
+
+    Rescoring is lazy: a binding only marks its rows stale in every shape, and a shape's stale rows
+    are checked and rescored together (one vectorized call) when a task of that shape needs them.
+    When the policy declares that a binding never raises a row's score
+    (``Policy.binding_lowers_scores``), a stale score is an upper bound of the true one, so a
+    one-device task whose best score is on a row that is not stale takes that row without any
+    rescoring: no other row can beat it, nor tie it from an earlier position.
     """
 
     def __init__(self, graph: InfraGraph, policy: Policy) -> None:
         self.graph = graph
         self.policy = policy
-        self.entries: dict[ShapeKey, tuple[ev.TaskSpec, Rows, NDArray[np.float64]]] = {}
+        self.entries: dict[ShapeKey, _Shape] = {}
+        self.upper_bounds = policy.binding_lowers_scores and type(policy).choose_gang is Policy.choose_gang
 
-    def lookup(self, spec: ev.TaskSpec) -> tuple[Rows, NDArray[np.float64]] | None:
+    def choose(self, spec: ev.TaskSpec) -> tuple[Rows, Rows, float] | None:
+        """(feasible rows, gang, mean score) as ``feasible_rows`` and ``choose_gang`` would give them
+        now; None for a task whose scores depend on more than its shape (not cached)."""
         key = _shape(spec)
         if key is None:
             return None
         entry = self.entries.get(key)
         if entry is None:
             rows = self.graph.feasible_rows(spec)
-            entry = (spec, rows, np.array(self.policy.score(spec, self.graph, rows), dtype=np.float64))
+            scorer = self.policy.batch_scorer(spec, self.graph)
+            entry = _Shape(spec, scorer, rows, np.array(scorer(rows), dtype=np.float64))
             if len(self.entries) >= MAX_CACHED_SHAPES:
                 del self.entries[next(iter(self.entries))]
             self.entries[key] = entry
-        return entry[1], entry[2]
+        elif entry.stale:
+            if self.upper_bounds and spec.num_devices <= 1 and len(entry.rows):
+                best = int(np.argmax(entry.scores))
+                if int(entry.rows[best]) not in entry.stale:
+                    return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
+            self._refresh(entry)
+        gang, score = self.policy.choose_gang(spec, self.graph, entry.rows, entry.scores)
+        return entry.rows, gang, score
 
-    def bound(self, changed: Rows) -> None:
-        """Rescore (or drop, when no longer feasible) the ``changed`` rows in every entry."""
-        for key, (spec, rows, scores) in list(self.entries.items()):
+    def bound(self, changed: Sequence[int]) -> None:
+        """The batch bound ``changed`` device rows: their scores are stale in every shape."""
+        for entry in self.entries.values():
+            entry.stale.update(changed)
+
+    def _refresh(self, entry: _Shape) -> None:
+        """Recheck and rescore the entry's stale rows; drop those that no longer fit."""
+        rows = entry.rows
+        if len(entry.stale) == 1:  # the common case (one device bound since): no sorting, no masks
+            row = entry.stale.pop()
+            i = int(np.searchsorted(rows, row))
+            if i == len(rows) or rows[i] != row:
+                return
+            at: NDArray[np.intp] = np.arange(i, i + 1)
+        else:
+            changed = np.fromiter(sorted(entry.stale), dtype=np.int64, count=len(entry.stale))
+            entry.stale.clear()
+            if not len(rows):
+                return
             at = np.searchsorted(rows, changed)
-            at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)] if len(rows) else at[:0]
+            at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)]
             if not len(at):
-                continue
-            ok = self.graph.violations(spec, rows[at]) < 0
-            if ok.any():
-                scores[at[ok]] = self.policy.score(spec, self.graph, rows[at[ok]])
-            if not ok.all():
-                keep = np.ones(len(rows), dtype=np.bool_)
-                keep[at[~ok]] = False
-                self.entries[key] = (spec, rows[keep], scores[keep])
+                return
+        ok = self.graph.room(entry.spec, rows[at])
+        if ok.any():
+            entry.scores[at[ok]] = entry.score(rows[at[ok]])
+        if not ok.all():
+            keep = np.ones(len(rows), dtype=np.bool_)
+            keep[at[~ok]] = False
+            entry.rows, entry.scores = rows[keep], entry.scores[keep]
 
 
 class Scheduler:
@@ -194,10 +247,13 @@ class Scheduler:
             self.graph.release(task, final)
             self._dirty = True
 
-    def submit(self, spec: ev.TaskSpec, cell: str) -> Task:
-        """Add a task to the graph and the queue, or bind it to its earlier placement on a replay."""
+    def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False) -> Task:
+        """Add a task to the graph and the queue, or bind it to its earlier placement on a replay.
+
+        ``checked``: ``spec`` has passed ``check_task_spec`` already (see ``InfraGraph.add_task``).
+        """
         known = spec.id in self.graph.tasks
-        task = self.graph.add_task(spec, cell)
+        task = self.graph.add_task(spec, cell, checked=checked)
         if known:
             return task
         earlier = self.ledger.get(spec.id)
@@ -249,7 +305,7 @@ class Scheduler:
         if dry_run:
             probe = Task(spec=spec, cell=self.cell, arrival=0)
             return self._decision(probe, self._try_place(probe, dry_run=True))
-        task = self.submit(spec, self.cell)
+        task = self.submit(spec, self.cell, checked=True)
         if task.spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
             return self.lookup(spec.id)
         return self._decision(task, self._try_place(task, dry_run=False))
@@ -262,16 +318,14 @@ class Scheduler:
         validated before any is placed (an error names the task's index, ``tasks[i]``); returns the
         decisions in request order.
         """
+        check_task_specs(specs)
         seen: set[str] = set()
+        tasks = self.graph.tasks
         for i, spec in enumerate(specs):
-            try:
-                check_task_spec(spec)
-            except InvalidEventError as exc:
-                raise InvalidEventError(f"tasks[{i}]: {exc}", exc.reason) from None
             if spec.id in seen:
                 raise InvalidEventError(f"tasks[{i}]: task {spec.id} appears twice in the batch", "duplicate_id")
             seen.add(spec.id)
-            known = self.graph.tasks.get(spec.id)
+            known = tasks.get(spec.id)
             if known is not None and known.spec != spec:
                 raise InvalidEventError(
                     f"tasks[{i}]: task {spec.id} is already known with another spec", "duplicate_id"
@@ -293,10 +347,10 @@ class Scheduler:
                         self.graph.bind(probe, [int(r) for r in rows])
                         probes.append(probe)
                         if cache is not None:
-                            cache.bound(np.sort(rows))
+                            cache.bound(probe.device_rows)
                     decisions[i] = self._decision(probe, placement)
                 else:
-                    task = self.submit(spec, self.cell)
+                    task = self.submit(spec, self.cell, checked=True)
                     if spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
                         decisions[i] = self.lookup(spec.id)
                         continue
@@ -421,13 +475,12 @@ class Scheduler:
         if waiting_for is not None:
             task.pending_reason = waiting_for
             return None
-        known = cache.lookup(task.spec) if cache is not None else None
+        known = cache.choose(task.spec) if cache is not None else None
         if known is None:
             feasible = self.graph.feasible_rows(task.spec)
             gang, score = self.policy.choose_gang(task.spec, self.graph, feasible)
         else:
-            feasible, scores = known
-            gang, score = self.policy.choose_gang(task.spec, self.graph, feasible, scores)
+            feasible, gang, score = known
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
@@ -446,8 +499,8 @@ class Scheduler:
         self.graph.bind(task, [int(r) for r in gang])
         self.policy.placed(task.spec, self.graph, gang)
         if cache is not None:
-            cache.bound(np.sort(gang))
-        return self.ledger.record(placement)
+            cache.bound(task.device_rows)
+        return self.ledger.record(placement, owned=True)
 
     def _unfinished_dependency(self, task: Task) -> str | None:
         """Why the task must wait for a dependency, or None when all have finished."""

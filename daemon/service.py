@@ -1,8 +1,15 @@
 """``hlb serve``: the daemon, wired from its parts, and its life as a service.
 
 Start-up: check the gRPC listener and its TLS files, restore the placement ledger from its
-topic, start ingest on its own thread, start the gRPC server and the metrics endpoint, then
-report SERVING (health) and READY=1 (systemd).
+topic, then the decisions of the journal (``daemon.journal``) that the topic lacks (published
+again), then the newest snapshot; note the input topics' end offsets (high watermarks) now; start
+ingest on its own thread, the gRPC server and the metrics endpoint. Health stays NOT_SERVING, and
+the deciding RPCs answer UNAVAILABLE, until ingest has replayed the inputs up to those end
+offsets: only then does the graph hold everything decided and submitted before the start. Then
+SERVING (health) and READY=1 (systemd).
+
+With the Kafka bus, every decision is in the journal, on disk, before the RPC that made it
+answers (``Daemon.durable``), so a SIGKILL cannot make the restarted daemon forget an answer.
 
 SIGTERM or SIGINT, in this order: STOPPING=1 and health NOT_SERVING; the gRPC server refuses new
 RPCs and gives in-flight ones ``grpc.grace_s``; ingest stops, which stores and commits the
@@ -40,7 +47,16 @@ from daemon.errors import BrokerError, ConfigError, EventError
 from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, IngestStats, IngestThread
-from daemon.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
+from daemon.journal import JournaledPublisher, JournalFile
+from daemon.lag import (
+    EndOffsetProbe,
+    KafkaEndOffsets,
+    KafkaLagProbe,
+    Lag,
+    LagProbe,
+    MemoryEndOffsets,
+    MemoryLagProbe,
+)
 from daemon.ledger import PlacementLedger
 from daemon.logs import configure_logging
 from daemon.metrics import DaemonMetrics, MetricsServer, RpcMetricsInterceptor, StateSample, start_metrics_server
@@ -55,6 +71,10 @@ log = structlog.get_logger(__name__)
 
 # Applies the reloadable part of new settings; raises to refuse them (the old values stay).
 Reloader = Callable[[Settings], None]
+
+JOURNAL_SYNC_S = 0.05  # decisions made by ingest reach the disk this often (the API's at once)
+JOURNAL_ACK_S = 1.0  # how often acknowledged records are dropped from the journal
+REPLAY_CHECK_S = 0.05
 
 
 def make_bus(settings: Settings) -> EventBus:
@@ -107,7 +127,14 @@ class Daemon:
         self.scheduler = Scheduler(
             InfraGraph(settings.scheduler.max_tasks_per_device), policy, self.ledger, settings.cell, clock
         )
-        self.publisher = bus.publisher()
+        self.raw_publisher = bus.publisher()
+        self.publisher: Publisher = self.raw_publisher  # journaled once run() opens the journal
+        # The journal: on by default with Kafka (a memory bus ends with the process anyway).
+        self.journal_enabled = settings.bus == "kafka"
+        self.journal: JournalFile | None = None
+        self._journaled: JournaledPublisher | None = None
+        # Input partitions -> the offset replay must reach before the daemon serves (see run()).
+        self.replay_targets: dict[tuple[str, int], int] = {}
         self.ready = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
@@ -144,6 +171,117 @@ class Daemon:
     def _publish_submitted(self, spec: ev.TaskSpec) -> None:
         event = ev.TaskEvent(cell=self.settings.cell, event_time_ms=int(self.clock() * 1000), submitted=spec)
         self.publisher.publish(self.settings.kafka.topics.tasks, self.settings.cell.encode(), event.SerializeToString())
+
+    def open_journal(self) -> int:
+        """Open the journal, restore its decisions the ledger lacks and publish them again; returns
+        how many were restored. Runs after ``restore_ledger`` and before anything is replayed."""
+        journal = JournalFile.open(self.settings.state_dir)
+        self.journal = journal
+        self._journaled = JournaledPublisher(self.raw_publisher, journal)
+        self.publisher = self._journaled
+        topics = self.settings.kafka.topics
+        restored = 0
+        resubmitted = 0
+        with self.lock:
+            for record in journal.recovered:
+                if record.topic == topics.placements:
+                    try:
+                        placement = decode(record.value, ev.Placement, self.settings.kafka.max_event_bytes)
+                    except EventError as exc:
+                        log.warning("unreadable journal record skipped", error=str(exc))
+                        continue
+                    known = self.ledger.get(placement.task_id)
+                    if known is not None:
+                        if list(known.device_ids) != list(placement.device_ids):
+                            log.error(
+                                "journal and ledger topic disagree; the topic's decision stands",
+                                task_id=placement.task_id,
+                            )
+                        continue
+                    if placement.sequence <= self.ledger.last_sequence:
+                        log.error(
+                            "journal decision numbered before the ledger topic's last; skipped",
+                            task_id=placement.task_id,
+                            sequence=placement.sequence,
+                        )
+                        continue
+                    self.ledger.restore([placement])
+                    self.raw_publisher.publish(record.topic, record.key, record.value)
+                    restored += 1
+                elif record.topic == topics.tasks:  # a submission through the API; a repeat is a no-op
+                    self.raw_publisher.publish(record.topic, record.key, record.value)
+                    resubmitted += 1
+        log.info(
+            "journal recovered",
+            records=len(journal.recovered),
+            placements_restored=restored,
+            submissions_republished=resubmitted,
+            last_sequence=self.ledger.last_sequence,
+        )
+        return restored
+
+    async def durable(self) -> None:
+        """Wait until every decision made so far is in the journal on disk (group commit)."""
+        journal = self.journal
+        if journal is None:
+            return
+        target = journal.appended
+        if journal.durable < target:
+            await asyncio.to_thread(journal.sync, target)
+
+    def _end_offsets(self, topics: Sequence[str]) -> EndOffsetProbe | None:
+        if isinstance(self.bus, MemoryBus):
+            return MemoryEndOffsets(self.bus, topics)
+        if self.settings.bus == "kafka":
+            return KafkaEndOffsets(self.settings.kafka, topics)
+        return None
+
+    def capture_replay_targets(self, inputs: Sequence[str], start: dict[tuple[str, int], int] | None) -> None:
+        """Note, per input partition, the end offset replay must reach: its high watermark now,
+        unless the consumer begins at or past it (a snapshot's offsets, or a memory bus group's)."""
+        probe = self._end_offsets(inputs)
+        if probe is None:
+            return
+        try:
+            marks = probe.read()
+        finally:
+            probe.close()
+        targets = {}
+        for (topic, partition), (low, high) in marks.items():
+            if start is not None:
+                begin = start.get((topic, partition), low)
+            elif isinstance(self.bus, MemoryBus):
+                begin = self.bus.committed(self.settings.kafka.group_id, topic)
+            else:
+                begin = low
+            if high > max(begin, low):
+                targets[(topic, partition)] = high
+        self.replay_targets = targets
+        log.info("replay targets", partitions={f"{t}[{p}]": o for (t, p), o in targets.items()})
+
+    def replay_left(self) -> int:
+        """Records still to replay before the start's end offsets are reached (0: caught up)."""
+        if not self.replay_targets:
+            return 0
+        if self._ingestor is None:
+            return sum(self.replay_targets.values())
+        with self.lock:
+            positions = dict(self._ingestor.positions)
+        left = 0
+        for partition, target in self.replay_targets.items():
+            left += max(0, target - positions.get(partition, 0))
+        if not left:
+            self.replay_targets = {}
+        return left
+
+    def refusal(self) -> str | None:
+        """Why the deciding RPCs are refused now (UNAVAILABLE), or None when they are served."""
+        if self.serving:
+            return None
+        left = self.replay_left() if self.replay_targets else 0
+        if left:
+            return f"replaying the inputs after a start: {left} records left before decisions are served"
+        return "the daemon is not serving (starting or stopping)"
 
     def restore_ledger(self) -> int:
         """Load earlier decisions so that a replayed submission is not placed twice."""
@@ -235,6 +373,8 @@ class Daemon:
         grpc_settings = self.settings.grpc
         service = SchedulerService(self.scheduler, self.lock, self._publish_submitted)
         service.staleness_ms = self.staleness_ms
+        service.refusal = self.refusal
+        service.durable = self.durable
         # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
         server = GrpcServer(
             service,
@@ -250,12 +390,16 @@ class Daemon:
         )
         restored = await asyncio.to_thread(self.restore_ledger)
         log.info("ledger restored", placements=restored, last_sequence=self.ledger.last_sequence)
+        if self.journal_enabled:
+            await asyncio.to_thread(self.open_journal)  # after the ledger topic: it fills the gaps
         start = await asyncio.to_thread(self.restore_snapshot)  # after the ledger: it binds to it
         self.ledger.subscribe(self._publish_placement)
 
         inputs = [topics.telemetry, topics.tasks]
+        await asyncio.to_thread(self.capture_replay_targets, inputs, start)
         source = self.bus.source(inputs, self.settings.kafka.group_id, start)
-        dead_letters = CountingPublisher(self.publisher, topics.dlq, self.metrics)
+        # Dead letters and mirrored inventory are no decisions: they bypass the journal.
+        dead_letters = CountingPublisher(self.raw_publisher, topics.dlq, self.metrics)
         self._ingestor = Ingestor(
             source, dead_letters, self.scheduler, self.lock, topics, self.settings.kafka.max_event_bytes
         )
@@ -264,30 +408,69 @@ class Daemon:
         if self.snapshots is not None:
             self.on_shutdown_snapshot = self.write_snapshot
             self._spawn(self._snapshot_every(self.settings.snapshot.interval_s))
+        if self._journaled is not None:
+            self._spawn(self._journal_upkeep(self._journaled))
         metrics_server: MetricsServer | None = None
         try:
             # The model loads and warms up on the restored graph before health says SERVING.
             await asyncio.to_thread(self._start_policy, self.scheduler.policy)
-            await server.start()
+            await server.start()  # health NOT_SERVING until the replay below has caught up
             ingest.start()
             metrics_server = self._start_metrics(inputs)
-            await server.set_serving()
-            self.serving = True
-            self.ready.set()
-            log.info(
-                "serving",
-                listen=grpc_settings.listen,
-                port=server.port,
-                tls=server.tls,
-                metrics_port=self.metrics_port or None,
-                bus=self.settings.bus,
-            )
-            self.notifier.ready(self._status_line())
-            await self._serve_until(stop, ingest)
+            if await self._replay_until_caught_up(stop, ingest):
+                await server.set_serving()
+                self.serving = True
+                self.ready.set()
+                log.info(
+                    "serving",
+                    listen=grpc_settings.listen,
+                    port=server.port,
+                    tls=server.tls,
+                    metrics_port=self.metrics_port or None,
+                    bus=self.settings.bus,
+                )
+                self.notifier.ready(self._status_line())
+                await self._serve_until(stop, ingest)
         finally:
             await self._shutdown(server, ingest, metrics_server)
         if ingest.failure is not None:
             raise RuntimeError("ingest failed") from ingest.failure
+
+    async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:
+        """Wait until ingest has replayed to the start's end offsets; False when stopped (or ingest
+        died) first. The watchdog is fed meanwhile: a long replay is progress, not a hang."""
+        pinger = WatchdogPinger(self.notifier)
+        left = self.replay_left()
+        if left:
+            log.info("replaying before serving", records_left=left)
+        reported = 0.0
+        while left:
+            if stop.is_set() or not ingest.is_alive():
+                return False
+            now = self._monotonic()
+            pinger.tick(now)
+            if now - reported >= 1.0:
+                self.notifier.status(f"replaying: {left} records left")
+                reported = now
+            await asyncio.sleep(REPLAY_CHECK_S)
+            left = self.replay_left()
+        return not stop.is_set() and ingest.is_alive()
+
+    async def _journal_upkeep(self, journaled: JournaledPublisher) -> None:
+        """Sync what ingest decided (the API syncs its own at once) and drop acknowledged records."""
+        journal = journaled.journal
+        next_ack = self._monotonic() + JOURNAL_ACK_S
+        while True:
+            await asyncio.sleep(JOURNAL_SYNC_S)
+            try:
+                if journal.durable < journal.appended:
+                    await asyncio.to_thread(journal.sync)
+                if self._monotonic() >= next_ack:
+                    next_ack = self._monotonic() + JOURNAL_ACK_S
+                    if len(journal):
+                        await asyncio.to_thread(journaled.acknowledge, 5.0)
+            except OSError as exc:  # a full disk: keep trying; the RPCs report their own failures
+                log.error("journal upkeep failed", error=str(exc))
 
     async def _serve_until(self, stop: asyncio.Event, ingest: IngestThread) -> None:
         pinger = WatchdogPinger(self.notifier)
@@ -320,6 +503,10 @@ class Daemon:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self._journaled is not None and self.journal is not None:
+            if not undelivered:  # the broker has everything: the journal may be emptied
+                await asyncio.to_thread(self._journaled.acknowledge, 1.0)
+            await asyncio.to_thread(self.journal.close)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.stop)
         applied = self._ingestor.stats.applied if self._ingestor is not None else 0

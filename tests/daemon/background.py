@@ -23,7 +23,10 @@ class BackgroundDaemon:
     whatever ``run`` raised.
     """
 
-    def __init__(self, settings: Settings, bus: MemoryBus | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, settings: Settings, bus: MemoryBus | None = None, *, wait_ready: bool = True, **kwargs: Any
+    ) -> None:
+        self.wait_ready = wait_ready  # False: return from __enter__ as soon as run() has started
         self.bus = bus if bus is not None else MemoryBus()
         self.daemon = Daemon(settings, self.bus, **kwargs)
         self.loop = asyncio.new_event_loop()
@@ -34,6 +37,8 @@ class BackgroundDaemon:
     def __enter__(self) -> BackgroundDaemon:
         self._thread.start()
         self._run = asyncio.run_coroutine_threadsafe(self.daemon.run(self._stop), self.loop)
+        if not self.wait_ready:
+            return self
         ready = asyncio.run_coroutine_threadsafe(self.daemon.ready.wait(), self.loop)
         while not ready.done():
             if self._run.done():

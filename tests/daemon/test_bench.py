@@ -28,11 +28,22 @@ def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str])
     batch = result["place_batch"]
     assert (batch["batch_size"], batch["batches"], batch["placed"]) == (4, 2, 8)
     assert batch["placements_per_s"] > 0
+    assert batch["placements_per_floor_rpc"] > 0
+    assert result["journal"] is False
     # The queued tasks stayed queued; 5 + 1 real Place calls and 8 batch tasks were placed.
     assert result["queue_after"] == 3
     assert result["placed_total"] == 14
     assert result["targets"] == {"place_p99_over_floor_max": 2.0, "place_batch_placements_per_s_min": 20000}
     assert set(result["met"]) == {"place_p99", "place_batch"}
+
+
+def test_latency_with_the_journal_answers_the_same(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--devices", "20", "--pending", "3", "--calls", "5", "--warmup", "1", "--batch", "4", "--batches", "2"]
+    assert main(["bench", "latency", *args, "--journal", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["journal"] is True
+    assert result["place_batch"]["placed"] == 8
+    assert result["placed_total"] == 14
 
 
 def test_latency_prints_a_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:

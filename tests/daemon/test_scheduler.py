@@ -463,14 +463,29 @@ def test_no_decision_ever_breaks_a_hard_constraint_or_places_a_task_twice(ops: l
     assert len(placed_ids) == len(set(placed_ids))
 
 
-@pytest.mark.parametrize("policy", ["least-loaded", "best-fit", "hetero-greedy", "heft"])
-def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(policy: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "weights", "per_device"),
+    [
+        ("least-loaded", None, 0),
+        ("best-fit", None, 0),
+        ("hetero-greedy", None, 0),
+        ("heft", None, 0),
+        # A batch rescores lazily: these exercise the utilization and energy terms and devices
+        # that drop out of the feasible set as they fill up.
+        ("hetero-greedy", {"completion_time": 1.0, "utilization": 0.5, "energy": 0.2}, 0),
+        ("hetero-greedy", None, 3),
+        ("least-loaded", None, 2),
+    ],
+)
+def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(
+    policy: str, weights: dict[str, float] | None, per_device: int
+) -> None:
     rng = np.random.default_rng(5)
     models = ["V100-SXM2-16GB", "A100-SXM4-80GB", "T4", "TPU-v4"]
 
     def cluster() -> Scheduler:
-        shared = InfraGraph(max_tasks_per_device=0)  # many placements per device: a long batch
-        scheduler = Scheduler(shared, make_policy(policy), PlacementLedger(), "c", clock=lambda: 0.0)
+        shared = InfraGraph(max_tasks_per_device=per_device)  # 0: many placements per device, a long batch
+        scheduler = Scheduler(shared, make_policy(policy, weights), PlacementLedger(), "c", clock=lambda: 0.0)
         for i in range(40):
             kind = TPU if models[i % 4] == "TPU-v4" else GPU
             spec = ev.Device(
@@ -493,7 +508,29 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(policy: str
     one_by_one = cluster()
     single = [one_by_one.place(spec).placement for spec in specs]
     assert [p.device_ids if p else None for p in batched] == [p.device_ids if p else None for p in single]
-    assert sum(p is not None for p in batched) > 60
+    assert [p.score if p else None for p in batched] == [p.score if p else None for p in single]
+    assert sum(p is not None for p in batched) > (60 if per_device == 0 else 30)
+
+
+def test_a_batch_names_its_first_bad_spec_as_checking_them_in_order_would() -> None:
+    good = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=1.0) for i in range(6)]
+    cases = {
+        2: ev.TaskSpec(id="bad-memory", memory_per_device_gb=float("nan")),
+        3: ev.TaskSpec(id="bad-kind", allowed_kinds=[GPU, ev.DeviceKind.ValueType(99)]),
+        4: ev.TaskSpec(id="x" * 300),
+        1: ev.TaskSpec(id="bad-dep", dependencies=[ev.Dependency(task_id="bad-dep")]),
+    }
+    for index, bad in cases.items():
+        specs = [*good]
+        specs[index] = bad
+        specs[5] = ev.TaskSpec(id="later-bad", work_ref_s=-1.0)  # a later offender is not the one named
+        scheduler = make_scheduler()
+        with pytest.raises(InvalidEventError, match=rf"^tasks\[{index}\]: ") as caught:
+            scheduler.place_batch(specs)
+        with pytest.raises(InvalidEventError) as alone:
+            scheduler.place(bad)
+        assert str(caught.value) == f"tasks[{index}]: {alone.value}"
+        assert scheduler.graph.tasks == {}
 
 
 def _restarted_with(placement: ev.Placement) -> Scheduler:

@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from daemon.config import KafkaSettings
 from daemon.kafka_bus import KafkaBus
 from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+from tests.conftest import spawn_serve
 from tests.integration.load import (
     DEVICES,
     HOSTS,
@@ -131,3 +136,101 @@ def test_sigkill_mid_stream_loses_nothing_places_nothing_twice_and_recovers_the_
     assert states.count("running") > 5
     assert states.count("finished") > 5
     assert sum(d["reserved_gb"] for d in killed["devices"].values()) > 0
+
+
+def test_a_placement_answered_just_before_sigkill_is_kept_exactly_after_restart(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """Place and PlaceBatch answer, then SIGKILL at once: the ledger records may not have reached the
+    broker yet. The restarted daemon must know every answer as given (the journal), and the ledger
+    topic must end with each exactly once."""
+    topics = fresh_topics()
+    config = DaemonConfig(tmp_path, kafka_bootstrap, topics)
+    load = Load(kafka_bootstrap, topics, seed=SEED)
+    daemon = config.start()
+    ledger = LedgerFollower(kafka_bootstrap, topics.placements)
+    try:
+        load.inventory()
+        load.flush()
+        wait_until(lambda: daemon.cluster_state().devices == len(DEVICES), 30, "the inventory to be applied")
+        rng = np.random.default_rng(SEED)
+        singles = small_tasks(rng, "one", 10)
+        batch = small_tasks(rng, "many", 60)
+        answered: dict[str, list[str]] = {}
+        with grpc.insecure_channel(daemon.target) as channel:
+            stub = api_grpc.SchedulerStub(channel)
+            for spec in singles:
+                reply = stub.Place(api.PlaceRequest(task=spec), timeout=10)
+                answered[spec.id] = list(reply.placement.device_ids)
+            results = stub.PlaceBatch(api.PlaceBatchRequest(tasks=batch), timeout=30).results
+            daemon.kill()  # no time for the producer to deliver what it holds
+        answered |= {s.id: list(r.placement.device_ids) for s, r in zip(batch, results, strict=True)}
+        # Only placements are answers to keep; a pending task may be placed anywhere later.
+        answered = {task_id: devices for task_id, devices in answered.items() if devices}
+        assert len(answered) >= 30, "the test cluster has room for most tasks"
+
+        daemon = config.start()
+        with grpc.insecure_channel(daemon.target) as channel:
+            stub = api_grpc.SchedulerStub(channel)
+            for spec in [s for s in [*singles, *batch] if s.id in answered]:
+                kept = stub.GetPlacement(api.GetPlacementRequest(task_id=spec.id), timeout=10)
+                assert list(kept.placement.device_ids) == answered[spec.id], f"{spec.id} placed differently"
+                again = stub.Place(api.PlaceRequest(task=spec), timeout=10)  # a client retrying
+                assert list(again.placement.device_ids) == answered[spec.id]
+        ledger.wait_for(answered, 60)
+        assert daemon.terminate() == 0, daemon.log()[-5000:]
+        records = KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap)).read_all(topics.placements)
+        placements = [ev.Placement.FromString(r.value or b"") for r in records]
+        # Every answer in the ledger topic once (a task pending at the kill may be placed since).
+        assert_exactly_once(placements, answered.keys() | {p.task_id for p in placements})
+        decided = {p.task_id: list(p.device_ids) for p in placements}
+        assert {t: decided[t] for t in answered} == answered
+    finally:
+        ledger.close()
+        config.stop_all()
+
+
+def test_a_restarted_daemon_decides_nothing_before_its_replay_reaches_the_start_watermarks(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """The inputs hold the inventory and a long run of metrics: a client that keeps calling Place from
+    the moment the daemon starts gets UNAVAILABLE (or no connection) until the replay has caught up,
+    and its first answer is a decision on the whole cluster."""
+    topics = fresh_topics()
+    config = DaemonConfig(tmp_path, kafka_bootstrap, topics)
+    load = Load(kafka_bootstrap, topics, seed=SEED)
+    load.inventory()
+    for _ in range(5000):  # replay takes a while: the daemon is asked long before it has caught up
+        load.metrics()
+    load.flush()
+    spec = small_tasks(np.random.default_rng(SEED), "first", 1)[0]
+    env = {**os.environ, "HLB_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap}
+    process = spawn_serve(config.write(), tmp_path / "serve.log", env)
+    refusals: list[tuple[grpc.StatusCode, str]] = []
+    try:
+        # Reconnect at once while the daemon starts (gRPC's default backoff would skip the window).
+        fast = [
+            ("grpc.initial_reconnect_backoff_ms", 20),
+            ("grpc.min_reconnect_backoff_ms", 20),
+            ("grpc.max_reconnect_backoff_ms", 50),
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{config.port}", options=fast) as channel:
+            stub = api_grpc.SchedulerStub(channel)
+            deadline = time.monotonic() + 120
+            while True:
+                assert time.monotonic() < deadline, f"no answer; refusals: {refusals[-3:]}"
+                assert process.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
+                try:
+                    reply = stub.Place(api.PlaceRequest(task=spec), timeout=5)
+                    break
+                except grpc.RpcError as exc:
+                    refusals.append((exc.code(), exc.details() or ""))
+                    time.sleep(0.01)
+            assert reply.HasField("placement"), reply.pending.reason
+            state = stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
+            assert (state.devices, state.hosts) == (len(DEVICES), len(HOSTS))
+        assert {code for code, _ in refusals} == {grpc.StatusCode.UNAVAILABLE}, refusals[-3:]
+        assert any("replaying the inputs" in details for _, details in refusals), refusals[:5]
+    finally:
+        process.kill()
+        process.wait(30)

@@ -1,0 +1,290 @@
+"""The decision journal: a write-ahead file of what the daemon publishes as its own decisions.
+
+A client may act on a ``Place`` answer at once, but the ledger record behind it reaches Kafka
+later (the producer batches). A daemon killed in between would restart without that decision and
+could place the task differently. So every record the daemon publishes as a decision (ledger
+placements, and the submissions of tasks that came in through the API) is first appended to
+``<state_dir>/decisions.journal``; the gRPC handlers wait until the journal is on disk (fsync)
+before they answer. Group commit: one fsync covers every record appended before it, so a batch
+of decisions, or many concurrent requests, cost one fsync.
+
+On start the daemon reads the journal back (``JournalFile.open``): decisions the ledger topic does
+not have yet are restored into the ledger and published again, before anything is replayed or
+decided. Records are dropped from the journal (``truncate_through``) once the producer has
+handed everything queued before them to the broker.
+
+File format: a sequence of records, each ``uint32 length, uint32 crc32`` (little-endian) of the
+payload, then the payload: ``uint16`` topic length, the topic (UTF-8), ``int32`` key length (-1:
+no key), the key, and the value (the rest). A record cut short or failing its checksum ends the
+file (a write torn by a crash): it and anything after it are discarded, and logged.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from daemon.bus import Publisher
+
+log = structlog.get_logger(__name__)
+
+JOURNAL_NAME = "decisions.journal"
+_HEADER = struct.Struct("<II")
+_TOPIC = struct.Struct("<H")
+_KEY = struct.Struct("<i")
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+def encode(record: JournalRecord) -> bytes:
+    topic = record.topic.encode()
+    key = record.key
+    payload = b"".join(
+        (
+            _TOPIC.pack(len(topic)),
+            topic,
+            _KEY.pack(-1 if key is None else len(key)),
+            key or b"",
+            record.value,
+        )
+    )
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_all(data: bytes) -> tuple[list[JournalRecord], int]:
+    """The records at the start of ``data`` and how many bytes they take; stops at a torn record."""
+    records: list[JournalRecord] = []
+    at = 0
+    while at + _HEADER.size <= len(data):
+        length, crc = _HEADER.unpack_from(data, at)
+        start, end = at + _HEADER.size, at + _HEADER.size + length
+        if length > MAX_RECORD_BYTES or end > len(data):
+            break
+        payload = data[start:end]
+        if zlib.crc32(payload) != crc:
+            break
+        try:
+            records.append(_decode_payload(payload))
+        except (struct.error, UnicodeDecodeError, ValueError):
+            break
+        at = end
+    return records, at
+
+
+def _decode_payload(payload: bytes) -> JournalRecord:
+    (topic_len,) = _TOPIC.unpack_from(payload, 0)
+    at = _TOPIC.size
+    topic = payload[at : at + topic_len].decode()
+    at += topic_len
+    (key_len,) = _KEY.unpack_from(payload, at)
+    at += _KEY.size
+    key = None if key_len < 0 else payload[at : at + key_len]
+    at += max(key_len, 0)
+    if at > len(payload):
+        raise ValueError("record shorter than its key")
+    return JournalRecord(topic, key, payload[at:])
+
+
+class JournalFile:
+    """The journal on disk: append (buffered), ``sync`` to a position with group commit, truncate.
+
+    Positions count records appended since the file was opened, starting after the records it
+    held then (``recovered``), which count as positions ``1..len(recovered)``.
+    Thread-safe: appends come from whoever holds the daemon lock, syncs from the gRPC handlers'
+    worker threads and a background timer.
+    """
+
+    def __init__(self, path: Path, recovered: Sequence[JournalRecord], fd: int) -> None:
+        self.path = path
+        self.recovered = list(recovered)
+        self._fd = fd
+        self._lock = threading.Lock()  # the buffer, the positions, the kept records
+        self._sync_lock = threading.Lock()  # one write+fsync (or truncation) at a time
+        self._buffer = bytearray()
+        self._kept: list[bytes] = [encode(r) for r in recovered]  # in the file, not yet acknowledged
+        self._first = 1  # position of _kept[0]
+        self._appended = len(recovered)
+        self._durable = len(recovered)
+
+    @classmethod
+    def open(cls, state_dir: Path) -> JournalFile:
+        """Open (or create) the journal in ``state_dir``, reading back what it holds."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path = state_dir / JOURNAL_NAME
+        data = path.read_bytes() if path.exists() else b""
+        records, good = decode_all(data)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if good < len(data):
+            log.warning("journal: torn or corrupt tail discarded", path=str(path), bytes=len(data) - good)
+            os.ftruncate(fd, good)
+            os.fsync(fd)
+        os.lseek(fd, 0, os.SEEK_END)
+        _fsync_dir(state_dir)
+        return cls(path, records, fd)
+
+    @property
+    def appended(self) -> int:
+        """Position of the newest record appended."""
+        return self._appended
+
+    @property
+    def kept_from(self) -> int:
+        """Position of the oldest record still kept (one past ``appended`` when none is)."""
+        return self._first
+
+    @property
+    def durable(self) -> int:
+        """Position up to which records are on disk."""
+        return self._durable
+
+    def __len__(self) -> int:
+        """Records in the file (or buffered for it) not yet dropped by ``truncate_through``."""
+        with self._lock:
+            return len(self._kept)
+
+    def append(self, record: JournalRecord) -> int:
+        """Buffer one record for the file; returns its position (durable after ``sync(position)``)."""
+        data = encode(record)
+        with self._lock:
+            self._buffer += data
+            self._kept.append(data)
+            self._appended += 1
+            return self._appended
+
+    def sync(self, position: int | None = None) -> None:
+        """Return once every record up to ``position`` (default: all appended) is on disk."""
+        with self._lock:
+            target = self._appended if position is None else position
+        if self._durable >= target:
+            return
+        with self._sync_lock:
+            if self._durable >= target:  # a sync that ran while we waited covered us
+                return
+            self._check_open()
+            with self._lock:
+                data, upto = bytes(self._buffer), self._appended
+                self._buffer.clear()
+            _write_all(self._fd, data)
+            os.fdatasync(self._fd)
+            self._durable = upto
+
+    def truncate_through(self, position: int) -> None:
+        """Drop the records up to ``position``: the broker has them. Later ones are kept (on disk)."""
+        with self._sync_lock:
+            self._check_open()
+            with self._lock:
+                drop = min(position, self._appended) - self._first + 1
+                if drop <= 0:
+                    return
+                rest = self._kept[drop:]
+                self._kept = rest
+                self._first += drop
+                self._buffer.clear()  # what is left is written below, with the rest
+                upto = self._appended
+            if rest:
+                self._rewrite(b"".join(rest))
+            else:
+                os.ftruncate(self._fd, 0)
+                os.lseek(self._fd, 0, os.SEEK_SET)
+                os.fsync(self._fd)
+            self._durable = upto
+
+    def _rewrite(self, data: bytes) -> None:
+        """Replace the file by ``data`` atomically (temporary file, fsync, rename, fsync of the directory)."""
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        os.close(self._fd)
+        self._fd = fd
+        os.lseek(self._fd, 0, os.SEEK_END)
+
+    def close(self) -> None:
+        """Sync what is buffered and close the file; later syncs and truncations raise ``ValueError``."""
+        if self._fd < 0:
+            return
+        self.sync()
+        with self._sync_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def _check_open(self) -> None:
+        if self._fd < 0:
+            raise ValueError(f"journal {self.path} is closed")
+
+
+class JournaledPublisher:
+    """A ``Publisher`` that appends each record to the journal, then hands it to ``inner``.
+
+    Both happen under one lock, so a position read by ``mark`` covers only records that were
+    already handed over: a later ``inner.flush`` that leaves nothing undelivered acknowledges them.
+    """
+
+    def __init__(self, inner: Publisher, journal: JournalFile) -> None:
+        self.inner = inner
+        self.journal = journal
+        self._lock = threading.Lock()
+
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        if value is None:  # a tombstone decides nothing
+            self.inner.publish(topic, key, value, headers)
+            return
+        with self._lock:
+            self.journal.append(JournalRecord(topic, key, value))
+            self.inner.publish(topic, key, value, headers)
+
+    def flush(self, timeout_s: float) -> int:
+        return self.inner.flush(timeout_s)
+
+    def mark(self) -> int:
+        """The newest position handed to ``inner``."""
+        with self._lock:
+            return self.journal.appended
+
+    def acknowledge(self, timeout_s: float) -> bool:
+        """Flush the producer; when nothing is left undelivered, drop what the journal held before."""
+        mark = self.mark()
+        if mark < self.journal.kept_from:
+            return True
+        if self.inner.flush(timeout_s) != 0:
+            return False
+        self.journal.sync(mark)  # a truncation must not drop records that never reached the disk
+        self.journal.truncate_through(mark)
+        return True
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,177 @@
+"""A Place answer survives a crash, and a restarted daemon decides nothing before its replay has caught up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from daemon.bus import MemoryBus, MemorySource, Offsets, RawEvent
+from daemon.config import Settings, load_settings
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+from sim.agent import inventory_events
+from sim.kafka_local import free_port
+from tests.daemon.background import BackgroundDaemon
+
+CELL = "default"
+SPEC = ev.TaskSpec(id="answered", memory_per_device_gb=4.0, workload_class="resnet50", work_ref_s=60.0)
+
+
+def _settings(tmp_path: Path) -> Settings:
+    return load_settings(
+        None,
+        bus="memory",
+        state_dir=str(tmp_path / "state"),
+        grpc={"listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0},
+        kafka={"poll_timeout_s": 0.02},
+    )
+
+
+def _publish_inventory(bus: MemoryBus, settings: Settings) -> int:
+    events = inventory_events(CELL)
+    for event in events:
+        bus.publish(settings.kafka.topics.telemetry, CELL.encode(), event.SerializeToString())
+    return sum(e.HasField("device_upsert") for e in events)
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+class HeldBus(MemoryBus):
+    """A memory bus whose consumers get nothing until ``release`` is set: a replay that takes its time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def source(self, topics: Sequence[str], group_id: str, start: Offsets | None = None) -> MemorySource:
+        bus = self
+
+        class Held(MemorySource):
+            def next_batch(self, max_events: int, timeout_s: float) -> list[RawEvent]:
+                if not bus.release.wait(timeout_s):
+                    return []
+                return super().next_batch(max_events, timeout_s)
+
+        return Held(self, tuple(topics), group_id, start)
+
+
+def _health(target: str) -> int | None:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return None  # not listening yet
+        status: int = reply.status
+        return status
+
+
+def test_a_started_daemon_refuses_decisions_until_its_replay_reaches_the_start_watermarks(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    bus = HeldBus()
+    devices = _publish_inventory(bus, settings)
+    submitted = ev.TaskEvent(cell=CELL, submitted=ev.TaskSpec(id="before-start", memory_per_device_gb=1.0))
+    bus.publish(settings.kafka.topics.tasks, CELL.encode(), submitted.SerializeToString())
+    with BackgroundDaemon(settings, bus, wait_ready=False) as running:
+        target = f"127.0.0.1:{settings.grpc.listen.rsplit(':', 1)[1]}"
+        _wait(lambda: _health(target) is not None, "the gRPC server to listen")
+        assert _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(target) as channel:
+            stub = api_grpc.SchedulerStub(channel)
+            for call in (
+                lambda: stub.Place(api.PlaceRequest(task=SPEC), timeout=5),
+                lambda: stub.PlaceBatch(api.PlaceBatchRequest(tasks=[SPEC]), timeout=5),
+                lambda: stub.GetPlacement(api.GetPlacementRequest(task_id="before-start"), timeout=5),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "replaying the inputs" in (refused.value.details() or "")
+            assert stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).devices == 0  # nothing applied
+            assert not running.daemon.ready.is_set()
+            assert not running.daemon.scheduler.ledger.since(1)  # nothing decided either
+
+            bus.release.set()
+            _wait(lambda: _health(target) == health_pb2.HealthCheckResponse.SERVING, "SERVING after the replay")
+            state = stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
+            assert state.devices == devices  # everything published before the start is in the graph
+            earlier = stub.GetPlacement(api.GetPlacementRequest(task_id="before-start"), timeout=5)
+            assert earlier.HasField("placement")
+            assert stub.Place(api.PlaceRequest(task=SPEC), timeout=5).HasField("placement")
+
+
+class LossyBus(MemoryBus):
+    """A memory bus whose producer loses what it is given for ``lost_topics`` (the broker never got it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost_topics: set[str] = set()
+        self.lost = 0
+
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        if topic in self.lost_topics:
+            self.lost += 1
+            return
+        super().publish(topic, key, value, headers)
+
+    def flush(self, timeout_s: float) -> int:
+        return self.lost  # never delivered
+
+
+def _journaled(settings: Settings, bus: MemoryBus) -> BackgroundDaemon:
+    running = BackgroundDaemon(settings, bus)
+    running.daemon.journal_enabled = True  # on by default with Kafka only
+    return running
+
+
+def test_a_place_answer_whose_records_never_reached_the_bus_is_kept_after_a_restart(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    topics = settings.kafka.topics
+    bus = LossyBus()
+    devices = _publish_inventory(bus, settings)
+    first = _journaled(settings, bus)
+    with first:
+        with grpc.insecure_channel(first.target) as channel:
+            stub = api_grpc.SchedulerStub(channel)
+            _wait(lambda: stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).devices == devices, "devices")
+            bus.lost_topics = {topics.placements, topics.tasks}
+            answered = stub.Place(api.PlaceRequest(task=SPEC), timeout=5).placement
+        assert answered.device_ids
+        journal = first.daemon.journal
+        assert journal is not None
+        assert journal.durable >= 2  # the placement and the submission were on disk before the answer
+    assert bus.read_all(topics.placements) == []  # the ledger topic never got the decision
+    assert bus.read_all(topics.tasks) == []
+
+    bus.lost_topics, bus.lost = set(), 0
+    bus._committed.clear()  # a new process: its graph is rebuilt from the inputs' first records
+    second = _journaled(settings, bus)
+    with second, grpc.insecure_channel(second.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        kept = stub.GetPlacement(api.GetPlacementRequest(task_id=SPEC.id), timeout=5).placement
+        assert kept == answered
+        again = stub.Place(api.PlaceRequest(task=SPEC), timeout=5).placement
+        assert again == answered
+        ledger = [ev.Placement.FromString(r.value or b"") for r in bus.read_all(topics.placements)]
+        assert ledger == [answered]  # published again, once
+        # The submission was published again too: the graph holds the task on its devices.
+        _wait(lambda: stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).running_tasks == 1, "the task")
+        journal = second.daemon.journal
+        assert journal is not None
+        _wait(lambda: len(journal) == 0, "the delivered records to leave the journal")
+        # A later decision is numbered after the kept one.
+        other = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="later", memory_per_device_gb=1.0)), timeout=5)
+        assert other.placement.sequence == answered.sequence + 1

@@ -1,0 +1,139 @@
+"""The decision journal: records survive a reopen, a torn tail is dropped, truncation keeps what is unacknowledged."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from daemon.journal import JOURNAL_NAME, JournaledPublisher, JournalFile, JournalRecord, decode_all, encode
+
+
+def record(i: int, topic: str = "placements") -> JournalRecord:
+    return JournalRecord(topic, None if i % 3 == 0 else f"k{i}".encode(), f"value-{i}".encode() * (i + 1))
+
+
+def test_records_come_back_in_order_after_a_reopen(tmp_path: Path) -> None:
+    journal = JournalFile.open(tmp_path)
+    assert journal.recovered == []
+    positions = [journal.append(record(i)) for i in range(5)]
+    assert positions == [1, 2, 3, 4, 5]
+    assert journal.durable == 0
+    journal.sync(3)  # group commit: one write covers everything buffered
+    assert journal.durable == 5
+    journal.close()
+    again = JournalFile.open(tmp_path)
+    assert again.recovered == [record(i) for i in range(5)]
+    assert (again.appended, again.durable, len(again)) == (5, 5, 5)
+    assert again.append(record(5)) == 6
+
+
+def test_unsynced_records_are_not_on_disk(tmp_path: Path) -> None:
+    journal = JournalFile.open(tmp_path)
+    journal.append(record(0))
+    journal.sync()
+    journal.append(record(1))  # buffered only: a crash now loses it, and no answer waited for it
+    assert decode_all((tmp_path / JOURNAL_NAME).read_bytes())[0] == [record(0)]
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9])
+def test_a_torn_or_corrupt_tail_is_dropped_and_the_file_stays_appendable(tmp_path: Path, cut: int) -> None:
+    journal = JournalFile.open(tmp_path)
+    for i in range(3):
+        journal.append(record(i))
+    journal.close()
+    path = tmp_path / JOURNAL_NAME
+    whole = path.read_bytes()
+    last = len(encode(record(2)))
+    path.write_bytes(whole[: len(whole) - last + cut])  # the last record cut short
+    reopened = JournalFile.open(tmp_path)
+    assert reopened.recovered == [record(0), record(1)]
+    reopened.append(record(7))
+    reopened.close()
+    assert JournalFile.open(tmp_path).recovered == [record(0), record(1), record(7)]
+    # A flipped byte fails the checksum: that record and everything after it are not trusted.
+    data = bytearray(path.read_bytes())
+    data[len(encode(record(0))) + 12] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert JournalFile.open(tmp_path).recovered == [record(0)]
+
+
+def test_truncation_drops_acknowledged_records_and_keeps_later_ones(tmp_path: Path) -> None:
+    journal = JournalFile.open(tmp_path)
+    for i in range(6):
+        journal.append(record(i))
+    journal.sync(2)
+    journal.truncate_through(4)
+    assert len(journal) == 2
+    assert journal.kept_from == 5
+    journal.append(record(6))
+    journal.close()
+    assert JournalFile.open(tmp_path).recovered == [record(4), record(5), record(6)]
+    emptied = JournalFile.open(tmp_path)
+    emptied.truncate_through(emptied.appended)
+    assert (tmp_path / JOURNAL_NAME).read_bytes() == b""
+    emptied.truncate_through(emptied.appended)  # nothing left: a no-op
+
+
+def test_concurrent_syncs_all_return_durable(tmp_path: Path) -> None:
+    journal = JournalFile.open(tmp_path)
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(50):
+                position = journal.append(record(n * 100 + i))
+                journal.sync(position)
+                assert journal.durable >= position
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    journal.close()
+    assert len(JournalFile.open(tmp_path).recovered) == 200
+
+
+class Producer:
+    """A publisher whose records are delivered only when ``deliver`` says so."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[str, bytes | None, bytes | None]] = []
+        self.delivered: list[tuple[str, bytes | None, bytes | None]] = []
+        self.broker_up = True
+
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        self.queued.append((topic, key, value))
+
+    def flush(self, timeout_s: float) -> int:
+        if self.broker_up:
+            self.delivered += self.queued
+            self.queued = []
+        return len(self.queued)
+
+
+def test_the_journaled_publisher_drops_records_only_once_the_producer_delivered_them(tmp_path: Path) -> None:
+    producer = Producer()
+    journal = JournalFile.open(tmp_path)
+    publisher = JournaledPublisher(producer, journal)
+    publisher.publish("placements", b"c", b"one")
+    publisher.publish("placements", b"c", None)  # a tombstone is no decision: not journaled
+    assert journal.appended == 1
+    assert producer.queued == [("placements", b"c", b"one"), ("placements", b"c", None)]
+    producer.broker_up = False
+    assert not publisher.acknowledge(1.0)
+    assert len(journal) == 1  # undelivered: kept, and a restart publishes it again
+    producer.broker_up = True
+    assert publisher.acknowledge(1.0)
+    assert len(journal) == 0
+    assert publisher.acknowledge(1.0)
+    journal.close()
+    assert JournalFile.open(tmp_path).recovered == []
