@@ -229,19 +229,23 @@ class KafkaSource:
     ) -> None:
         self._start = dict(start or {})
         self._lag: dict[tuple[str, int], int] = {}
+        config: ClientConfig = {
+            # Tunables: kafka.client_config overrides them.
+            "fetch.wait.max.ms": 50,
+            "statistics.interval.ms": statistics_interval_ms,
+            **_client_config(settings),
+            # What hlb's correctness depends on (config.FIXED_CLIENT_KEYS refuses overrides).
+            "group.id": group_id,
+            "enable.auto.offset.store": False,
+            "enable.auto.commit": True,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+        }
+        if settings.group_instance_id:
+            config["group.instance.id"] = settings.group_instance_id
+        self.config = dict(config)  # what librdkafka was given (secrets included: do not log it)
         self._consumer = Consumer(
-            {
-                **_client_config(settings),
-                "group.id": group_id,
-                "enable.auto.offset.store": False,
-                "enable.auto.commit": True,
-                "auto.offset.reset": "earliest",
-                "partition.assignment.strategy": "cooperative-sticky",
-                "fetch.wait.max.ms": 50,
-                "statistics.interval.ms": statistics_interval_ms,
-                "stats_cb": self._on_stats,
-            },
-            logger=structlog.stdlib.get_logger("librdkafka"),
+            {**config, "stats_cb": self._on_stats}, logger=structlog.stdlib.get_logger("librdkafka")
         )
         self._consumer.subscribe(
             list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
@@ -308,7 +312,7 @@ class KafkaSource:
 class KafkaPublisher:
     def __init__(self, settings: KafkaSettings) -> None:
         self._producer = Producer(
-            {**_client_config(settings), "linger.ms": 5, "enable.idempotence": True},
+            {"linger.ms": 5, **_client_config(settings), "enable.idempotence": True},
             logger=structlog.stdlib.get_logger("librdkafka"),
         )
 
