@@ -33,6 +33,7 @@ from confluent_kafka.cimpl import NewTopic
 from daemon.bus import Offsets, RawEvent
 from daemon.config import KafkaSettings
 from daemon.errors import BrokerError
+from daemon.kafkalog import KafkaLog
 
 log = structlog.get_logger(__name__)
 
@@ -112,7 +113,7 @@ class KafkaBus:
 
     def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None:
         """Create missing topics (one partition each for now); the compacted ones keep the latest per key."""
-        admin = AdminClient(_client_config(self.settings), logger=structlog.stdlib.get_logger("librdkafka"))
+        admin = AdminClient(_client_config(self.settings), logger=KafkaLog())
         try:
             self._create(admin, topics, compacted)
         except KafkaException as exc:
@@ -244,9 +245,8 @@ class KafkaSource:
         if settings.group_instance_id:
             config["group.instance.id"] = settings.group_instance_id
         self.config = dict(config)  # what librdkafka was given (secrets included: do not log it)
-        self._consumer = Consumer(
-            {**config, "stats_cb": self._on_stats}, logger=structlog.stdlib.get_logger("librdkafka")
-        )
+        self._kafka_log = KafkaLog()
+        self._consumer = Consumer({**config, "stats_cb": self._on_stats}, logger=self._kafka_log)
         self._consumer.subscribe(
             list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -284,6 +284,8 @@ class KafkaSource:
             messages = self._consumer.consume(1, timeout_s)
             if messages and max_events > 1:
                 messages += self._consumer.consume(max_events - 1, 0)
+        if messages:
+            self._kafka_log.healthy()
         errors = list(map(_M.error, messages))
         if errors.count(None) == len(messages):
             return _raws(messages)
@@ -313,7 +315,7 @@ class KafkaPublisher:
     def __init__(self, settings: KafkaSettings) -> None:
         self._producer = Producer(
             {"linger.ms": 5, **_client_config(settings), "enable.idempotence": True},
-            logger=structlog.stdlib.get_logger("librdkafka"),
+            logger=KafkaLog(),
         )
 
     def publish(
