@@ -47,6 +47,19 @@ class Topics(_Section):
     inventory: str = "hlb.inventory"
 
 
+# librdkafka keys that hlb's correctness depends on (or that have their own setting), with why.
+FIXED_CLIENT_KEYS: dict[str, str] = {
+    "bootstrap.servers": "set kafka.bootstrap_servers",
+    "group.id": "set kafka.group_id",
+    "group.instance.id": "set kafka.group_instance_id",
+    "enable.auto.offset.store": "offsets are stored only after a batch is applied (at-least-once)",
+    "enable.auto.commit": "stored offsets are committed in the background; off, lag tools see no progress",
+    "auto.offset.reset": "a partition without a snapshot offset is replayed from its earliest record",
+    "partition.assignment.strategy": "the rebalance callbacks use incremental (cooperative) assignment",
+    "enable.idempotence": "the placement ledger must not get duplicates from producer retries",
+}
+
+
 class KafkaSettings(_Section):
     bootstrap_servers: str = "127.0.0.1:9092"
     group_id: str = "hlb"
@@ -54,8 +67,22 @@ class KafkaSettings(_Section):
     batch_size: int = Field(1000, ge=1, le=1_000_000)
     poll_timeout_s: float = Field(0.1, gt=0, le=10)
     max_event_bytes: int = Field(1_048_576, ge=1024)
-    # Passed to librdkafka as they are (security.protocol, sasl.*, ssl.*): values are secrets.
+    # Static group membership (KIP-345): a stable id per instance (e.g. from the host name) lets a
+    # restart within session.timeout.ms keep its partitions instead of rebalancing the group.
+    group_instance_id: str | None = Field(None, min_length=1, max_length=249)
+    # Passed to librdkafka as they are (security.protocol, sasl.*, ssl.*, and tunables such as
+    # fetch.wait.max.ms or session.timeout.ms, which override hlb's defaults): values are secrets.
+    # The keys in FIXED_CLIENT_KEYS are hlb's own and refused here.
     client_config: dict[str, SecretStr] = Field(default_factory=dict)
+
+    @field_validator("client_config")
+    @classmethod
+    def _no_fixed_keys(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        fixed = sorted(set(value) & FIXED_CLIENT_KEYS.keys())
+        if fixed:
+            reasons = "; ".join(f"{key}: {FIXED_CLIENT_KEYS[key]}" for key in fixed)
+            raise ValueError(f"hlb sets these librdkafka keys itself and they cannot be overridden: {reasons}")
+        return value
 
     @field_validator("bootstrap_servers")
     @classmethod

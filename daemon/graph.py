@@ -30,6 +30,8 @@ MAX_MEMORY_GB = 1.0e6
 MAX_ID_CHARS = 256
 
 Rows = NDArray[np.int64]
+DEVICE_KINDS = frozenset(ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED}  # what a device may be
+MAX_HEALTH = max(ev.Health.values())
 
 KIND_NAMES: dict[int, str] = {
     int(value): name.removeprefix("DEVICE_KIND_").lower() for name, value in ev.DeviceKind.items()
@@ -37,7 +39,6 @@ KIND_NAMES: dict[int, str] = {
 
 # proto3 enums are open (any int32 decodes): the values a task spec may name.
 TASK_KINDS = frozenset(int(v) for v in ev.TaskKind.values())
-ALLOWED_DEVICE_KINDS = frozenset(int(v) for v in ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED}
 
 # Endpoint types of a link (``LinkTable.src_type`` / ``dst_type``).
 DEVICE_NODE, HOST_NODE, SWITCH_NODE = 0, 1, 2
@@ -77,6 +78,7 @@ class Table:
     def __init__(self, capacity: int = 16) -> None:
         self.ids: list[str | None] = [None] * capacity
         self.index: dict[str, int] = {}
+        self.generation = 0  # grows whenever an id gains or loses its row (caches of id -> row check it)
         self.alive: NDArray[np.bool_] = np.zeros(capacity, dtype=np.bool_)
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest row
         for name, (dtype, default) in self.COLUMNS.items():
@@ -104,6 +106,7 @@ class Table:
         if not self._free:
             self._grow()
         row = self._free.pop()
+        self.generation += 1
         self.ids[row] = entity_id
         self.index[entity_id] = row
         self.alive[row] = True
@@ -114,6 +117,7 @@ class Table:
         row = self.index.pop(entity_id, None)
         if row is None:
             return None
+        self.generation += 1
         self.ids[row] = None
         self.alive[row] = False
         for name, (_, default) in self.COLUMNS.items():
@@ -504,11 +508,18 @@ class InfraGraph:
     def _upsert_device(self, spec: ev.Device) -> None:
         _check_id(spec.id, "device")
         _check_id(spec.host_id, f"device {spec.id} host")
-        _check_range(spec.memory_gb, f"device {spec.id} memory_gb", 0.0, MAX_MEMORY_GB)
-        _check_range(spec.peak_tflops, f"device {spec.id} peak_tflops", 0.0, 1.0e7)
-        _check_range(spec.idle_power_w, f"device {spec.id} idle_power_w", 0.0, 1.0e5)
-        _check_range(spec.peak_power_w, f"device {spec.id} peak_power_w", 0.0, 1.0e5)
-        if spec.kind not in ev.DeviceKind.values() or spec.kind == ev.DEVICE_KIND_UNSPECIFIED:
+        in_range = (
+            0.0 <= spec.memory_gb <= MAX_MEMORY_GB
+            and 0.0 <= spec.peak_tflops <= 1.0e7
+            and 0.0 <= spec.idle_power_w <= 1.0e5
+            and 0.0 <= spec.peak_power_w <= 1.0e5
+        )  # false for NaN too; the checks below then name the value (inventory loads are long)
+        if not in_range:
+            _check_range(spec.memory_gb, f"device {spec.id} memory_gb", 0.0, MAX_MEMORY_GB)
+            _check_range(spec.peak_tflops, f"device {spec.id} peak_tflops", 0.0, 1.0e7)
+            _check_range(spec.idle_power_w, f"device {spec.id} idle_power_w", 0.0, 1.0e5)
+            _check_range(spec.peak_power_w, f"device {spec.id} peak_power_w", 0.0, 1.0e5)
+        if spec.kind not in DEVICE_KINDS:
             raise InvalidEventError(f"device {spec.id}: unknown kind {spec.kind}", "out_of_range")
         d = self.devices
         row = d.row(spec.id)
@@ -699,7 +710,7 @@ class InfraGraph:
         _check_ranges(memory_used_gb, ids, "memory_used_gb", 0.0, d.memory_gb[rows])
         _check_ranges(power_w, ids, "power_w", 0.0, 1.0e5)
         _check_ranges(temperature_c, ids, "temperature_c", -100.0, 400.0)
-        bad = (health < 0) | (health > max(ev.Health.values()))
+        bad = (health < 0) | (health > MAX_HEALTH)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise InvalidEventError(f"device {ids[i]}: unknown health {int(health[i])}", "out_of_range")
@@ -843,7 +854,7 @@ def check_task_spec(spec: ev.TaskSpec) -> None:
     if spec.kind not in TASK_KINDS:
         raise InvalidEventError(f"task {spec.id}: unknown kind {spec.kind}", "out_of_range")
     for kind in spec.allowed_kinds:
-        if kind not in ALLOWED_DEVICE_KINDS:
+        if kind not in DEVICE_KINDS:
             raise InvalidEventError(f"task {spec.id}: unknown allowed kind {kind}", "out_of_range")
     for dep in spec.dependencies:
         if dep.task_id == spec.id:

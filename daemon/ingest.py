@@ -6,11 +6,14 @@ the dead-letter topic with headers naming where it came from and why, and is cou
 the batch goes on. The source's position is stored only after the whole batch has been applied,
 which makes delivery at-least-once; applying is idempotent, so a replayed record changes nothing.
 
-The hot path is metrics. Consecutive metrics records of a batch are decoded one by one (upb is
-fast) but applied to the graph as one vectorized update; a run that the graph refuses (a bad
-value, an unknown device) falls back to record-by-record so that exactly the bad records are
-dead-lettered and every good one is applied. Inventory and task records split runs, so the graph
-sees every event in the order it was consumed.
+The hot path is metrics. ``daemon.wire`` reads the device reports of a whole batch from the
+wire format into numpy columns at once, without protobuf objects; a run of consecutive records
+it read is applied to the graph as one vectorized update. Every other record (inventory, tasks,
+and any metrics value the wire decoder leaves to protobuf) goes through the pipeline one at a
+time, so the graph sees every event in the order it was consumed. A record in a run that names
+an unknown device goes through the pipeline too (which refuses it); a run the graph refuses (a
+value out of range) is halved until exactly the bad records are dead-lettered and every good one
+is applied.
 
 Inventory changes that the graph applied are mirrored to the compacted inventory topic (key =
 entity id; a removal writes a tombstone), so the inventory outlives the telemetry topic's
@@ -19,13 +22,14 @@ retention.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import structlog
@@ -34,8 +38,9 @@ from daemon.bus import EventSource, Publisher, RawEvent
 from daemon.codec import decode
 from daemon.config import Topics
 from daemon.errors import EventError, InvalidEventError
-from daemon.graph import Task
+from daemon.graph import Rows, Task
 from daemon.scheduler import Clock, Scheduler
+from daemon.wire import IdIndex, MetricsColumns, decode_metrics
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -45,9 +50,6 @@ Step = Callable[[RawEvent, Event], Event]  # one pipeline stage: raises EventErr
 Offsets = dict[tuple[str, int], int]  # (topic, partition) -> next offset to read
 
 STALENESS_SAMPLES = 4096
-# Device reports applied as one vectorized update at most: enough to amortize the numpy calls,
-# few enough that the decoded messages held meanwhile stay small (a few MB).
-MAX_RUN_REPORTS = 4096
 INVENTORY_KINDS = frozenset(
     {"device_upsert", "device_removed", "host_upsert", "host_removed", "switch_upsert", "switch_removed",
      "link_upsert", "link_removed"}
@@ -193,7 +195,8 @@ class Ingestor:
                 applier(scheduler.apply_task_event),
             ],
         }
-        self._metrics_decode = decoder(ev.TelemetryEvent, max_event_bytes)
+        self.max_event_bytes = max_event_bytes
+        self._ids: tuple[dict[str, int], int, IdIndex] | None = None  # (index, generation) it was built for
 
     def run_once(self, max_events: int, timeout_s: float) -> int:
         """Consume, apply and commit one batch; returns the number of records in it."""
@@ -214,27 +217,20 @@ class Ingestor:
     def apply_batch(self, batch: Sequence[RawEvent]) -> None:
         """Apply every record of ``batch`` in order (the caller holds the lock)."""
         telemetry = self.topics.telemetry
-        run: list[tuple[RawEvent, ev.TelemetryEvent]] = []
-        reports = 0
-        for record in batch:
-            event = None
-            if record.topic == telemetry:
-                event = self._decode_telemetry(record)
-                if event is not None and _is_device_metrics(event):
-                    run.append((record, event))
-                    reports += _report_count(event)
-                    if reports >= MAX_RUN_REPORTS:  # bounds what a run holds decoded at once
-                        self._apply_metrics_run(run)
-                        run, reports = [], 0
-                    continue
-            if run:
-                self._apply_metrics_run(run)
-                run, reports = [], 0
-            self._apply(record, event)
-        if run:
-            self._apply_metrics_run(run)
-        for record in batch:  # batches are short: one pass to move positions is cheap
-            self.positions[(record.topic, record.partition)] = record.offset + 1
+        values = [r.value if r.topic == telemetry and r.value is not None else b"" for r in batch]
+        columns = decode_metrics(values, self.max_event_bytes)
+        ok = columns.ok
+        edges = [0, *(np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist(), len(batch)]
+        for a, b in itertools.pairwise(edges):  # runs of records the wire decoder read, and the rest
+            if a == b:
+                continue
+            if ok[a]:
+                self._apply_metrics(batch, columns, a, b)
+            else:
+                for record in batch[a:b]:
+                    self._apply(record)
+        # A partition's records come in offset order, so its last record in the batch is its newest.
+        self.positions.update({(r.topic, r.partition): r.offset + 1 for r in batch})
         newest = self.scheduler.graph.newest_telemetry_ms
         if newest:
             self.stats.staleness_ms.append(max(0.0, self.clock() * 1000 - newest))
@@ -293,60 +289,71 @@ class Ingestor:
 
     # -- the metrics fast path -------------------------------------------------------------
 
-    def _decode_telemetry(self, record: RawEvent) -> ev.TelemetryEvent | None:
-        """The record decoded, or None when it does not decode (the full pipeline then refuses it)."""
-        try:
-            event: ev.TelemetryEvent = self._metrics_decode(record, None)
-        except EventError:
-            return None
-        return event
+    def _apply_metrics(self, batch: Sequence[RawEvent], columns: MetricsColumns, a: int, b: int) -> None:
+        """Apply records ``a:b`` of ``batch``, all read by the wire decoder, as few vectorized updates.
 
-    def _apply_metrics_run(self, run: list[tuple[RawEvent, ev.TelemetryEvent]]) -> None:
-        reports: list[ev.DeviceMetrics] = []
-        counts = np.empty(len(run), dtype=np.int64)
-        times = np.empty(len(run), dtype=np.int64)
-        for i, (_, event) in enumerate(run):
-            if event.HasField("device_metrics"):
-                reports.append(event.device_metrics)
-                counts[i] = 1
-            else:
-                devices = event.metrics_batch.devices
-                reports.extend(devices)
-                counts[i] = len(devices)
-            times[i] = event.event_time_ms
-        if not self._apply_reports(reports, np.repeat(times, counts)):
-            for record, event in run:  # something in the run is bad: find it record by record
-                self._apply(record, event)
+        A record naming a device the graph does not know (or an id that is not UTF-8) goes
+        through the protobuf pipeline, which refuses it with the reason it always gives.
+        """
+        lo = int(columns.first[a])
+        hi = int(columns.first[b - 1] + columns.count[b - 1])
+        rows = self._device_index().rows(columns.buffer, columns.id_start[lo:hi], columns.id_end[lo:hi])
+        unknown = rows < 0
+        if not unknown.any():
+            self._apply_known(batch, columns, a, b, rows, lo)
             return
-        graph = self.scheduler.graph
-        graph.newest_telemetry_ms = max(graph.newest_telemetry_ms, int(times.max()))
-        self.stats.applied += len(run)
-        self.stats.metrics_reports += len(reports)
+        owner = np.repeat(np.arange(a, b), columns.count[a:b])
+        start = a
+        for k in np.unique(owner[unknown]).tolist():
+            self._apply_known(batch, columns, start, k, rows, lo)
+            self._apply(batch[k])
+            start = k + 1
+        self._apply_known(batch, columns, start, b, rows, lo)
 
-    def _apply_reports(self, reports: list[ev.DeviceMetrics], times: np.ndarray[Any, Any]) -> bool:
-        """Apply many device reports as one update; False (and nothing changed) if any is refused."""
+    def _apply_known(
+        self, batch: Sequence[RawEvent], columns: MetricsColumns, a: int, b: int, rows: Rows, base: int
+    ) -> None:
+        """Apply records ``a:b`` (devices all known; ``rows`` holds reports from ``base`` on) as one
+        update; when the graph refuses it, halve it, down to the one record that is refused."""
+        if a >= b:
+            return
+        lo = int(columns.first[a])
+        hi = int(columns.first[b - 1] + columns.count[b - 1])
         graph = self.scheduler.graph
-        index = graph.devices.index
-        count = len(reports)
-        ids = [m.device_id for m in reports]
-        rows = np.fromiter((index.get(i, -1) for i in ids), dtype=np.int64, count=count)
-        if count == 0 or (rows < 0).any():
-            return count == 0
-        try:
-            graph.apply_metrics_arrays(
-                rows,
-                np.fromiter((m.utilization for m in reports), dtype=np.float64, count=count),
-                np.fromiter((m.memory_used_gb for m in reports), dtype=np.float64, count=count),
-                np.fromiter((m.power_w for m in reports), dtype=np.float64, count=count),
-                np.fromiter((m.temperature_c for m in reports), dtype=np.float64, count=count),
-                np.fromiter((m.health for m in reports), dtype=np.int64, count=count),
-                ids,
-            )
-        except InvalidEventError:
-            return False
-        known = times > 0  # later reports of a row overwrite earlier ones, as in event order
-        graph.devices.metrics_ms[rows[known]] = times[known]
-        return True
+        if hi > lo:
+            span = rows[lo - base : hi - base]
+            try:
+                graph.apply_metrics_arrays(
+                    span,
+                    columns.utilization[lo:hi],
+                    columns.memory_used_gb[lo:hi],
+                    columns.power_w[lo:hi],
+                    columns.temperature_c[lo:hi],
+                    columns.health[lo:hi],
+                    _RowIds(graph.devices.ids, span),
+                )
+            except InvalidEventError as exc:
+                if b - a == 1:
+                    self._reject(batch[a], exc)
+                    return
+                middle = (a + b) // 2
+                self._apply_known(batch, columns, a, middle, rows, base)
+                self._apply_known(batch, columns, middle, b, rows, base)
+                return
+            times = np.repeat(columns.event_time_ms[a:b], columns.count[a:b])
+            known = times > 0  # later reports of a row overwrite earlier ones, as in event order
+            graph.devices.metrics_ms[span[known]] = times[known]
+        graph.newest_telemetry_ms = max(graph.newest_telemetry_ms, int(columns.event_time_ms[a:b].max()))
+        self.stats.applied += b - a
+        self.stats.metrics_reports += hi - lo
+
+    def _device_index(self) -> IdIndex:
+        """The wire decoder's index of device ids, rebuilt when a device gained or lost its row."""
+        devices = self.scheduler.graph.devices
+        cached = self._ids
+        if cached is None or cached[0] is not devices.index or cached[1] != devices.generation:
+            cached = self._ids = (devices.index, devices.generation, IdIndex(devices.ids))
+        return cached[2]
 
     def _refresh_lag(self) -> None:
         lag = getattr(self.source, "lag", None)
@@ -354,14 +361,24 @@ class Ingestor:
             self.stats.lag = lag()
 
 
-def _report_count(event: ev.TelemetryEvent) -> int:
-    return 1 if event.HasField("device_metrics") else len(event.metrics_batch.devices)
+class _RowIds(Sequence[str]):
+    """The ids of ``rows`` (the graph's error messages name devices), made only when asked for."""
 
+    def __init__(self, ids: list[str | None], rows: Rows) -> None:
+        self._ids = ids
+        self._rows = rows
 
-def _is_device_metrics(event: ev.TelemetryEvent) -> bool:
-    """Device metrics only (a batch without link metrics): what the vectorized run applies."""
-    kind = event.WhichOneof("payload")
-    return kind == "device_metrics" or (kind == "metrics_batch" and not event.metrics_batch.links)
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._ids[r] or "" for r in self._rows[i].tolist()]
+        return self._ids[int(self._rows[i])] or ""
 
 
 class IngestThread(threading.Thread):

@@ -11,9 +11,11 @@ show progress to lag tools. Consumer lag per partition comes from librdkafka's s
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from functools import partial
 
 import structlog
 from confluent_kafka import (
@@ -31,6 +33,7 @@ from confluent_kafka.cimpl import NewTopic
 from daemon.bus import Offsets, RawEvent
 from daemon.config import KafkaSettings
 from daemon.errors import BrokerError
+from daemon.kafkalog import KafkaLog
 
 log = structlog.get_logger(__name__)
 
@@ -45,20 +48,48 @@ def _client_config(settings: KafkaSettings) -> ClientConfig:
 
 
 def _raw(message: Message) -> RawEvent:
-    raw_headers = message.headers()
-    headers: tuple[tuple[str, bytes], ...] = ()
-    if raw_headers:
-        pairs = raw_headers.items() if isinstance(raw_headers, dict) else raw_headers
-        headers = tuple((k, v.encode() if isinstance(v, str) else v or b"") for k, v in pairs)
-    key, value = message.key(), message.value()
     return RawEvent(
         message.topic() or "",
         message.partition() or 0,
         message.offset() or 0,
-        key.encode() if isinstance(key, str) else key,
-        value.encode() if isinstance(value, str) else value,
-        headers,
+        _bytes(message.key()),
+        _bytes(message.value()),
+        _headers(message.headers()),
     )
+
+
+def _bytes(value: str | bytes | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _headers(raw: object) -> tuple[tuple[str, bytes], ...]:
+    if not raw:
+        return ()
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    assert isinstance(pairs, Iterable)
+    return tuple((k, v.encode() if isinstance(v, str) else v or b"") for k, v in pairs)
+
+
+_new_raw = partial(tuple.__new__, RawEvent)
+_M = Message
+
+
+def _raws(messages: list[Message]) -> list[RawEvent]:
+    """``_raw`` of every message (none with an error), in C-level loops: this runs per record consumed."""
+    ms = messages
+    keys, values, headers = list(map(_M.key, ms)), list(map(_M.value, ms)), list(map(_M.headers, ms))
+    if not _PLAIN_TYPES.issuperset(map(type, keys)) or not _PLAIN_TYPES.issuperset(map(type, values)):
+        return [_raw(m) for m in ms]  # text keys or values: only from a client configured to give them
+    plain = headers.count(None) == len(ms)
+    fields = zip(
+        map(_M.topic, ms), map(_M.partition, ms), map(_M.offset, ms), keys, values,
+        itertools.repeat(()) if plain else map(_headers, headers),
+        strict=False,  # the repeat is endless; the maps over ms set the length
+    )  # fmt: skip
+    return list(map(_new_raw, fields))
+
+
+_PLAIN_TYPES = frozenset({bytes, type(None)})
 
 
 def parse_lag(stats_json: str) -> dict[tuple[str, int], int]:
@@ -82,7 +113,7 @@ class KafkaBus:
 
     def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None:
         """Create missing topics (one partition each for now); the compacted ones keep the latest per key."""
-        admin = AdminClient(_client_config(self.settings), logger=structlog.stdlib.get_logger("librdkafka"))
+        admin = AdminClient(_client_config(self.settings), logger=KafkaLog())
         try:
             self._create(admin, topics, compacted)
         except KafkaException as exc:
@@ -199,20 +230,23 @@ class KafkaSource:
     ) -> None:
         self._start = dict(start or {})
         self._lag: dict[tuple[str, int], int] = {}
-        self._consumer = Consumer(
-            {
-                **_client_config(settings),
-                "group.id": group_id,
-                "enable.auto.offset.store": False,
-                "enable.auto.commit": True,
-                "auto.offset.reset": "earliest",
-                "partition.assignment.strategy": "cooperative-sticky",
-                "fetch.wait.max.ms": 50,
-                "statistics.interval.ms": statistics_interval_ms,
-                "stats_cb": self._on_stats,
-            },
-            logger=structlog.stdlib.get_logger("librdkafka"),
-        )
+        config: ClientConfig = {
+            # Tunables: kafka.client_config overrides them.
+            "fetch.wait.max.ms": 50,
+            "statistics.interval.ms": statistics_interval_ms,
+            **_client_config(settings),
+            # What hlb's correctness depends on (config.FIXED_CLIENT_KEYS refuses overrides).
+            "group.id": group_id,
+            "enable.auto.offset.store": False,
+            "enable.auto.commit": True,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+        }
+        if settings.group_instance_id:
+            config["group.instance.id"] = settings.group_instance_id
+        self.config = dict(config)  # what librdkafka was given (secrets included: do not log it)
+        self._kafka_log = KafkaLog()
+        self._consumer = Consumer({**config, "stats_cb": self._on_stats}, logger=self._kafka_log)
         self._consumer.subscribe(
             list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -250,12 +284,16 @@ class KafkaSource:
             messages = self._consumer.consume(1, timeout_s)
             if messages and max_events > 1:
                 messages += self._consumer.consume(max_events - 1, 0)
-        batch: list[RawEvent] = []
-        for message in messages:
-            error = message.error()
+        if messages:
+            self._kafka_log.healthy()
+        errors = list(map(_M.error, messages))
+        if errors.count(None) == len(messages):
+            return _raws(messages)
+        batch = _raws([m for m, e in zip(messages, errors, strict=True) if e is None])
+        for message, error in zip(messages, errors, strict=True):
             if error is None:
-                batch.append(_raw(message))
-            elif error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                continue
+            if error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                 log.debug("topic not there yet", topic=message.topic())
             elif error.fatal():
                 raise KafkaException(error)
@@ -264,10 +302,8 @@ class KafkaSource:
         return batch
 
     def commit(self, batch: Sequence[RawEvent]) -> None:
-        ends: dict[tuple[str, int], int] = {}
-        for record in batch:
-            key = (record.topic, record.partition)
-            ends[key] = max(ends.get(key, 0), record.offset + 1)
+        # A partition's records come in offset order, so its last record in the batch is its newest.
+        ends = {(r.topic, r.partition): r.offset + 1 for r in batch}
         self._consumer.store_offsets(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()])
         self._start.update(ends)  # a partition revoked and assigned again resumes after what was applied
 
@@ -278,8 +314,8 @@ class KafkaSource:
 class KafkaPublisher:
     def __init__(self, settings: KafkaSettings) -> None:
         self._producer = Producer(
-            {**_client_config(settings), "linger.ms": 5, "enable.idempotence": True},
-            logger=structlog.stdlib.get_logger("librdkafka"),
+            {"linger.ms": 5, **_client_config(settings), "enable.idempotence": True},
+            logger=KafkaLog(),
         )
 
     def publish(

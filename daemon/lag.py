@@ -51,10 +51,10 @@ class KafkaLagProbe:
     """
 
     def __init__(self, settings: KafkaSettings, topics: Sequence[str], group_id: str) -> None:
-        import structlog
         from confluent_kafka import Consumer
 
         from daemon.kafka_bus import _client_config  # the one place client settings are assembled
+        from daemon.kafkalog import KafkaLog
 
         self._topics = tuple(topics)
         # read() runs on a worker thread; close() must wait for it rather than pull the client away.
@@ -62,7 +62,7 @@ class KafkaLagProbe:
         self._closed = False
         self._consumer = Consumer(
             {**_client_config(settings), "group.id": group_id, "enable.auto.commit": False},
-            logger=structlog.stdlib.get_logger("librdkafka"),
+            logger=KafkaLog(),
         )
 
     def read(self) -> Lag:

@@ -72,3 +72,45 @@ def test_serve_with_a_bad_value_exits_78_naming_the_key(tmp_path: Path) -> None:
     )
     assert result.returncode == EX_CONFIG
     assert "log.level" in result.stderr
+
+
+def test_librdkafka_keys_hlb_depends_on_cannot_be_overridden_and_the_error_names_them(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "kafka:\n  client_config:\n    enable.auto.offset.store: 'true'\n    fetch.wait.max.ms: '5'\n"
+        "    group.instance.id: x\n"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_settings(config)
+    message = str(error.value)
+    assert "enable.auto.offset.store: offsets are stored only after a batch is applied" in message
+    assert "group.instance.id: set kafka.group_instance_id" in message
+    assert "fetch.wait.max.ms" not in message  # a tunable: allowed
+
+
+def test_tunables_override_hlb_defaults_while_fixed_keys_and_static_membership_reach_librdkafka() -> None:
+    from daemon.kafka_bus import KafkaSource
+
+    settings = load_settings(
+        None,
+        kafka={
+            "bootstrap_servers": "127.0.0.1:1",  # nothing listens: the consumer is made, never used
+            "group_instance_id": "hlb-host-a",
+            "client_config": {"fetch.wait.max.ms": "5", "session.timeout.ms": "30000"},
+        },
+    )
+    source = KafkaSource(settings.kafka, ["t"], "g")
+    try:
+        assert source.config["fetch.wait.max.ms"] == "5"  # hlb's default is 50
+        assert source.config["session.timeout.ms"] == "30000"
+        assert source.config["group.instance.id"] == "hlb-host-a"
+        assert source.config["enable.auto.offset.store"] is False
+        assert source.config["group.id"] == "g"
+    finally:
+        source.close()
+    default = KafkaSource(load_settings(None, kafka={"bootstrap_servers": "127.0.0.1:1"}).kafka, ["t"], "g")
+    try:
+        assert "group.instance.id" not in default.config
+        assert default.config["fetch.wait.max.ms"] == 50
+    finally:
+        default.close()
