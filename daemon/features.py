@@ -34,6 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Rows, TaskState
+from daemon.profiles import DeviceProfiles
 from hlb.v1 import events_pb2 as ev
 
 FEATURE_SCHEMA_VERSION = 1
@@ -504,15 +505,21 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
 
 
 def estimated_speed(
-    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | None = None
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
 ) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
     """Speed of the task on each device relative to the reference, and whether it was profiled.
 
-    A measured ``profile[(workload_class, model)]`` wins; otherwise peak_tflops over
-    :data:`REFERENCE_PEAK_TFLOPS`. Shapes: rows [C] -> ([C] float64, [C] bool).
+    ``profile`` is either the daemon's :class:`~daemon.profiles.DeviceProfiles` (per-device
+    throughput as a member of the task's gang, what hetero-greedy estimates with; a row counts as
+    profiled when its model is listed) or a mapping ``(workload_class, model) -> speed``. Rows
+    it does not cover get peak_tflops over :data:`REFERENCE_PEAK_TFLOPS`.
+    Shapes: rows [C] -> ([C] float64, [C] bool).
     """
     speed = graph.devices.peak_tflops[rows] / REFERENCE_PEAK_TFLOPS
     profiled = np.zeros(len(rows), dtype=np.bool_)
+    if isinstance(profile, DeviceProfiles):
+        listed = np.array([name in profile.models for name in graph.model_names] + [False], dtype=np.bool_)
+        return profile.device_speedups(graph, rows, spec), listed[graph.devices.model[rows]]
     if profile:
         model_index = graph.devices.model[rows]
         for index in np.unique(model_index):
@@ -547,7 +554,9 @@ def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[
     return local
 
 
-def pair_features(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | None = None) -> Matrix:
+def pair_features(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
+) -> Matrix:
     """Features of (task, candidate device) pairs for the scorer. Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
     d = graph.devices
     speed, profiled = estimated_speed(spec, graph, rows, profile)
@@ -583,3 +592,12 @@ def pair_features(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: Spe
         ]
     ).astype(np.float64)
     return normalize(raw.reshape(len(rows), len(PAIR_FEATURES)), PAIR_FEATURES)
+
+
+def scorer_inputs(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profiles: DeviceProfiles | None, now_ms: int = 0
+) -> tuple[Matrix, Matrix]:
+    """What the scorer reads for one request besides the cached embeddings: the task's features
+    [len(TASK_FEATURES)] and its pair features with each candidate [C, len(PAIR_FEATURES)], speeds
+    from ``profiles`` (the daemon's device profiles). Training and the daemon both call this."""
+    return task_features(spec, now_ms=now_ms), pair_features(spec, graph, rows, profiles)
