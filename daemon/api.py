@@ -247,6 +247,8 @@ def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState
         running_tasks=running,
         last_sequence=scheduler.ledger.last_sequence,
         policy=scheduler.policy.name,
+        model_version=scheduler.policy.model_version,
+        degraded=scheduler.policy.degraded,
         staleness_ms=staleness_ms,
         mean_utilization=float(loads.mean()) if len(loads) else 0.0,
     )

@@ -15,6 +15,11 @@ then ``PlaceBatch`` throughput: ``--batches`` batches of ``--batch`` new tasks e
 per second of wall time. Output: p50/p99 in microseconds and the ratios to the floor (DESIGN.md
 §7 targets: ``Place`` p99 within 2x of the floor at 1,000 devices, 4x at 10,000; PlaceBatch at
 least 20,000 placements/s at 1,000 devices).
+
+``--policy gnn`` runs the GNN as the daemon does (its embeddings refreshed by a background thread
+sharing the server's lock) with the model of ``--model``, else the one shipped in the package,
+else one exported now with random weights (needs the export extra: torch); the JSON says which
+(``"model": "random-weights"``) and how many decisions fell back to hetero-greedy.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1000, help="tasks per PlaceBatch (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=10, help="PlaceBatch calls (default: %(default)s)")
     parser.add_argument("--policy", default="hetero-greedy", help="placement policy (default: %(default)s)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="with --policy gnn: model folder (default: shipped, else random)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
 
 
@@ -94,13 +105,13 @@ def _percentiles_us(samples_ns: list[int]) -> dict[str, float]:
 class LoopbackServer:
     """The daemon's gRPC server for ``scheduler`` on 127.0.0.1, its event loop in a thread."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, lock: Any = None) -> None:
         import asyncio
         import threading
 
         from daemon.api import GrpcServer, SchedulerService
 
-        service = SchedulerService(scheduler, threading.RLock(), lambda spec: None)
+        service = SchedulerService(scheduler, lock or threading.RLock(), lambda spec: None)
         self.loop = asyncio.new_event_loop()
 
         async def start() -> GrpcServer:
@@ -123,8 +134,51 @@ class LoopbackServer:
         self.loop.close()
 
 
-def build_scheduler(devices: int, pending: int, policy: str) -> Any:
-    """A scheduler with the synthetic cluster and ``pending`` tasks that stay queued."""
+class MissingExportExtraError(RuntimeError):
+    """A model must be exported for the benchmark and torch is not installed."""
+
+
+@contextmanager
+def model_folder(named: Path | None) -> Iterator[tuple[Path, str]]:
+    """The model to benchmark and what it is: ``named``, else the shipped one, else random weights
+    exported into a temporary folder (removed afterwards)."""
+    from daemon.config import DEFAULT_MODEL_DIR
+    from daemon.gnn_policy import file_signature
+
+    if named is not None:
+        yield named, str(named)
+        return
+    if file_signature(DEFAULT_MODEL_DIR) is not None:
+        yield DEFAULT_MODEL_DIR, "shipped"
+        return
+    try:
+        import torch
+
+        from export.model import HlbGnn
+        from export.onnx_export import ExportInfo, export_model
+    except ImportError as error:
+        raise MissingExportExtraError(
+            f"no model ships in {DEFAULT_MODEL_DIR} and exporting one needs the export extra "
+            f"(pip install 'hlb[export]'): {error}; or pass --model DIR"
+        ) from None
+    with tempfile.TemporaryDirectory(prefix="hlb-bench-model-") as folder:
+        torch.manual_seed(0)
+        export_model(HlbGnn(), Path(folder), ExportInfo("bench-random", "none: randomly initialised"))
+        yield Path(folder), "random-weights"
+
+
+def gnn_policy(model: Path, fallbacks: list[str]) -> Any:
+    """The GNN as the daemon runs it (background refresh), on CPU."""
+    from daemon.config import ModelSettings
+    from daemon.gnn_policy import GnnPolicy
+
+    settings = ModelSettings(path=model, providers=("CPUExecutionProvider",))
+    return GnnPolicy(settings, mode="background", on_fallback=fallbacks.append)
+
+
+def build_scheduler(devices: int, pending: int, policy: str | Any) -> Any:
+    """A scheduler with the synthetic cluster and ``pending`` tasks that stay queued (``policy``: a
+    name or a policy object)."""
     from daemon.graph import InfraGraph
     from daemon.ledger import PlacementLedger
     from daemon.policy import make_policy
@@ -132,9 +186,8 @@ def build_scheduler(devices: int, pending: int, policy: str) -> Any:
     from hlb.v1 import events_pb2 as ev
 
     # Devices shared (memory alone decides), so that the batches keep finding room on 1,000 devices.
-    scheduler = Scheduler(
-        InfraGraph(max_tasks_per_device=0), make_policy(policy), PlacementLedger(), "bench", clock=time.time
-    )
+    chosen = make_policy(policy) if isinstance(policy, str) else policy
+    scheduler = Scheduler(InfraGraph(max_tasks_per_device=0), chosen, PlacementLedger(), "bench", clock=time.time)
     for event in synthetic_devices(devices):
         scheduler.apply_telemetry(event)
     for i in range(pending):
@@ -159,6 +212,30 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, n: int) -
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark and return its figures."""
+    if args.policy != "gnn":
+        return measure_with(args, args.policy, {})
+    with model_folder(args.model) as (folder, what):
+        fallbacks: list[str] = []
+        policy = gnn_policy(folder, fallbacks)
+        try:
+            result = measure_with(args, policy, {"model": what})
+        finally:
+            policy.stop()
+        result["gnn"] = {
+            "model": what,
+            "model_version": policy.model_version,
+            "provider": policy.provider,
+            "degraded": policy.degraded,
+            "embedding_refreshes": policy.refreshes,
+            "fallback_decisions": len(fallbacks),
+            "fallback_reasons": sorted(set(fallbacks)),
+        }
+        return result
+
+
+def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    import threading
+
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -166,14 +243,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from hlb.v1 import scheduler_pb2 as api
     from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
-    scheduler = build_scheduler(args.devices, args.pending, args.policy)
+    scheduler = build_scheduler(args.devices, args.pending, policy)
+    lock = threading.RLock()
+    if hasattr(policy, "start"):  # the GNN: loaded and warmed up on the cluster before the first call
+        policy.start(scheduler.graph, lock)
     counter = iter(range(10**12))
 
     def task(prefix: str) -> ev.TaskSpec:
         spec_id = f"{prefix}-{next(counter)}"
         return ev.TaskSpec(id=spec_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=TASK_MEMORY_GB)
 
-    server = LoopbackServer(scheduler)
+    server = LoopbackServer(scheduler, lock)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -201,7 +281,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 batch_placed += sum(r.HasField("placement") for r in reply.results)
     finally:
         server.close()
-    return summarize(args, timings, batch_placed, batch_ns, scheduler)
+    return {**summarize(args, timings, batch_placed, batch_ns, scheduler), **extra}
 
 
 def summarize(
@@ -251,7 +331,11 @@ def run(args: argparse.Namespace) -> int:
     if args.pending < 0 or args.warmup < 0:
         print("hlb bench latency: --pending and --warmup must be >= 0", file=sys.stderr)
         return 2
-    result = measure(args)
+    try:
+        result = measure(args)
+    except MissingExportExtraError as error:
+        print(f"hlb bench latency: {error}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -133,8 +133,53 @@ class ObjectiveWeightsSettings(_Section):
     energy: float = Field(0.0, ge=0, le=1000)
 
 
+# Where the GNN shipped with the package lives (encoder.onnx, scorer.onnx).
+DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "model"
+
+
+class ModelRefreshSettings(_Section):
+    """When the GNN's cached device embeddings are recomputed (daemon/gnn_policy.py)."""
+
+    # background: a thread re-encodes off the request path; sync: the deciding call re-encodes
+    # first when the graph changed (the simulator and `hlb eval`, which own their graph).
+    mode: Literal["background", "sync"] = "background"
+    # Re-encode once this many device rows changed (metrics reports, bindings, releases) since the
+    # last refresh; any inventory change (a device added or removed) re-encodes at once.
+    min_changed_rows: int = Field(256, ge=1, le=10_000_000)
+    # Re-encode after this long when anything changed at all, however little.
+    staleness_s: float = Field(5.0, gt=0, le=86400)
+    # How often the refresh thread looks at the graph's change counter and the model files.
+    poll_s: float = Field(0.05, gt=0, le=60)
+
+
+class ModelSettings(_Section):
+    """The GNN that ``scheduler.policy: gnn`` runs, and its onnxruntime sessions."""
+
+    # Folder with encoder.onnx and scorer.onnx; null: the model shipped in the package.
+    path: Path | None = None
+    intra_op_threads: int = Field(1, ge=1, le=64)
+    optimization: Literal["disable", "basic", "extended", "all"] = "all"
+    # onnxruntime execution providers, best first; CPU is always tried last.
+    providers: tuple[str, ...] = ("CUDAExecutionProvider", "CPUExecutionProvider")
+    # Reload the model when its files change (checked by the refresh thread), besides on SIGHUP.
+    watch: bool = True
+    refresh: ModelRefreshSettings = ModelRefreshSettings()
+
+    @field_validator("providers")
+    @classmethod
+    def _provider_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name.endswith("ExecutionProvider"):
+                raise ValueError(f"{name!r} is not an onnxruntime execution provider name (…ExecutionProvider)")
+        return value
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.path is not None else DEFAULT_MODEL_DIR
+
+
 class SchedulerSettings(_Section):
-    # "gnn" is reserved for the learned policy; until a model ships it falls back to hetero-greedy.
+    # "gnn" runs the model of the `model` section, falling back to hetero-greedy while it cannot.
     policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "gnn"] = (
         "least-loaded"
     )
@@ -178,6 +223,7 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
+    model: ModelSettings = ModelSettings()
 
     _yaml_file: ClassVar[Path | None] = None
 

@@ -183,18 +183,38 @@ def schema() -> dict[str, object]:
     }
 
 
+_TRANSFORMS: dict[int, tuple[tuple[Feature, ...], NDArray[np.float64], NDArray[np.int64], NDArray[np.int64]]] = {}
+
+
+def _transforms(features: tuple[Feature, ...]) -> tuple[NDArray[np.float64], NDArray[np.int64], NDArray[np.int64]]:
+    """Per-column scales [F] and the columns that take log1p and symlog, for :func:`normalize`.
+
+    Kept by the tuple's identity (hashing a tuple of features costs more than the lookup saves).
+    """
+    cached = _TRANSFORMS.get(id(features))
+    if cached is None or cached[0] is not features:
+        scales = np.array([f.scale for f in features], dtype=np.float64)
+        log1p = np.array([j for j, f in enumerate(features) if f.transform == "log1p"], dtype=np.int64)
+        symlog = np.array([j for j, f in enumerate(features) if f.transform == "symlog"], dtype=np.int64)
+        cached = _TRANSFORMS[id(features)] = (features, scales, log1p, symlog)
+    return cached[1], cached[2], cached[3]
+
+
 def normalize(raw: NDArray[np.float64], features: tuple[Feature, ...]) -> Matrix:
-    """Scale raw columns by their features' transforms. Shapes: [N, F] float64 -> [N, F] float32."""
+    """Scale raw columns by their features' transforms. Shapes: [N, F] float64 -> [N, F] float32.
+
+    Whole-matrix operations (one per transform, not one per column): a decision builds these for
+    a handful of candidates, where numpy's per-call overhead is what costs.
+    """
     if raw.shape[1] != len(features):
         raise ValueError(f"{raw.shape[1]} columns for {len(features)} features")
-    out = np.empty(raw.shape, dtype=np.float64)
-    for j, feature in enumerate(features):
-        x = np.nan_to_num(raw[:, j], nan=0.0, posinf=0.0, neginf=0.0) / feature.scale
-        if feature.transform == "log1p":
-            x = np.log1p(np.maximum(x, 0.0))
-        elif feature.transform == "symlog":
-            x = np.sign(x) * np.log1p(np.abs(x))
-        out[:, j] = x
+    scales, log1p, symlog = _transforms(features)
+    out = np.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0) / scales
+    if len(log1p):
+        out[:, log1p] = np.log1p(np.maximum(out[:, log1p], 0.0))
+    if len(symlog):
+        x = out[:, symlog]
+        out[:, symlog] = np.sign(x) * np.log1p(np.abs(x))
     return np.clip(out, -CLIP, CLIP).astype(np.float32)
 
 
@@ -565,9 +585,11 @@ def pair_features(
     local = local_input_gb(spec, graph, rows)
     total_in = sum(dep.transfer_gb for dep in spec.dependencies)
     gang = max(1, spec.num_devices)
-    hosts = d.host[rows]
-    _, inverse, counts = np.unique(hosts, return_inverse=True, return_counts=True)
-    same_host = np.minimum(counts[inverse], gang) / gang
+    if gang == 1:  # every candidate shares its host with itself
+        same_host = np.ones(len(rows))
+    else:
+        _, inverse, counts = np.unique(d.host[rows], return_inverse=True, return_counts=True)
+        same_host = np.minimum(counts[inverse], gang) / gang
     memory = d.memory_gb[rows]
     free = np.maximum(graph.free_memory_gb(rows), 0.0)
     fit = np.where(free > 0, np.minimum(spec.memory_per_device_gb / np.where(free > 0, free, 1.0), 1.0), 1.0)

@@ -45,7 +45,14 @@ _FEATURE_GROUPS = {
 
 
 class ModelError(HlbError):
-    """A model file that is missing, unreadable, or built for another feature schema."""
+    """A model file that is missing, unreadable, or built for another feature schema.
+
+    ``reason`` is a short stable code for counting: ``missing``, ``corrupt`` or ``schema``.
+    """
+
+    def __init__(self, message: str, reason: str = "schema") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def session_options(intra_op_threads: int = 1, optimization: str = "all") -> ort.SessionOptions:
@@ -108,11 +115,11 @@ def load_session(
 ) -> LoadedSession:
     """One checked session. Raises :class:`ModelError` naming the file and the problem."""
     if not path.is_file():
-        raise ModelError(f"{path}: model file not found")
+        raise ModelError(f"{path}: model file not found", "missing")
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except Exception as error:  # onnxruntime raises its own untyped errors for unreadable files
-        raise ModelError(f"{path}: onnxruntime cannot load it: {error}") from None
+        raise ModelError(f"{path}: onnxruntime cannot load it: {error}", "corrupt") from None
     metadata = dict(session.get_modelmeta().custom_metadata_map)
     check_metadata(path, metadata, role, inputs)
     names = [i.name for i in session.get_inputs()]

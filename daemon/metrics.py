@@ -69,6 +69,8 @@ class StateSample:
     events_applied: int
     events_rejected: Mapping[str, int] = field(default_factory=dict)
     consumer_lag: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    degraded: str = ""  # why the configured policy cannot decide now (a fallback does); empty when it can
+    model_provider: str = ""  # onnxruntime execution provider the GNN runs on; empty without one
 
 
 StateProvider = Callable[[], StateSample]
@@ -160,6 +162,16 @@ class _StateCollector(Collector):
             "hlb_policy_info", "Always 1; labels name the policy and model in use.", labels=["policy", "model_version"]
         )
         info.add_metric([s.policy, s.model_version or "none"], 1.0)
+        degraded = GaugeMetricFamily(
+            "hlb_degraded", "1 while a fallback decides because the configured policy cannot (see GetClusterState)."
+        )
+        degraded.add_metric([], float(bool(s.degraded)))
+        provider = GaugeMetricFamily(
+            "hlb_model_provider_info",
+            "Always 1; the label names the onnxruntime execution provider the GNN runs on ('none' without one).",
+            labels=["provider"],
+        )
+        provider.add_metric([s.model_provider or "none"], 1.0)
         applied = CounterMetricFamily("hlb_events_applied", "Events applied to the graph.", value=s.events_applied)
         rejected = CounterMetricFamily(
             "hlb_events_rejected", "Events refused (sent to the dead-letter topic), by reason.", labels=["reason"]
@@ -173,7 +185,7 @@ class _StateCollector(Collector):
         )
         for (topic, partition), behind in sorted(s.consumer_lag.items()):
             lag.add_metric([topic, str(partition)], behind)
-        return [*metrics, info, applied, rejected, lag]
+        return [*metrics, info, degraded, provider, applied, rejected, lag]
 
 
 class RpcMetricsInterceptor(HandlerWrapper):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from daemon.config import ModelSettings
 from daemon.graph import HOST_NODE, SWITCH_NODE, InfraGraph, Rows, Task
 from daemon.heft import upward_ranks
 from daemon.profiles import DeviceProfiles, default_profiles
@@ -77,6 +78,16 @@ class Policy:
     # True when a row's score depends only on that row and the task (not on the other candidates
     # or the policy's own state): a batch may then rescore only the rows its placements changed.
     row_local = False
+
+    @property
+    def degraded(self) -> str:
+        """Why this policy cannot decide as configured now (a fallback decides); empty when it can."""
+        return ""
+
+    @property
+    def model_version(self) -> str:
+        """Version of the learned model deciding; empty for a policy without one."""
+        return ""
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         """Scores of the device ``rows`` for ``spec``. Shapes: rows [C] -> scores [C], float64."""
@@ -337,15 +348,27 @@ def _best_domain(domains: NDArray[Any], scores: Scores, gang: int) -> NDArray[np
     return None if best is None else best[1]
 
 
-def make_policy(name: str, weights: ObjectiveWeights | Mapping[str, float] | None = None, seed: int = 0) -> Policy:
-    """The policy called ``name`` (one of ``POLICY_NAMES``, or ``gnn``, which falls back to
-    hetero-greedy until a model ships); ``ValueError`` for any other name."""
-    w = ObjectiveWeights.of(weights)
-    if name == "gnn":  # reserved for the learned policy: a clear log line and the best baseline
-        import structlog
+def make_policy(
+    name: str,
+    weights: ObjectiveWeights | Mapping[str, float] | None = None,
+    seed: int = 0,
+    model: ModelSettings | None = None,
+) -> Policy:
+    """The policy called ``name`` (one of ``POLICY_NAMES``, or ``gnn``); ``ValueError`` for any other.
 
-        structlog.get_logger(__name__).warning("policy gnn has no model yet; using hetero-greedy")
-        name = "hetero-greedy"
+    ``gnn`` is :class:`daemon.gnn_policy.GnnPolicy` in sync mode (it re-encodes the graph it is
+    given when that changed: the simulator's and ``hlb eval``'s use) with the ``model`` settings
+    (default: the model shipped in the package); it decides with hetero-greedy while the model
+    cannot be used.
+    """
+    w = ObjectiveWeights.of(weights)
+    if name == "gnn":
+        from daemon.config import ModelRefreshSettings
+        from daemon.gnn_policy import GnnPolicy  # it builds on this module
+
+        # Without settings: re-encode after every change, so each decision sees the graph as it is.
+        exact = ModelSettings(refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1))
+        return GnnPolicy(model or exact, w, mode="sync")
     if name == "random":
         return RandomPolicy(seed)
     if name == "round-robin":

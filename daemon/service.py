@@ -37,13 +37,14 @@ from daemon.bus import EventBus, MemoryBus, Publisher
 from daemon.codec import decode
 from daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
 from daemon.errors import BrokerError, ConfigError, EventError
+from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, IngestStats, IngestThread
 from daemon.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
 from daemon.ledger import PlacementLedger
 from daemon.logs import configure_logging
 from daemon.metrics import DaemonMetrics, MetricsServer, RpcMetricsInterceptor, StateSample, start_metrics_server
-from daemon.policy import make_policy
+from daemon.policy import ObjectiveWeights, Policy, make_policy
 from daemon.ratelimit import RateLimitInterceptor, TokenBucket, default_burst
 from daemon.scheduler import Clock, Scheduler
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger
@@ -101,8 +102,8 @@ class Daemon:
         self.config_path = config_path
         self.lock = threading.RLock()
         self.ledger = PlacementLedger()
-        s = settings.scheduler
-        policy = make_policy(s.policy, s.weights.model_dump(), s.seed)
+        self.metrics = DaemonMetrics()
+        policy = self._make_policy(settings)
         self.scheduler = Scheduler(
             InfraGraph(settings.scheduler.max_tasks_per_device), policy, self.ledger, settings.cell, clock
         )
@@ -111,12 +112,12 @@ class Daemon:
         self.port = 0
         self.metrics_port = 0
         self.notifier = SystemdNotifier()
-        self.metrics = DaemonMetrics()
         self.serving = False
         self.on_shutdown_snapshot: Callable[[], None] = lambda: None
         self.reloaders: dict[str, Reloader] = {
             "log.": self._reload_logging,
             "scheduler.": self._reload_scheduler,
+            "model.": self._reload_model,
             "grpc.max_requests_per_s": self._reload_rate_limit,
             "grpc.request_burst": self._reload_rate_limit,
         }
@@ -207,6 +208,7 @@ class Daemon:
             state = cluster_state(self.scheduler, self.staleness_ms())
             stats = self._ingestor.stats if self._ingestor is not None else IngestStats()
             applied, rejected = stats.applied, dict(stats.rejected)
+            policy = self.scheduler.policy
         return StateSample(
             serving=self.serving,
             devices=state.devices,
@@ -221,6 +223,8 @@ class Daemon:
             events_applied=applied,
             events_rejected=rejected,
             consumer_lag=dict(self._lag),
+            degraded=state.degraded,
+            model_provider=policy.provider if isinstance(policy, GnnPolicy) else "",
         )
 
     # -- running -----------------------------------------------------------------------------
@@ -262,6 +266,8 @@ class Daemon:
             self._spawn(self._snapshot_every(self.settings.snapshot.interval_s))
         metrics_server: MetricsServer | None = None
         try:
+            # The model loads and warms up on the restored graph before health says SERVING.
+            await asyncio.to_thread(self._start_policy, self.scheduler.policy)
             await server.start()
             ingest.start()
             metrics_server = self._start_metrics(inputs)
@@ -296,6 +302,7 @@ class Daemon:
 
     async def _shutdown(self, server: GrpcServer, ingest: IngestThread, metrics_server: MetricsServer | None) -> None:
         self.serving = False
+        _stop_policy(self.scheduler.policy)
         self.notifier.stopping("finishing in-flight requests")
         log.info("stopping", grace_s=self.settings.grpc.grace_s)
         await server.stop(self.settings.grpc.grace_s)  # health NOT_SERVING first, then refuse new RPCs
@@ -374,6 +381,9 @@ class Daemon:
             self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
             try:
                 result = await self._reload()
+                policy = self.scheduler.policy
+                if isinstance(policy, GnnPolicy):  # SIGHUP also looks at the model files again
+                    await asyncio.to_thread(policy.reload_model, True)
             finally:
                 self.notifier.ready(self._status_line())
             return result
@@ -400,7 +410,7 @@ class Daemon:
         effective = old
         for reloader, keys in by_reloader.items():
             try:
-                reloader(new)
+                await asyncio.to_thread(reloader, new)  # a model load must not stall the RPCs
             except Exception as exc:
                 log.error("reload of some keys failed; their running values are kept", keys=keys, error=str(exc))
                 failed += keys
@@ -423,11 +433,31 @@ class Daemon:
     def _reload_logging(self, new: Settings) -> None:
         configure_logging(new.log.level, new.log.format)
 
+    def _make_policy(self, settings: Settings) -> Policy:
+        s = settings.scheduler
+        if s.policy == "gnn":
+            weights = ObjectiveWeights.of(s.weights.model_dump())
+            return GnnPolicy(settings.model, weights, on_fallback=self.metrics.record_fallback)
+        return make_policy(s.policy, s.weights.model_dump(), s.seed)
+
+    def _start_policy(self, policy: Policy) -> None:
+        """Load and warm up a GNN's model on the current graph and start its refresh thread."""
+        if isinstance(policy, GnnPolicy):
+            policy.start(self.scheduler.graph, self.lock)
+
     def _reload_scheduler(self, new: Settings) -> None:
-        s = new.scheduler
-        policy = make_policy(s.policy, s.weights.model_dump(), s.seed)
+        policy = self._make_policy(new)
+        self._start_policy(policy)  # before it decides anything
         with self.lock:
-            self.scheduler.policy = policy
+            old, self.scheduler.policy = self.scheduler.policy, policy
+        _stop_policy(old)
+
+    def _reload_model(self, new: Settings) -> None:
+        """New model settings: the running GNN loads and checks the model before it switches;
+        raises (keeping the running model) when the new one is unusable."""
+        policy = self.scheduler.policy
+        if isinstance(policy, GnnPolicy) and new.scheduler == self.settings.scheduler:
+            policy.configure(new.model)
 
     def _reload_rate_limit(self, new: Settings) -> None:
         bucket = self.rate_limit.bucket
@@ -438,6 +468,11 @@ class Daemon:
             self.rate_limit.bucket = _bucket(new, self._monotonic)
         else:
             bucket.configure(rate, default_burst(rate, burst))
+
+
+def _stop_policy(policy: Policy) -> None:
+    if isinstance(policy, GnnPolicy):
+        policy.stop()
 
 
 class CountingPublisher:

@@ -133,3 +133,16 @@ def start_serve(tmp_path: Path, kafka_bootstrap: str, topics: Topics) -> Iterato
         if handle.process.poll() is None:
             handle.process.kill()
             handle.process.wait()
+
+
+@pytest.fixture(scope="session")
+def gnn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One exported GNN with seeded random weights (``hlb export --random``), for the tests that run
+    a model; copy it before changing it. Needs the export extra (torch)."""
+    import torch  # noqa: F401  (a clear ImportError when the export extra is missing)
+
+    from daemon.cli import main
+
+    folder = tmp_path_factory.mktemp("gnn-model")
+    assert main(["export", "--random", "--seed", "3", "--hidden", "16", "--out", str(folder)]) == 0
+    return folder

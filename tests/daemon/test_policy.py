@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from daemon.config import ModelSettings
+from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph, TaskState
 from daemon.ledger import PlacementLedger
 from daemon.policy import (
@@ -46,7 +50,10 @@ def test_make_policy_knows_exactly_the_documented_names() -> None:
         assert make_policy(name, {"completion_time": 1.0}, seed=3).name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
-    assert make_policy("gnn").name == "hetero-greedy"  # reserved: the best baseline until a model ships
+    gnn = make_policy("gnn", model=ModelSettings(path=Path("/nonexistent/hlb-model")))
+    assert isinstance(gnn, GnnPolicy)
+    assert gnn.mode == "sync"
+    assert gnn.name == "hetero-greedy"  # no model there: the best baseline decides
 
 
 def test_weights_are_validated() -> None:

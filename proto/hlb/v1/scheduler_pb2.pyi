@@ -422,6 +422,7 @@ class ClusterState(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     STALENESS_MS_FIELD_NUMBER: _builtins.int
     MEAN_UTILIZATION_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
     devices: _builtins.int
     hosts: _builtins.int
     pending_tasks: _builtins.int
@@ -432,6 +433,10 @@ class ClusterState(_message.Message):
     staleness_ms: _builtins.float
     """age of the newest applied telemetry; -1 when none yet"""
     mean_utilization: _builtins.float
+    degraded: _builtins.str
+    """Empty while the configured policy decides; otherwise why it cannot and a fallback decides
+    instead (e.g. the GNN's model is missing, corrupt or failed: hetero-greedy decides).
+    """
     @_builtins.property
     def kinds(self) -> _containers.RepeatedCompositeFieldContainer[Global___KindSummary]: ...
     def __init__(
@@ -447,10 +452,11 @@ class ClusterState(_message.Message):
         model_version: _builtins.str = ...,
         staleness_ms: _builtins.float = ...,
         mean_utilization: _builtins.float = ...,
+        degraded: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "hosts", b"hosts", "kinds", b"kinds", "last_sequence", b"last_sequence", "mean_utilization", b"mean_utilization", "model_version", b"model_version", "pending_tasks", b"pending_tasks", "policy", b"policy", "running_tasks", b"running_tasks", "staleness_ms", b"staleness_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "devices", b"devices", "hosts", b"hosts", "kinds", b"kinds", "last_sequence", b"last_sequence", "mean_utilization", b"mean_utilization", "model_version", b"model_version", "pending_tasks", b"pending_tasks", "policy", b"policy", "running_tasks", b"running_tasks", "staleness_ms", b"staleness_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

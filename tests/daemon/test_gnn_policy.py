@@ -1,0 +1,411 @@
+"""The GNN policy: scores from cached embeddings, fallbacks on every kind of model problem, validated
+hot reload, and one consistent cache per request while a refresh runs."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+from structlog.testing import capture_logs
+
+from daemon import features as feat
+from daemon.bench_latency import synthetic_devices
+from daemon.config import ModelRefreshSettings, ModelSettings
+from daemon.gnn_policy import EmbeddingCache, GnnPolicy
+from daemon.graph import InfraGraph
+from daemon.inference import ModelError
+from daemon.ledger import PlacementLedger
+from daemon.policy import HeteroGreedy, ObjectiveWeights, make_policy
+from daemon.scheduler import Scheduler
+from hlb.v1 import events_pb2 as ev
+
+SPEC = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4.0)
+WEIGHTS = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+
+
+def cluster(devices: int = 48) -> InfraGraph:
+    graph = InfraGraph(max_tasks_per_device=0)
+    for event in synthetic_devices(devices):
+        graph.apply_telemetry(event)
+    return graph
+
+
+def settings(path: Path, watch: bool = False, **refresh: Any) -> ModelSettings:
+    return ModelSettings(
+        path=path, providers=("CPUExecutionProvider",), watch=watch, refresh=ModelRefreshSettings(**refresh)
+    )
+
+
+@pytest.fixture
+def model_dir(gnn_model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the session's exported model that a test may damage."""
+    return Path(shutil.copytree(gnn_model_dir, tmp_path / "model"))
+
+
+def expected_scores(cache: EmbeddingCache, graph: InfraGraph, rows: NDArray[np.int64]) -> NDArray[np.float32]:
+    """What the scorer gives with ``cache``'s embeddings and the graph's pair features now."""
+    positions = cache.positions[rows]
+    pair = feat.pair_features(SPEC, graph, rows)
+    return cache.model.score(feat.task_features(SPEC), cache.device_emb[positions], pair, cache.context, WEIGHTS)
+
+
+def set_metadata(path: Path, **values: str) -> None:
+    import onnx
+
+    proto = onnx.load(str(path))
+    for entry in proto.metadata_props:
+        if entry.key in values:
+            entry.value = values[entry.key]
+    onnx.save(proto, str(path))
+
+
+def reversion(model_dir: Path, version: str) -> None:
+    """Rewrite both files as another export (another model version)."""
+    for name in ("encoder.onnx", "scorer.onnx"):
+        set_metadata(model_dir / name, **{"hlb.model_version": version})
+
+
+def fallbacks() -> tuple[list[str], Any]:
+    seen: list[str] = []
+    return seen, seen.append
+
+
+# -- scoring ---------------------------------------------------------------------------------
+
+
+def test_scores_come_from_the_scorer_over_cached_embeddings(model_dir: Path) -> None:
+    graph = cluster()
+    policy = GnnPolicy(settings(model_dir), mode="sync")
+    rows = graph.feasible_rows(SPEC)
+    scores = policy.score(SPEC, graph, rows)
+    cache = policy.cache
+    assert cache is not None
+    assert policy.name == "gnn"
+    assert policy.degraded == ""
+    assert policy.model_version == "untrained-seed3"
+    assert policy.provider == "CPUExecutionProvider"
+    # The embeddings are the encoder's on the whole graph.
+    emb, context = cache.model.encode(feat.encoder_inputs(graph))
+    np.testing.assert_allclose(cache.device_emb, emb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cache.context, context, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scores, expected_scores(cache, graph, rows), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(scores, HeteroGreedy().score(SPEC, graph, rows))
+
+
+def test_make_policy_gnn_re_encodes_after_every_change_in_sync_mode(model_dir: Path) -> None:
+    graph = cluster()
+    policy = make_policy("gnn", model=settings(model_dir, mode="sync", min_changed_rows=1))
+    assert isinstance(policy, GnnPolicy)
+    scheduler = Scheduler(graph, policy, PlacementLedger(), "c", clock=lambda: 1.0)
+    first = scheduler.place(ev.TaskSpec(id="a", memory_per_device_gb=1.0, work_ref_s=60.0))
+    assert first.placement is not None
+    assert first.placement.policy == "gnn"
+    built = policy.cache
+    scheduler.place(ev.TaskSpec(id="b", memory_per_device_gb=1.0, work_ref_s=60.0))
+    assert policy.cache is not built  # the binding of "a" changed a row: re-encoded before deciding "b"
+    assert policy.refreshes == 1
+
+
+def test_sync_mode_re_encodes_for_a_device_added_since_the_cache(model_dir: Path) -> None:
+    graph = cluster(16)
+    policy = GnnPolicy(settings(model_dir, min_changed_rows=10_000), mode="sync")
+    policy.score(SPEC, graph, graph.feasible_rows(SPEC))
+    before = policy.cache
+    assert before is not None
+    graph.apply_telemetry(synthetic_devices(17)[16])  # a 17th device
+    rows = graph.feasible_rows(SPEC)
+    scores = policy.score(SPEC, graph, rows)
+    after = policy.cache
+    assert after is not None
+    assert after is not before
+    assert len(after.device_rows) == 17
+    np.testing.assert_allclose(scores, expected_scores(after, graph, rows), rtol=1e-5, atol=1e-6)
+
+
+def test_a_device_unknown_to_the_cache_is_decided_by_the_fallback_in_background_mode(model_dir: Path) -> None:
+    graph = cluster(16)
+    seen, count = fallbacks()
+    policy = GnnPolicy(settings(model_dir, poll_s=60.0), mode="background", on_fallback=count)
+    policy.start(graph, threading.RLock())
+    try:
+        # Another device takes the row a removed one had: the cached embedding is not its own.
+        removed = graph.device_ids_of(graph.devices.live_rows()[:1])[0]
+        graph.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id=removed)))
+        newcomer = synthetic_devices(40)[39]
+        graph.apply_telemetry(newcomer)
+        rows = graph.feasible_rows(SPEC)
+        assert graph.devices.index[newcomer.device_upsert.id] in rows
+        scores = policy.score(SPEC, graph, rows)
+        np.testing.assert_allclose(scores, HeteroGreedy().score(SPEC, graph, rows))
+        assert seen == ["embeddings_stale"]
+        assert policy.name == "gnn"  # the model still serves; only this decision fell back
+    finally:
+        policy.stop()
+
+
+# -- fallbacks -------------------------------------------------------------------------------
+
+
+def check_falls_back(policy: GnnPolicy, seen: list[str], code: str) -> None:
+    graph = cluster()
+    rows = graph.feasible_rows(SPEC)
+    with capture_logs() as logs:
+        for _ in range(3):
+            np.testing.assert_allclose(policy.score(SPEC, graph, rows), HeteroGreedy().score(SPEC, graph, rows))
+    assert policy.name == "hetero-greedy"
+    assert policy.degraded.startswith(f"{code}: ")
+    assert policy.model_version == ""
+    assert seen == [code] * 3  # every decision counted
+    degraded = [e for e in logs if e["event"].startswith("gnn policy degraded")]
+    assert len(degraded) == 1, logs  # said once
+    assert degraded[0]["reason"] == code
+
+
+def test_a_missing_model_folder_falls_back_to_hetero_greedy(tmp_path: Path) -> None:
+    seen, count = fallbacks()
+    check_falls_back(GnnPolicy(settings(tmp_path / "nowhere"), mode="sync", on_fallback=count), seen, "model_missing")
+
+
+def test_a_missing_model_file_falls_back(model_dir: Path) -> None:
+    (model_dir / "scorer.onnx").unlink()
+    seen, count = fallbacks()
+    check_falls_back(GnnPolicy(settings(model_dir), mode="sync", on_fallback=count), seen, "model_missing")
+
+
+def test_corrupt_model_bytes_fall_back(model_dir: Path) -> None:
+    data = (model_dir / "encoder.onnx").read_bytes()
+    (model_dir / "encoder.onnx").write_bytes(data[: len(data) // 3] + b"\x00garbage" * 100)
+    seen, count = fallbacks()
+    check_falls_back(GnnPolicy(settings(model_dir), mode="sync", on_fallback=count), seen, "model_corrupt")
+
+
+def test_a_model_for_another_feature_schema_falls_back(model_dir: Path) -> None:
+    set_metadata(model_dir / "scorer.onnx", **{"hlb.feature_schema_version": "999"})
+    seen, count = fallbacks()
+    policy = GnnPolicy(settings(model_dir), mode="sync", on_fallback=count)
+    check_falls_back(policy, seen, "model_schema")
+    assert "feature schema version '999'" in policy.degraded
+
+
+def test_an_inference_error_at_request_time_falls_back(model_dir: Path) -> None:
+    graph = cluster()
+    rows = graph.feasible_rows(SPEC)
+    seen, count = fallbacks()
+    policy = GnnPolicy(settings(model_dir), mode="sync", on_fallback=count)
+    policy.score(SPEC, graph, rows)
+    cache = policy.cache
+    assert cache is not None
+    assert seen == []
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code")
+
+    cache.model.score = broken  # type: ignore[method-assign,assignment]
+    check_falls_back(policy, seen, "inference_error")
+    assert "RUNTIME_EXCEPTION" in policy.degraded
+
+
+def test_scores_that_are_not_finite_count_as_an_inference_error(model_dir: Path) -> None:
+    graph = cluster()
+    rows = graph.feasible_rows(SPEC)
+    seen, count = fallbacks()
+    policy = GnnPolicy(settings(model_dir), mode="sync", on_fallback=count)
+    policy.score(SPEC, graph, rows)
+    assert policy.cache is not None
+    policy.cache.model.score = lambda *a: np.full(len(rows), np.nan, dtype=np.float32)  # type: ignore[method-assign]
+    check_falls_back(policy, seen, "inference_error")
+
+
+# -- hot reload ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serving(model_dir: Path) -> Any:
+    """A background policy serving the model in ``model_dir`` on a cluster, its thread idle."""
+    graph = cluster()
+    _seen, count = fallbacks()
+    policy = GnnPolicy(settings(model_dir, poll_s=60.0), mode="background", on_fallback=count)
+    policy.start(graph, threading.RLock())
+    yield policy, graph
+    policy.stop()
+
+
+def test_a_good_new_model_replaces_the_running_one(serving: Any, model_dir: Path) -> None:
+    policy, graph = serving
+    assert policy.model_version == "untrained-seed3"
+    assert not policy.reload_model()  # unchanged files: nothing to do
+    reversion(model_dir, "v2")
+    assert policy.reload_model()
+    assert policy.model_version == "v2"
+    assert policy.degraded == ""
+    rows = graph.feasible_rows(SPEC)
+    np.testing.assert_allclose(policy.score(SPEC, graph, rows), expected_scores(policy.cache, graph, rows), rtol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "schema", "half-written export", "missing"])
+def test_a_bad_new_model_is_refused_and_the_running_one_keeps_serving(
+    serving: Any, model_dir: Path, damage: str
+) -> None:
+    policy, graph = serving
+    rows = graph.feasible_rows(SPEC)
+    before = policy.score(SPEC, graph, rows)
+    running = policy.cache
+    if damage == "corrupt":
+        (model_dir / "encoder.onnx").write_bytes(b"not an onnx file")
+    elif damage == "schema":
+        set_metadata(model_dir / "encoder.onnx", **{"hlb.feature_schema": "{}"})
+    elif damage == "half-written export":  # the encoder of a new export beside the old scorer
+        set_metadata(model_dir / "encoder.onnx", **{"hlb.model_version": "v2"})
+    else:
+        (model_dir / "scorer.onnx").unlink()
+    with capture_logs() as logs:
+        assert not policy.reload_model()
+        assert not policy.reload_model()  # refused files are not tried again by the watcher
+    assert [e["event"] for e in logs].count("new gnn model refused; the running one keeps serving") == 1
+    assert policy.cache is running
+    assert policy.name == "gnn"
+    assert policy.degraded == ""
+    assert policy.model_version == "untrained-seed3"
+    assert policy.reloads_rejected == 1
+    np.testing.assert_array_equal(policy.score(SPEC, graph, rows), before)
+
+
+def test_a_model_that_fails_its_warm_up_is_refused(serving: Any, model_dir: Path, gnn_model_dir: Path) -> None:
+    policy, _ = serving
+    reversion(model_dir, "v2")
+    from daemon import inference
+
+    real = inference.GnnModel.encode
+
+    def failing(self: inference.GnnModel, inputs: feat.EncoderInputs) -> Any:
+        if self.version == "v2":
+            raise RuntimeError("encoder kernel failed")
+        return real(self, inputs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inference.GnnModel, "encode", failing)
+        assert not policy.reload_model()
+    assert policy.model_version == "untrained-seed3"
+
+
+def test_new_settings_that_do_not_load_raise_and_keep_the_running_model(serving: Any, tmp_path: Path) -> None:
+    policy, _ = serving
+    with pytest.raises(ModelError, match="model folder not found"):
+        policy.configure(settings(tmp_path / "elsewhere"))
+    assert policy.model_version == "untrained-seed3"
+    assert policy.settings.path != tmp_path / "elsewhere"
+
+
+def test_the_watcher_loads_a_model_that_appears_after_start(model_dir: Path, tmp_path: Path) -> None:
+    later = tmp_path / "later"
+    graph = cluster()
+    policy = GnnPolicy(settings(later, watch=True, poll_s=0.01), mode="background")
+    policy.start(graph, threading.RLock())
+    try:
+        assert policy.degraded.startswith("model_missing")
+        shutil.copytree(model_dir, later)
+        wait_until(lambda: policy.name == "gnn", "the watcher to load the new model")
+        assert policy.degraded == ""
+    finally:
+        policy.stop()
+
+
+def wait_until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.01)
+
+
+# -- one consistent cache during a refresh -------------------------------------------------------
+
+
+def test_requests_during_a_refresh_use_the_old_cache_entirely(model_dir: Path) -> None:
+    graph = cluster()
+    lock = threading.RLock()
+    policy = GnnPolicy(settings(model_dir, poll_s=0.01, min_changed_rows=1), mode="background")
+    policy.start(graph, lock)
+    try:
+        old = policy.cache
+        assert old is not None
+        entered, release = threading.Event(), threading.Event()
+        real_encode = old.model.encode
+
+        def held(inputs: feat.EncoderInputs) -> Any:
+            entered.set()
+            assert release.wait(30)
+            return real_encode(inputs)
+
+        old.model.encode = held  # type: ignore[method-assign]
+        rows = graph.feasible_rows(SPEC)
+        with lock:  # new metrics for every device: the refresh thread starts re-encoding
+            live = graph.devices.live_rows()
+            n = len(live)
+            util = np.linspace(0.1, 0.9, n)
+            graph.apply_metrics_arrays(
+                live, util, np.zeros(n), np.full(n, 200.0), np.full(n, 50.0), np.ones(n, dtype=np.int64), ["x"] * n
+            )
+        assert entered.wait(30), "the refresh did not start"
+        with lock:  # a request while the encoder runs: the old embeddings, today's pair features
+            during = policy.score(SPEC, graph, rows)
+            assert policy.cache is old
+        np.testing.assert_allclose(during, expected_scores(old, graph, rows), rtol=1e-5, atol=1e-6)
+
+        with lock:  # a request holding the lock while the refresh finishes: still the old cache throughout
+            first = policy.score(SPEC, graph, rows)
+            release.set()
+            time.sleep(0.2)  # the refresh is done encoding now and waits for the lock to swap
+            second = policy.score(SPEC, graph, rows)
+            assert policy.cache is old
+        np.testing.assert_array_equal(first, second)
+
+        wait_until(lambda: policy.cache is not old, "the refreshed cache")
+        new = policy.cache
+        assert new is not None
+        assert new.changes == graph.changes
+        assert not np.allclose(new.device_emb, old.device_emb)  # the metrics changed the embeddings
+        after = policy.score(SPEC, graph, rows)
+        np.testing.assert_allclose(after, expected_scores(new, graph, rows), rtol=1e-5, atol=1e-6)
+        assert not np.allclose(after, during)
+    finally:
+        policy.stop()
+
+
+def test_background_refresh_follows_changed_rows_and_the_staleness_budget(model_dir: Path) -> None:
+    graph = cluster()
+    now = [0.0]
+    policy = GnnPolicy(
+        settings(model_dir, poll_s=60.0, min_changed_rows=10, staleness_s=5.0),
+        mode="background",
+        monotonic=lambda: now[0],
+    )
+    policy.start(graph, threading.RLock())
+    try:
+        cache = policy.cache
+        assert cache is not None
+        assert not policy._due(cache, graph, staleness=True)  # nothing changed
+        task = graph.add_task(ev.TaskSpec(id="a", memory_per_device_gb=1.0), "c")
+        graph.bind(task, [int(graph.devices.live_rows()[0])])
+        assert not policy._due(cache, graph, staleness=True)  # 1 row changed, budget not spent
+        now[0] = 6.0
+        assert policy._due(cache, graph, staleness=True)  # budget spent
+        now[0] = 0.0
+        live = graph.devices.live_rows()[:10]
+        graph.apply_metrics_arrays(live, *(np.zeros(10),) * 4, np.ones(10, dtype=np.int64), ["x"] * 10)
+        assert policy._due(cache, graph, staleness=True)  # 11 rows changed
+    finally:
+        policy.stop()
+
+
+def test_weights_reach_the_scorer(model_dir: Path) -> None:
+    graph = cluster()
+    rows = graph.feasible_rows(SPEC)
+    energy = GnnPolicy(settings(model_dir), ObjectiveWeights(completion_time=0.0, energy=1.0), mode="sync")
+    speed = GnnPolicy(settings(model_dir), ObjectiveWeights(completion_time=1.0), mode="sync")
+    assert not np.allclose(energy.score(SPEC, graph, rows), speed.score(SPEC, graph, rows))
