@@ -31,13 +31,12 @@ Needs the ``export`` extra (torch, tqdm).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +49,13 @@ from daemon import features as feat
 from daemon.graph import InfraGraph, Rows, Task
 from daemon.policy import ObjectiveWeights, Policy, choose_gang
 from daemon.profiles import DeviceProfiles, default_profiles
-from export.model import HlbGnn, ModelConfig, load_checkpoint, save_checkpoint
+from export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
 from sim.lookahead import LookaheadPolicy
 from sim.metrics import compute_metrics
 from sim.scenarios import build_cluster, build_workload
-from sim.simulator import SimConfig, Simulation, SimResult
+from sim.simulator import SimConfig, SimResult, Simulation
 
 TRAIN_FAMILIES = ("gavel", "pipelines")
 TRAIN_SEED_BASE = 1000  # training workloads use seeds >= this; hlb eval reports on 0..
@@ -221,7 +220,8 @@ class TorchGnnPolicy(Policy):
                 context,
                 torch.from_numpy(self.weights),
             )
-        return scores.numpy().astype(np.float64)
+        out: NDArray[np.float64] = scores.numpy().astype(np.float64)
+        return out
 
     def choose_gang(
         self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
@@ -305,19 +305,22 @@ class DaggerPolicy(Policy):
 # -- losses --------------------------------------------------------------------------------------
 
 
-def decision_scores(model: HlbGnn, decision: Decision, weights: Tensor, cache: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
+def decision_scores(
+    model: HlbGnn, decision: Decision, weights: Tensor, cache: dict[int, tuple[Tensor, Tensor]]
+) -> Tensor:
     """The model's scores [C] of a decision's candidates (with grad); ``cache`` shares encoder passes."""
     key = id(decision.feeds)
     if key not in cache:
         cache[key] = model.encoder(*_tensors(decision.feeds))
     emb, context = cache[key]
-    return model.scorer(
+    scores: Tensor = model.scorer(
         torch.from_numpy(decision.task_x),
         emb[torch.from_numpy(decision.positions)],
         torch.from_numpy(decision.pair_x),
         context,
         weights,
     )
+    return scores
 
 
 def imitation_loss(scores: Tensor, chosen: NDArray[np.int64]) -> Tensor:
@@ -400,9 +403,13 @@ class Trainer:
     # phases
 
     def run(self) -> Path:
+        if (self.out / "train.jsonl").exists():
+            raise FileExistsError(f"{self.out} holds an earlier run (train.jsonl); choose another --out or remove it")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(_plain(asdict(self.config)), indent=1) + "\n")
         self.say(f"hlb train: {self.config.describe()}")
+        # Epoch 0: the untrained model, which ranks as its physical prior does (hetero-greedy's order).
+        self.finish_epoch("init", 0, math.nan, time.perf_counter(), {})
         data: list[Decision] = []
         optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
         for iteration in range(self.config.dagger_iterations):
@@ -447,12 +454,14 @@ class Trainer:
         for _ in range(self.config.imitation_epochs):
             order = rng.permutation(len(data))
             losses = []
-            batches = [order[i : i + self.config.batch_decisions] for i in range(0, len(order), self.config.batch_decisions)]
+            batches = _batches(order, self.config.batch_decisions)
             for batch in self._bar(batches, f"fit {len(data)} decisions"):
                 cache: dict[int, tuple[Tensor, Tensor]] = {}
-                loss = torch.stack(
-                    [imitation_loss(decision_scores(self.model, data[i], self.weights, cache), data[i].chosen) for i in batch]
-                ).mean()
+                terms = [
+                    imitation_loss(decision_scores(self.model, data[i], self.weights, cache), data[i].chosen)
+                    for i in batch
+                ]
+                loss = torch.stack(terms).mean()
                 optimizer.zero_grad()
                 loss.backward()  # type: ignore[no-untyped-call]
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -495,7 +504,7 @@ class Trainer:
         self.model.train()
         losses = []
         order = np.random.default_rng(iteration).permutation(len(decisions))
-        batches = [order[i : i + self.config.batch_decisions] for i in range(0, len(order), self.config.batch_decisions)]
+        batches = _batches(order, self.config.batch_decisions)
         for batch in self._bar(batches, f"reinforce {len(decisions)} decisions"):
             cache: dict[int, tuple[Tensor, Tensor]] = {}
             terms = [
@@ -514,7 +523,8 @@ class Trainer:
             optimizer.step()
             losses.append(loss.item())
         self.model.eval()
-        return (float(np.mean(losses)) if losses else math.nan), len(decisions), float(np.mean(returns) if returns else 0)
+        mean_loss = float(np.mean(losses)) if losses else math.nan
+        return mean_loss, len(decisions), float(np.mean(returns)) if returns else 0.0
 
     # validation and bookkeeping
 
@@ -532,12 +542,9 @@ class Trainer:
         return float(np.nanmean(ours)), float(np.nanmean(theirs))
 
     def finish_epoch(self, phase: str, samples: int, loss: float, started: float, extra: dict[str, float]) -> None:
-        self.epoch += 1
         val, base = self.validate()
         ratio = val / base if base > 0 else math.nan
-        summary = EpochSummary(
-            self.epoch, phase, samples, loss, val, base, ratio, time.perf_counter() - started, extra
-        )
+        summary = EpochSummary(self.epoch, phase, samples, loss, val, base, ratio, time.perf_counter() - started, extra)
         self.history.append(summary)
         version = f"hlb-gnn-{time.strftime('%Y%m%d')}-e{self.epoch}"
         path = self.out / "checkpoints" / f"epoch-{self.epoch:03d}.pt"
@@ -548,8 +555,9 @@ class Trainer:
             save_checkpoint(self.model, self.out / "best.pt", version, self.config.describe())
         with (self.out / "train.jsonl").open("a") as log:
             log.write(json.dumps(_plain(asdict(summary))) + "\n")
+        self.epoch += 1
         self.say(
-            f"epoch {self.epoch:>2} {phase:<9} samples {samples:>6}  loss {loss:8.4f}  "
+            f"epoch {summary.epoch:>2} {phase:<9} samples {samples:>6}  loss {loss:8.4f}  "
             f"val JCT {val / 3600:7.2f} h  hetero-greedy {base / 3600:7.2f} h  ratio {ratio:.3f}"
             + ("  (best)" if improved else "")
             + f"  {summary.wall_s:.0f} s"
@@ -561,6 +569,10 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(items, desc=label, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def _batches(order: NDArray[np.int64], size: int) -> list[NDArray[np.int64]]:
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 def _hetero_greedy() -> Policy:
@@ -580,23 +592,6 @@ def _plain(value: Any) -> Any:
 
 
 # -- command line --------------------------------------------------------------------------------
-
-
-def parse_stage(text: str) -> Stage:
-    """``CLUSTER/WORKLOAD/LOAD/JOBS``, e.g. ``mixed:64/gavel/0.8/200``."""
-    parts = text.split("/")
-    if len(parts) != 4:
-        raise ValueError(f"stage {text!r}: expected CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200")
-    cluster, workload, load, jobs = parts
-    try:
-        stage = Stage(cluster, workload, float(load), int(jobs))
-    except ValueError:
-        raise ValueError(f"stage {text!r}: LOAD must be a number and JOBS an integer") from None
-    if stage.load <= 0 or stage.jobs < 1:
-        raise ValueError(f"stage {text!r}: LOAD must be > 0 and JOBS >= 1")
-    if stage.workload not in TRAIN_FAMILIES:
-        raise ValueError(f"stage {text!r}: train on the training families only ({', '.join(TRAIN_FAMILIES)})")
-    return stage
 
 
 # -- command-line checks (export/train_cli.py) ---------------------------------------------------

@@ -1,8 +1,8 @@
 """``hlb train``: the command line of :mod:`export.train` (imports torch only when it runs).
 
-    hlb train --out runs/default                 # the shipped model's recipe (make model)
-    hlb train --out /tmp/tiny --preset tiny      # a few steps on a tiny cluster (CI)
-    hlb train --out runs/x --stage mixed:64/gavel/0.8/200 --stage mixed:128/pipelines/0.9/100
+hlb train --out runs/default                 # the shipped model's recipe (make model)
+hlb train --out /tmp/tiny --preset tiny      # a few steps on a tiny cluster (CI)
+hlb train --out runs/x --stage mixed:64/gavel/0.8/200 --stage mixed:128/pipelines/0.9/100
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stage",
         action="append",
         default=[],
-        help="a curriculum stage CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200 (repeat; replaces the preset's)",
+        help="a curriculum stage CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200 "
+        "(repeat the option; replaces the preset's stages)",
     )
     parser.add_argument("--dagger-iterations", type=int, help="DAgger iterations (the preset's by default)")
     parser.add_argument("--rl-iterations", type=int, help="REINFORCE iterations (the preset's by default)")
@@ -62,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     trainer = train.Trainer(config, args.out, lambda line: print(line, flush=True), progress=not args.no_progress)
-    best = trainer.run()
+    try:
+        best = trainer.run()
+    except FileExistsError as error:
+        print(f"hlb train: {error}", file=sys.stderr)
+        return 2
     _, version, _ = load_checkpoint(best)
     print(f"wrote {best} (model version {version}; best validation JCT ratio {trainer.best_ratio:.3f})")
     return 0

@@ -313,7 +313,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=300, help="jobs per generated workload")
     parser.add_argument("--policies", default="least-loaded", help="comma-separated policy names")
     parser.add_argument(
-        "--model", type=Path, help="the GNN's folder (encoder.onnx, scorer.onnx) for policy gnn; default: the shipped one"
+        "--model", type=Path, help="the GNN's folder (encoder.onnx, scorer.onnx) for policy gnn; default: shipped"
     )
     parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
