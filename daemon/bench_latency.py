@@ -134,6 +134,27 @@ class LoopbackServer:
         self.loop.close()
 
 
+@contextmanager
+def logs_to_stderr() -> Iterator[None]:
+    """Log lines (the GNN's "model serving") to stderr while the benchmark runs: stdout carries
+    the figures only. The logging setup before is restored after."""
+    import logging
+
+    import structlog
+
+    from daemon.logs import configure_logging
+
+    saved, root = structlog.get_config(), logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    configure_logging("warning", "console", sys.stderr)
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 class MissingExportExtraError(RuntimeError):
     """A model must be exported for the benchmark and torch is not installed."""
 
@@ -332,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
         print("hlb bench latency: --pending and --warmup must be >= 0", file=sys.stderr)
         return 2
     try:
-        result = measure(args)
+        with logs_to_stderr():
+            result = measure(args)
     except MissingExportExtraError as error:
         print(f"hlb bench latency: {error}", file=sys.stderr)
         return 2

@@ -4,9 +4,12 @@ speed is what the command reports, never what a test asserts)."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
+from daemon import config
 from daemon.bench_latency import synthetic_devices
 from daemon.cli import main
 
@@ -53,3 +56,45 @@ def test_the_synthetic_cluster_has_hosts_of_eight_in_racks_of_sixteen() -> None:
     assert len(hosts) == 38  # ceil(300 / 8)
     assert set(hosts.values()) == {"r0", "r1", "r2"}
     assert {d.host_id for d in devices} == set(hosts)
+
+
+def test_latency_with_the_gnn_says_which_model_decided(capsys: pytest.CaptureFixture[str], gnn_model_dir: Path) -> None:
+    args = ["--devices", "24", "--pending", "2", "--calls", "5", "--warmup", "1", "--batch", "4", "--batches", "2"]
+    assert main(["bench", "latency", *args, "--policy", "gnn", "--model", str(gnn_model_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["policy"] == "gnn"
+    gnn = result["gnn"]
+    assert (gnn["model"], gnn["model_version"], gnn["provider"]) == (
+        str(gnn_model_dir),
+        "untrained-seed3",
+        "CPUExecutionProvider",
+    )
+    assert gnn["degraded"] == ""
+    assert gnn["fallback_decisions"] == 0  # the GNN took every decision
+    assert result["place_batch"]["placed"] == 8
+
+
+def test_benchmarks_without_a_model_and_without_torch_say_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(config, "DEFAULT_MODEL_DIR", tmp_path / "no-model")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert main(["bench", "latency", "--policy", "gnn", "--devices", "8", "--calls", "1"]) == 2
+    assert "needs the export extra" in capsys.readouterr().err
+    assert main(["bench", "scale", "--devices", "8", "--rss-devices", "0"]) == 2
+    assert "needs the export extra" in capsys.readouterr().err
+
+
+def test_scale_prints_refresh_times_and_the_daemon_rss(capsys: pytest.CaptureFixture[str], gnn_model_dir: Path) -> None:
+    args = ["--devices", "40", "80", "--repeats", "2", "--rss-devices", "64", "--model", str(gnn_model_dir)]
+    assert main(["bench", "scale", *args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == str(gnn_model_dir)
+    assert [s["devices"] for s in result["sizes"]] == [40, 80]
+    for size in result["sizes"]:
+        assert 0 < size["of_which_inputs_ms"]["p50"] <= size["refresh_ms"]["max"]
+        assert size["tasks"] == size["devices"] // 5
+    rss = result["daemon_rss"]
+    assert rss["devices"] == 64
+    assert 0 < rss["after_imports_mb"] < rss["rss_mb"] <= rss["peak_rss_mb"]
+    assert result["met"] == {}  # the target is for 100,000 devices
