@@ -37,7 +37,7 @@ from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Rows, 
 from daemon.profiles import DeviceProfiles
 from hlb.v1 import events_pb2 as ev
 
-FEATURE_SCHEMA_VERSION = 1
+FEATURE_SCHEMA_VERSION = 2  # 2: pair feature finish_s
 CLIP = 10.0
 
 # Peak dense throughput of the reference accelerator (V100-SXM2, FP16 tensor cores), TFLOPS.
@@ -144,6 +144,7 @@ PAIR_FEATURES: tuple[Feature, ...] = (
     _f("load", "linear", 1.0, "device load"),
     _f("preferred", "linear", 1.0, "flag: device model is in preferred_models"),
     _f("profiled", "linear", 1.0, "flag: speed comes from a measured profile"),
+    _f("finish_s", "log1p", 3600.0, "s: runtime_s / the share of the device the task would get"),
 )
 
 # Edge lists of the encoder, in input order: (name, destination type, source type).
@@ -551,6 +552,16 @@ def estimated_speed(
     return speed, profiled
 
 
+def device_share(graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+    """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
+    there (``1 / (n + 1)``), or what measured load leaves free when that is less. [N] -> [N] in (0, 1]."""
+    d = graph.devices
+    placed = 1.0 / (1.0 + d.n_tasks[rows])
+    measured = np.maximum(1.0 - d.utilization[rows], 0.05)
+    share: NDArray[np.float64] = np.minimum(placed, measured)
+    return share
+
+
 def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
     """GB of the task's dependency outputs already on each candidate's host. [C] -> [C].
 
@@ -611,6 +622,7 @@ def pair_features(
             graph.load(rows),
             np.isin(d.model[rows], preferred_index),
             profiled,
+            runtime / device_share(graph, rows),
         ]
     ).astype(np.float64)
     return normalize(raw.reshape(len(rows), len(PAIR_FEATURES)), PAIR_FEATURES)

@@ -17,7 +17,7 @@ The model is two graphs so that a decision does not pay for a full pass:
 The scorer predicts one score per objective (completion time, utilization, energy) and returns
 their weighted sum, so operators change the trade-off at run time without retraining; the weights
 are also inputs of its hidden layer. Each objective's score is a learned correction on top of a
-physical prior, ``-prior_o * pair_x[:, PRIOR_FEATURES[o]]`` (estimated run time, load, energy; the
+physical prior, ``-prior_o * pair_x[:, PRIOR_FEATURES[o]]`` (estimated finish, load, energy; the
 coefficients are learned too). The correction's output layer starts at zero, so an untrained
 scorer ranks single devices as hetero-greedy does, and training learns where to depart from it.
 """
@@ -35,8 +35,9 @@ from daemon import features as feat
 N_OBJECTIVES = 3
 CHECKPOINT_FORMAT = "hlb-gnn-checkpoint/2"
 # The scorer's physical prior: per objective, the pair feature whose increase makes a device worse
-# (completion time: estimated run time; utilization: the device's load; energy: estimated energy).
-PRIOR_FEATURES = ("runtime_s", "load", "energy_kj")
+# (completion time: estimated finish, hetero-greedy's estimate; utilization: the device's load;
+# energy: estimated energy).
+PRIOR_FEATURES = ("finish_s", "load", "energy_kj")
 PRIOR_INIT = 10.0
 _TYPE_DIMS: dict[str, int] = {
     "device": len(feat.DEVICE_FEATURES),
