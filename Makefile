@@ -9,11 +9,12 @@ EXPORT_STAMP := $(VENV)/.hlb-export-installed
 DURATION ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: help install install-export kafka lint test demo proto clean
+.PHONY: help install install-export kafka lint test demo model proto clean
 
 help:
 	@echo "make demo [DURATION=60]  start Kafka, the daemon and a simulated agent; show placements"
 	@echo "make test                 set up, start Kafka, run ruff, mypy and the whole test suite"
+	@echo "make model                train the GNN (hlb train) and export it to daemon/data/model (the shipped one)"
 	@echo "make proto                regenerate the checked-in code from proto/hlb/v1/*.proto"
 	@echo "make clean                remove the virtualenv, caches and demo files"
 
@@ -49,6 +50,14 @@ test: install-export kafka lint
 
 demo: install kafka
 	$(PY) -m daemon.cli demo --duration $(DURATION)
+
+# The shipped GNN: the default training recipe (about an hour on 2 cores), then hlb export into the
+# package. CI never runs this; it trains a tiny model in the tests instead.
+TRAIN_OUT ?= .cache/train/default
+model: install-export
+	rm -rf $(TRAIN_OUT)
+	$(PY) -m daemon.cli train --out $(TRAIN_OUT)
+	$(PY) -m daemon.cli export --checkpoint $(TRAIN_OUT)/best.pt --out daemon/data/model
 
 proto: install
 	$(PY) proto/generate.py

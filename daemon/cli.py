@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("sim.kafka_local", "fetch, start or stop a local single-node Kafka broker"),
     "bench": ("daemon.bench", "benchmarks that print JSON (latency, ...)"),
     "eval": ("sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),
+    "train": ("export.train_cli", "train the GNN in the simulator: imitation, then RL (needs the export extra)"),
     "export": ("export.cli", "write the GNN's encoder and scorer ONNX files (needs the export extra)"),
 }
 

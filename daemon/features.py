@@ -34,9 +34,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Rows, TaskState
+from daemon.profiles import DeviceProfiles
 from hlb.v1 import events_pb2 as ev
 
-FEATURE_SCHEMA_VERSION = 1
+FEATURE_SCHEMA_VERSION = 2  # 2: pair feature finish_s
 CLIP = 10.0
 
 # Peak dense throughput of the reference accelerator (V100-SXM2, FP16 tensor cores), TFLOPS.
@@ -143,6 +144,7 @@ PAIR_FEATURES: tuple[Feature, ...] = (
     _f("load", "linear", 1.0, "device load"),
     _f("preferred", "linear", 1.0, "flag: device model is in preferred_models"),
     _f("profiled", "linear", 1.0, "flag: speed comes from a measured profile"),
+    _f("finish_s", "log1p", 3600.0, "s: runtime_s / the share of the device the task would get"),
 )
 
 # Edge lists of the encoder, in input order: (name, destination type, source type).
@@ -524,15 +526,21 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
 
 
 def estimated_speed(
-    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | None = None
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
 ) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
     """Speed of the task on each device relative to the reference, and whether it was profiled.
 
-    A measured ``profile[(workload_class, model)]`` wins; otherwise peak_tflops over
-    :data:`REFERENCE_PEAK_TFLOPS`. Shapes: rows [C] -> ([C] float64, [C] bool).
+    ``profile`` is either the daemon's :class:`~daemon.profiles.DeviceProfiles` (per-device
+    throughput as a member of the task's gang, what hetero-greedy estimates with; a row counts as
+    profiled when its model is listed) or a mapping ``(workload_class, model) -> speed``. Rows
+    it does not cover get peak_tflops over :data:`REFERENCE_PEAK_TFLOPS`.
+    Shapes: rows [C] -> ([C] float64, [C] bool).
     """
     speed = graph.devices.peak_tflops[rows] / REFERENCE_PEAK_TFLOPS
     profiled = np.zeros(len(rows), dtype=np.bool_)
+    if isinstance(profile, DeviceProfiles):
+        listed = np.array([name in profile.models for name in graph.model_names] + [False], dtype=np.bool_)
+        return profile.device_speedups(graph, rows, spec), listed[graph.devices.model[rows]]
     if profile:
         model_index = graph.devices.model[rows]
         for index in np.unique(model_index):
@@ -542,6 +550,16 @@ def estimated_speed(
                 speed = np.where(hit, measured, speed)
                 profiled |= hit
     return speed, profiled
+
+
+def device_share(graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+    """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
+    there (``1 / (n + 1)``), or what measured load leaves free when that is less. [N] -> [N] in (0, 1]."""
+    d = graph.devices
+    placed = 1.0 / (1.0 + d.n_tasks[rows])
+    measured = np.maximum(1.0 - d.utilization[rows], 0.05)
+    share: NDArray[np.float64] = np.minimum(placed, measured)
+    return share
 
 
 def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
@@ -567,7 +585,9 @@ def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[
     return local
 
 
-def pair_features(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | None = None) -> Matrix:
+def pair_features(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
+) -> Matrix:
     """Features of (task, candidate device) pairs for the scorer. Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
     d = graph.devices
     speed, profiled = estimated_speed(spec, graph, rows, profile)
@@ -602,6 +622,16 @@ def pair_features(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: Spe
             graph.load(rows),
             np.isin(d.model[rows], preferred_index),
             profiled,
+            runtime / device_share(graph, rows),
         ]
     ).astype(np.float64)
     return normalize(raw.reshape(len(rows), len(PAIR_FEATURES)), PAIR_FEATURES)
+
+
+def scorer_inputs(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profiles: DeviceProfiles | None, now_ms: int = 0
+) -> tuple[Matrix, Matrix]:
+    """What the scorer reads for one request besides the cached embeddings: the task's features
+    [len(TASK_FEATURES)] and its pair features with each candidate [C, len(PAIR_FEATURES)], speeds
+    from ``profiles`` (the daemon's device profiles). Training and the daemon both call this."""
+    return task_features(spec, now_ms=now_ms), pair_features(spec, graph, rows, profiles)

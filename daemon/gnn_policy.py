@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import structlog
@@ -146,7 +146,9 @@ class GnnPolicy(Policy):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._task_x: tuple[ev.TaskSpec, feat.Matrix] | None = None
+        self._task_x: tuple[ev.TaskSpec, int, feat.Matrix] | None = None
+        # Unix ms that date task features (waiting time, deadline slack); a simulation's clock in one.
+        self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
         self.refreshes = 0
         self.reloads_rejected = 0
 
@@ -199,7 +201,7 @@ class GnnPolicy(Policy):
             scores = cache.model.score(
                 self._task_features(spec),
                 cache.device_emb[positions],
-                feat.pair_features(spec, graph, rows),
+                feat.pair_features(spec, graph, rows, self.fallback.profiles),
                 cache.context,
                 self._weights,
             )
@@ -212,12 +214,17 @@ class GnnPolicy(Policy):
 
     def _task_features(self, spec: ev.TaskSpec) -> feat.Matrix:
         """The task's features, kept for the last spec: a batch rescores rows for one spec many times."""
+        now_ms = int(self.clock_ms())
         last = self._task_x
-        if last is not None and last[0] is spec:
-            return last[1]
-        task_x = feat.task_features(spec)
-        self._task_x = (spec, task_x)
+        if last is not None and last[0] is spec and last[1] == now_ms:
+            return last[2]
+        task_x = feat.task_features(spec, now_ms=now_ms)
+        self._task_x = (spec, now_ms, task_x)
         return task_x
+
+    def attach(self, sim: Any) -> None:
+        """In a simulation (``sim.simulator.Simulation``): date task features by its clock."""
+        self.clock_ms = sim.clock.now_ms
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.fallback.placed(spec, graph, rows)
@@ -378,9 +385,8 @@ class GnnPolicy(Policy):
             built_at=self._monotonic(),
         )
 
-    @staticmethod
-    def _read(graph: InfraGraph) -> tuple[feat.EncoderInputs, tuple[int, int, int, tuple[str | None, ...]]]:
-        inputs = feat.encoder_inputs(graph)
+    def _read(self, graph: InfraGraph) -> tuple[feat.EncoderInputs, tuple[int, int, int, tuple[str | None, ...]]]:
+        inputs = feat.encoder_inputs(graph, int(self.clock_ms()))
         return inputs, (graph.version, graph.changes, graph.devices.capacity, tuple(graph.devices.ids))
 
     def _warm_up_scorer(self, cache: EmbeddingCache, graph: InfraGraph) -> None:
@@ -391,9 +397,9 @@ class GnnPolicy(Policy):
             lock = self._lock if graph is self._graph and self._lock is not None else None
             if lock is not None:
                 with lock:
-                    pair = feat.pair_features(spec, graph, rows)
+                    pair = feat.pair_features(spec, graph, rows, self.fallback.profiles)
             else:
-                pair = feat.pair_features(spec, graph, rows)
+                pair = feat.pair_features(spec, graph, rows, self.fallback.profiles)
             emb = cache.device_emb[: len(rows)]
         else:
             pair = np.zeros((1, len(feat.PAIR_FEATURES)), dtype=np.float32)

@@ -24,6 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from daemon.config import ModelSettings
+from daemon.features import device_share
 from daemon.graph import HOST_NODE, SWITCH_NODE, InfraGraph, Rows, Task
 from daemon.heft import upward_ranks
 from daemon.profiles import DeviceProfiles, default_profiles
@@ -184,16 +185,6 @@ class BestFit(Policy):
         leftover = np.abs(free - demand).sum(axis=1) / 2.0
         scores: Scores = alignment - leftover
         return scores
-
-
-def device_share(graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-    """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
-    there (``1 / (n + 1)``), or what measured load leaves free when that is less. [N] -> [N] in (0, 1]."""
-    d = graph.devices
-    placed = 1.0 / (1.0 + d.n_tasks[rows])
-    measured = np.maximum(1.0 - d.utilization[rows], 0.05)
-    share: NDArray[np.float64] = np.minimum(placed, measured)
-    return share
 
 
 class HeteroGreedy(Policy):

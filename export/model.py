@@ -16,7 +16,10 @@ The model is two graphs so that a decision does not pay for a full pass:
 
 The scorer predicts one score per objective (completion time, utilization, energy) and returns
 their weighted sum, so operators change the trade-off at run time without retraining; the weights
-are also inputs of its hidden layer.
+are also inputs of its hidden layer. Each objective's score is a learned correction on top of a
+physical prior, ``-prior_o * pair_x[:, PRIOR_FEATURES[o]]`` (estimated finish, load, energy; the
+coefficients are learned too). The correction's output layer starts at zero, so an untrained
+scorer ranks single devices as hetero-greedy does, and training learns where to depart from it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ from torch import Tensor, nn
 from daemon import features as feat
 
 N_OBJECTIVES = 3
-CHECKPOINT_FORMAT = "hlb-gnn-checkpoint/1"
+CHECKPOINT_FORMAT = "hlb-gnn-checkpoint/2"
+# The scorer's physical prior: per objective, the pair feature whose increase makes a device worse
+# (completion time: estimated finish, hetero-greedy's estimate; utilization: the device's load;
+# energy: estimated energy).
+PRIOR_FEATURES = ("finish_s", "load", "energy_kj")
+PRIOR_INIT = 10.0
 _TYPE_DIMS: dict[str, int] = {
     "device": len(feat.DEVICE_FEATURES),
     "host": len(feat.HOST_FEATURES),
@@ -222,13 +230,22 @@ class Scorer(nn.Module):
         self.weights_in = nn.Linear(N_OBJECTIVES, hidden, bias=False)
         self.body = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
         self.heads = nn.Linear(hidden, N_OBJECTIVES)
+        nn.init.zeros_(self.heads.weight)
+        nn.init.zeros_(self.heads.bias)
+        pair_names = feat.names(feat.PAIR_FEATURES)
+        select = torch.zeros(len(pair_names), N_OBJECTIVES)
+        for objective, name in enumerate(PRIOR_FEATURES):
+            select[pair_names.index(name), objective] = 1.0
+        self.register_buffer("prior_select", select)  # [PAIR, 3], a MatMul in the exported graph
+        self.prior = nn.Parameter(torch.full((N_OBJECTIVES,), PRIOR_INIT))
 
     def forward(self, task_x: Tensor, device_emb: Tensor, pair_x: Tensor, context: Tensor, weights: Tensor) -> Tensor:
         w = torch.clamp(weights, min=0.0)
         w = w / torch.clamp(w.sum(), min=1e-6)
         shared = self.task_in(task_x) + self.context_in(context) + self.weights_in(w)  # [H]
         h = self.body(self.device_in(device_emb) + self.pair_in(pair_x) + shared)  # [C, H]
-        per_objective = self.heads(h)  # [C, 3]
+        prior = torch.matmul(pair_x, self.prior_select) * self.prior  # [C, 3]
+        per_objective = self.heads(h) - prior  # [C, 3]
         scores: Tensor = (per_objective * w).sum(dim=1)
         return scores
 

@@ -51,6 +51,7 @@ TABLE_METRICS = (
     "jct_gap",
 )
 SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
+LEARNED_POLICIES = ("gnn",)  # the daemon's GNN, run from its ONNX files as hlb serve runs them
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,47 @@ class RunSpec:
     policy: str
     seed: int
     config: SimConfig
+    model: str | None = None  # the GNN's folder (encoder.onnx, scorer.onnx); None: the shipped one
 
 
-def make_sim_policy(name: str, seed: int = 0) -> Policy:
-    """A daemon policy by name (``POLICY_NAMES``), or one the simulator adds (``lookahead``)."""
+def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Policy:
+    """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
+
+    ``gnn`` is the daemon's :class:`daemon.gnn_policy.GnnPolicy` over the ONNX files in ``model``
+    (the shipped model when None), re-encoding whenever the graph changed. A model that does not
+    load is a ValueError here: an evaluation never reports hetero-greedy's fallback as the GNN.
+    """
     if name == "lookahead":
         from sim.lookahead import LookaheadPolicy
 
         return LookaheadPolicy()
+    if name == "gnn":
+        return _gnn_policy(model)
     if name not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {name!r}: one of {', '.join((*POLICY_NAMES, *SIM_POLICIES))}")
+        names = ", ".join((*POLICY_NAMES, *LEARNED_POLICIES, *SIM_POLICIES))
+        raise ValueError(f"unknown policy {name!r}: one of {names}")
     return make_policy(name, seed=seed)
+
+
+def _gnn_policy(model: str | None) -> Policy:
+    from daemon.config import ModelRefreshSettings, ModelSettings
+    from daemon.gnn_policy import GnnPolicy
+    from daemon.inference import ModelError, load_model
+
+    settings = ModelSettings(
+        path=Path(model) if model else None,
+        watch=False,
+        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
+    )
+    try:
+        load_model(settings.directory)
+    except (ModelError, OSError) as error:
+        raise ValueError(f"policy gnn: the model in {settings.directory} does not load: {error}") from None
+    return GnnPolicy(settings, mode="sync", on_fallback=_refuse_fallback)
+
+
+def _refuse_fallback(reason: str) -> None:
+    raise RuntimeError(f"policy gnn would fall back to hetero-greedy ({reason}); the run would not measure the GNN")
 
 
 @lru_cache(maxsize=1)
@@ -92,15 +123,17 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     catalogue, inventory = _catalogue(), _inventory(spec.cluster)
     tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     started = time.perf_counter()
-    sim = Simulation(catalogue, inventory, tasks, make_sim_policy(spec.policy, spec.seed), spec.seed, spec.config)
+    policy = make_sim_policy(spec.policy, spec.seed, spec.model)
+    sim = Simulation(catalogue, inventory, tasks, policy, spec.seed, spec.config)
     result = sim.run()
+    metrics = compute_metrics(result)
     timeline = result.timeline
     return {
         "workload": spec.workload if spec.workload in WORKLOADS else Path(spec.workload).name,
         "load": spec.load,
         "policy": spec.policy,
         "seed": spec.seed,
-        "metrics": compute_metrics(result),
+        "metrics": metrics,
         "wall_s": time.perf_counter() - started,
         "jct_s": [j.jct_s for j in job_outcomes(result) if j.finished],
         "timeline": {"t_s": timeline.t_s, "utilization": timeline.utilization, "power_w": timeline.power_w},
@@ -279,6 +312,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", default="0.8", help="comma-separated offered loads (generated workloads)")
     parser.add_argument("--jobs", type=int, default=300, help="jobs per generated workload")
     parser.add_argument("--policies", default="least-loaded", help="comma-separated policy names")
+    parser.add_argument(
+        "--model", type=Path, help="the GNN's folder (encoder.onnx, scorer.onnx) for policy gnn; default: shipped"
+    )
     parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
     parser.add_argument("--out", type=Path, default=Path("eval-results"), help="output folder")
@@ -386,8 +422,9 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     if not loads or min(loads) <= 0:
         raise ValueError("--load needs loads > 0")
     policies = [p for p in args.policies.split(",") if p]
+    model = str(args.model) if args.model else None
     for policy in policies:
-        make_sim_policy(policy)
+        make_sim_policy(policy, model=model)
     seeds = _seeds(args.seeds)
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
@@ -401,7 +438,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         max_time_s=args.max_time_h * 3600.0,
     )
     return [
-        RunSpec(cluster, workload, load, args.jobs, policy, seed, config)
+        RunSpec(cluster, workload, load, args.jobs, policy, seed, config, model if policy == "gnn" else None)
         for workload in workloads
         for load in (loads if workload in WORKLOADS else [0.0])
         for seed in seeds

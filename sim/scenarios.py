@@ -45,8 +45,18 @@ STANDARD_MIX: dict[str, float] = {
     "T4": 0.125,
 }
 
+# Models no training cluster of hlb train has (mixed:N is its only cluster family): the device
+# mix ``hlb eval`` holds out to test that the GNN reads physical features, not model names.
+UNSEEN_MIX: dict[str, float] = {
+    "H100-SXM5-80GB": 0.25,
+    "V100-SXM2-32GB": 0.25,
+    "TPU-v4": 0.25,
+    "Gaudi2-HL225H": 0.25,
+}
+
 CLUSTER_HELP = (
     "mixed:N (the standard mix of V100/P100/K80/A100/T4), gavel:N (V100:P100:K80 equally), "
+    "unseen:N (H100/V100-32GB/TPU-v4/Gaudi2, models the GNN never trains on), "
     "MODEL:N (one catalogue model), pai (the Alibaba PAI inventory)"
 )
 
@@ -67,6 +77,8 @@ def build_cluster(spec: str, catalogue: Catalogue) -> Inventory:
         raise ValueError(f"cluster {spec!r}: the device count must be >= 1")
     if name == "mixed":
         return mixed_cluster(catalogue, _split(count, STANDARD_MIX))
+    if name == "unseen":
+        return mixed_cluster(catalogue, _split(count, UNSEEN_MIX))
     if name == "gavel":
         total = sum(GAVEL_HETEROGENEOUS_DEVICES.values())
         return mixed_cluster(catalogue, _split(count, {m: n / total for m, n in GAVEL_HETEROGENEOUS_DEVICES.items()}))

@@ -1,0 +1,157 @@
+"""hlb train: its pieces (losses, returns, DAgger labels) and a tiny run end to end through export.
+
+The end-to-end test is what CI trains: the ``tiny`` preset for a few steps, exported with
+``hlb export``, then the ONNX model in the daemon's GNN policy must make the very decisions the
+torch model made in the same simulation (so ``hlb eval`` measures what training produced).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="training needs the export extra: pip install 'hlb[export]'")
+pytest.importorskip("tqdm", reason="training needs the export extra: pip install 'hlb[export]'")
+
+from daemon.cli import main  # noqa: E402
+from export import train  # noqa: E402
+from export.model import HlbGnn, ModelConfig, load_checkpoint  # noqa: E402
+from export.train_cli import PRESET_NAMES  # noqa: E402
+from sim.catalogue import load_catalogue  # noqa: E402
+from sim.eval import make_sim_policy  # noqa: E402
+from sim.lookahead import LookaheadPolicy  # noqa: E402
+from sim.metrics import compute_metrics  # noqa: E402
+from sim.scenarios import build_cluster, build_workload  # noqa: E402
+from sim.simulator import SimConfig, SimResult, Simulation, TaskRecord  # noqa: E402
+
+STAGE = train.Stage("mixed:8", "gavel", 0.8, 14)
+
+
+def run_stage(policy: object, stage: train.Stage = STAGE, seed: int = 1001) -> Simulation:
+    catalogue = load_catalogue()
+    inventory = build_cluster(stage.cluster, catalogue)
+    tasks = build_workload(stage.workload, seed, stage.jobs, catalogue, inventory, stage.load)
+    sim = Simulation(catalogue, inventory, tasks, policy, seed, SimConfig())  # type: ignore[arg-type]
+    sim.run()
+    return sim
+
+
+def test_presets_match_the_command_line() -> None:
+    assert set(PRESET_NAMES) == set(train.PRESETS)
+
+
+def test_plackett_luce_probabilities_of_all_orderings_sum_to_one() -> None:
+    scores = torch.tensor([0.3, -1.0, 2.0, 0.5])
+    for size in (1, 2, 3):
+        total = sum(
+            math.exp(float(train.plackett_luce_log_prob(scores, np.array(p), 0.7)))
+            for p in itertools.permutations(range(4), size)
+        )
+        assert total == pytest.approx(1.0, abs=1e-5)
+    # The first draw alone is the softmax at the temperature.
+    first = float(train.plackett_luce_log_prob(scores, np.array([2]), 0.7))
+    assert first == pytest.approx(float(torch.log_softmax(scores / 0.7, 0)[2]), abs=1e-6)
+
+
+def record(arrival: float, finish: float) -> TaskRecord:
+    return TaskRecord("t", "j", "training", "c", 1, arrival, (), 1.0, 1.0, state="finished", finish_s=finish)
+
+
+def test_returns_to_go_count_the_flow_time_still_to_come() -> None:
+    result = SimResult("p", 0, [record(0.0, 10.0), record(5.0, 20.0)], 1, 30.0, 0.0, 0.0, 1.0, None, 0, 0, 0)  # type: ignore[arg-type]
+    got = train.returns_to_go(result, np.array([0.0, 5.0, 12.0, 25.0]))
+    # t=0: 10 + 15; t=5: 5 + 15; t=12: 0 + 8; t=25: nothing left.
+    np.testing.assert_allclose(got, [-25.0, -20.0, -8.0, 0.0])
+
+
+def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
+    assert train.parse_stage("mixed:64/gavel/0.8/200") == train.Stage("mixed:64", "gavel", 0.8, 200)
+    for bad in ("mixed:64/gavel/0.8", "mixed:64/gavel/x/200", "mixed:64/gavel/0/200", "mixed:64/gavel/0.8/0"):
+        with pytest.raises(ValueError, match="stage"):
+            train.parse_stage(bad)
+    with pytest.raises(ValueError, match="held out"):
+        train.check_stages([train.Stage("mixed:8", "philly", 0.8, 10)])
+    with pytest.raises(ValueError, match="nosuch"):
+        train.check_stages([train.Stage("nosuch:8", "gavel", 0.8, 10)])
+
+
+def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--out", str(tmp_path), "--stage", "mixed:8/philly/0.8/10"]) == 2
+    assert "held out" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--rl-iterations", "-1"]) == 2
+    assert not (tmp_path / "best.pt").exists()
+
+
+def test_dagger_with_beta_one_decides_as_the_teacher_and_labels_every_choice() -> None:
+    teacher_only = run_stage(LookaheadPolicy(k=2, horizon_s=1800.0))
+    student = train.TorchGnnPolicy(HlbGnn(ModelConfig(hidden=8, rounds=1)))
+    dagger = train.DaggerPolicy(student, LookaheadPolicy(k=2, horizon_s=1800.0), beta=1.0, seed=0)
+    mixed = run_stage(dagger)
+    assert [p.device_ids for p in mixed.scheduler.ledger.since(1)] == [
+        p.device_ids for p in teacher_only.scheduler.ledger.since(1)
+    ]
+    assert dagger.data, "no decision was labelled"
+    for decision in dagger.data:
+        assert len(decision.positions) == len(decision.pair_x) >= 2
+        assert decision.chosen.min() >= 0
+        assert decision.chosen.max() < len(decision.positions)
+
+
+def test_imitation_learns_the_teachers_choices() -> None:
+    torch.manual_seed(0)
+    model = HlbGnn(ModelConfig(hidden=8, rounds=1))
+    dagger = train.DaggerPolicy(train.TorchGnnPolicy(model), LookaheadPolicy(k=2, horizon_s=1800.0), 1.0, 0)
+    run_stage(dagger)
+    data = dagger.data
+    weights = torch.tensor([1.0, 0.0, 0.0])
+
+    def loss_over_data() -> Any:
+        cache: dict[int, tuple[Any, Any]] = {}
+        terms = [train.imitation_loss(train.decision_scores(model, d, weights, cache), d.chosen) for d in data]
+        return torch.stack(terms).mean()
+
+    def mean_loss() -> float:
+        with torch.no_grad():
+            return float(loss_over_data())
+
+    before = mean_loss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(30):
+        loss = loss_over_data()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert mean_loss() < 0.8 * before
+
+
+def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--preset", "tiny", "--no-progress"]) == 0
+    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    tiny = train.PRESETS["tiny"]
+    assert [e["phase"] for e in log] == ["init"] + ["dagger"] * tiny.dagger_iterations + ["reinforce"] * tiny.rl_iterations
+    for entry in log:
+        assert entry["samples"] > 0 or entry["phase"] == "init"
+        assert math.isfinite(entry["loss"]) or entry["phase"] == "init"
+        assert entry["val_ratio"] > 0
+    assert len(list((out / "checkpoints").glob("epoch-*.pt"))) == len(log)
+    model, version, description = load_checkpoint(out / "best.pt")
+    assert version.startswith("hlb-gnn-")
+    assert "DAgger" in description
+
+    folder = tmp_path / "onnx"
+    assert main(["export", "--checkpoint", str(out / "best.pt"), "--out", str(folder)]) == 0
+    with_torch = run_stage(train.TorchGnnPolicy(model), seed=1002)
+    with_onnx = run_stage(make_sim_policy("gnn", model=str(folder)), seed=1002)
+    assert [p.device_ids for p in with_onnx.scheduler.ledger.since(1)] == [
+        p.device_ids for p in with_torch.scheduler.ledger.since(1)
+    ]
+    assert compute_metrics(with_onnx.result())["jct_mean_s"] == pytest.approx(
+        compute_metrics(with_torch.result())["jct_mean_s"]
+    )
