@@ -135,7 +135,8 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
     assert main(["train", "--out", str(out), "--preset", "tiny", "--no-progress"]) == 0
     log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     tiny = train.PRESETS["tiny"]
-    assert [e["phase"] for e in log] == ["init"] + ["dagger"] * tiny.dagger_iterations + ["reinforce"] * tiny.rl_iterations
+    phases = ["init"] + ["dagger"] * tiny.dagger_iterations + ["reinforce"] * tiny.rl_iterations
+    assert [e["phase"] for e in log] == phases
     for entry in log:
         assert entry["samples"] > 0 or entry["phase"] == "init"
         assert math.isfinite(entry["loss"]) or entry["phase"] == "init"
