@@ -244,7 +244,8 @@ class Scorer(nn.Module):
         w = w / torch.clamp(w.sum(), min=1e-6)
         shared = self.task_in(task_x) + self.context_in(context) + self.weights_in(w)  # [H]
         h = self.body(self.device_in(device_emb) + self.pair_in(pair_x) + shared)  # [C, H]
-        prior = torch.matmul(pair_x, self.prior_select) * self.prior  # [C, 3]
+        select: Tensor = self.get_buffer("prior_select")
+        prior = torch.matmul(pair_x, select) * self.prior  # [C, 3]
         per_objective = self.heads(h) - prior  # [C, 3]
         scores: Tensor = (per_objective * w).sum(dim=1)
         return scores
