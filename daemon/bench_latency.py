@@ -241,7 +241,7 @@ def model_folder(named: Path | None) -> Iterator[tuple[Path, str]]:
         ) from None
     with tempfile.TemporaryDirectory(prefix="hlb-bench-model-") as folder:
         torch.manual_seed(0)
-        export_model(HlbGnn(), Path(folder), ExportInfo("bench-random", "none: randomly initialised"))
+        export_model(HlbGnn.random(), Path(folder), ExportInfo("bench-random", "none: randomly initialised"))
         yield Path(folder), "random-weights"
 
 

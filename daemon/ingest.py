@@ -50,6 +50,7 @@ Step = Callable[[RawEvent, Event], Event]  # one pipeline stage: raises EventErr
 Offsets = dict[tuple[str, int], int]  # (topic, partition) -> next offset to read
 
 STALENESS_SAMPLES = 4096
+MAX_DECODE_BYTES = 512 * 1024  # record values the wire decoder reads at once (see apply_batch)
 INVENTORY_KINDS = frozenset(
     {"device_upsert", "device_removed", "host_upsert", "host_removed", "switch_upsert", "switch_removed",
      "link_upsert", "link_removed"}
@@ -218,6 +219,21 @@ class Ingestor:
         """Apply every record of ``batch`` in order (the caller holds the lock)."""
         telemetry = self.topics.telemetry
         values = [r.value if r.topic == telemetry and r.value is not None else b"" for r in batch]
+        # The decoder's index arrays take several times the bytes they read: decode at most
+        # MAX_DECODE_BYTES of values at once, so a backlog of big records keeps memory bounded.
+        start, size = 0, 0
+        for i, value in enumerate(values):
+            size += len(value)
+            if size >= MAX_DECODE_BYTES or i == len(values) - 1:
+                self._apply_chunk(batch[start : i + 1], values[start : i + 1])
+                start, size = i + 1, 0
+        # A partition's records come in offset order, so its last record in the batch is its newest.
+        self.positions.update({(r.topic, r.partition): r.offset + 1 for r in batch})
+        newest = self.scheduler.graph.newest_telemetry_ms
+        if newest:
+            self.stats.staleness_ms.append(max(0.0, self.clock() * 1000 - newest))
+
+    def _apply_chunk(self, batch: Sequence[RawEvent], values: list[bytes]) -> None:
         columns = decode_metrics(values, self.max_event_bytes)
         ok = columns.ok
         edges = [0, *(np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist(), len(batch)]
@@ -229,11 +245,6 @@ class Ingestor:
             else:
                 for record in batch[a:b]:
                     self._apply(record)
-        # A partition's records come in offset order, so its last record in the batch is its newest.
-        self.positions.update({(r.topic, r.partition): r.offset + 1 for r in batch})
-        newest = self.scheduler.graph.newest_telemetry_ms
-        if newest:
-            self.stats.staleness_ms.append(max(0.0, self.clock() * 1000 - newest))
 
     # -- records one at a time -------------------------------------------------------------
 

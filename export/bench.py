@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
-        export_model(HlbGnn(), Path(folder), ExportInfo("bench", "none: randomly initialised"))
+        export_model(HlbGnn.random(), Path(folder), ExportInfo("bench", "none: randomly initialised"))
         model = load_model(Path(folder), intra_op_threads=args.threads, providers=["CPUExecutionProvider"])
         sizes = [measure(model, n, args.candidates, args.repeats) for n in args.devices]
     print(json.dumps({"threads": args.threads, "candidates": args.candidates, "sizes": sizes}, indent=2))

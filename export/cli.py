@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     else:
         torch.manual_seed(args.seed)
-        model = HlbGnn(ModelConfig(hidden=args.hidden, rounds=args.rounds))
+        model = HlbGnn.random(ModelConfig(hidden=args.hidden, rounds=args.rounds))
         version, training_data = f"untrained-seed{args.seed}", "none: randomly initialised"
     info = ExportInfo(model_version=args.model_version or version, training_data=args.training_data or training_data)
     encoder, scorer = export_model(model, args.out, info)

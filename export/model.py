@@ -260,6 +260,15 @@ class HlbGnn(nn.Module):
         self.encoder = Encoder(self.config)
         self.scorer = Scorer(self.config)
 
+    @classmethod
+    def random(cls, config: ModelConfig | None = None) -> HlbGnn:
+        """An untrained model whose correction heads are random too (a fresh one starts them at zero),
+        so every input moves the scores: for tests and benchmarks. Seed torch first."""
+        model = cls(config)
+        nn.init.normal_(model.scorer.heads.weight, std=0.5)
+        nn.init.normal_(model.scorer.heads.bias, std=0.5)
+        return model
+
 
 def save_checkpoint(model: HlbGnn, path: Path, model_version: str, training_data: str) -> None:
     """Write the model's weights, config and provenance (what ``hlb export --checkpoint`` reads)."""

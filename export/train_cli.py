@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dagger-iterations", type=int, help="DAgger iterations (the preset's by default)")
     parser.add_argument("--rl-iterations", type=int, help="REINFORCE iterations (the preset's by default)")
     parser.add_argument("--seed", type=int, help="seed of the initialisation and the sampling")
+    parser.add_argument("--validation-seeds", type=int, help="validation runs per stage after each epoch")
+    parser.add_argument("--temperature", type=float, help="of the sampled gangs during REINFORCE")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
 
@@ -54,10 +56,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as error:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2
-    names = ("dagger_iterations", "rl_iterations", "seed")
+    names = ("dagger_iterations", "rl_iterations", "seed", "validation_seeds", "temperature")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if any(v < 0 for v in overrides.values()):
-        print("hlb train: --dagger-iterations, --rl-iterations and --seed must be >= 0", file=sys.stderr)
+        print("hlb train: iterations, seeds and the temperature must be >= 0", file=sys.stderr)
+        return 2
+    if overrides.get("validation_seeds") == 0 or overrides.get("temperature") == 0:
+        print("hlb train: --validation-seeds and --temperature must be > 0", file=sys.stderr)
         return 2
     config = replace(config, **overrides)
     if args.threads > 0:

@@ -22,6 +22,7 @@ from daemon.graph import InfraGraph
 from daemon.inference import ModelError
 from daemon.ledger import PlacementLedger
 from daemon.policy import HeteroGreedy, ObjectiveWeights, make_policy
+from daemon.profiles import default_profiles
 from daemon.scheduler import Scheduler
 from hlb.v1 import events_pb2 as ev
 
@@ -51,7 +52,7 @@ def model_dir(gnn_model_dir: Path, tmp_path: Path) -> Path:
 def expected_scores(cache: EmbeddingCache, graph: InfraGraph, rows: NDArray[np.int64]) -> NDArray[np.float32]:
     """What the scorer gives with ``cache``'s embeddings and the graph's pair features now."""
     positions = cache.positions[rows]
-    pair = feat.pair_features(SPEC, graph, rows)
+    pair = feat.pair_features(SPEC, graph, rows, default_profiles())  # speeds as hetero-greedy estimates them
     return cache.model.score(feat.task_features(SPEC), cache.device_emb[positions], pair, cache.context, WEIGHTS)
 
 

@@ -24,7 +24,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     from export.model import HlbGnn, ModelConfig, save_checkpoint
 
     torch.manual_seed(7)
-    model = HlbGnn(ModelConfig(hidden=16, rounds=2, scorer_hidden=32))
+    model = HlbGnn.random(ModelConfig(hidden=16, rounds=2, scorer_hidden=32))
     model.eval()
     folder = tmp_path_factory.mktemp("gnn")
     save_checkpoint(model, folder / "model.pt", model_version="test-7", training_data="none: seeded random weights")

@@ -50,6 +50,7 @@ ALLOWED_OPS = {
     "Reshape",
     "Shape",
     "Slice",
+    "Sub",
     "Unsqueeze",
     "Where",
 }

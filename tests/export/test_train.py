@@ -138,8 +138,9 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
     phases = ["init"] + ["dagger"] * tiny.dagger_iterations + ["reinforce"] * tiny.rl_iterations
     assert [e["phase"] for e in log] == phases
     for entry in log:
-        assert entry["samples"] > 0 or entry["phase"] == "init"
-        assert math.isfinite(entry["loss"]) or entry["phase"] == "init"
+        if entry["phase"] != "init":  # epoch 0 validates the untrained model: no samples, no loss
+            assert entry["samples"] > 0
+            assert math.isfinite(entry["loss"])
         assert entry["val_ratio"] > 0
     assert len(list((out / "checkpoints").glob("epoch-*.pt"))) == len(log)
     model, version, description = load_checkpoint(out / "best.pt")
