@@ -47,7 +47,7 @@ from torch import Tensor
 
 from daemon import features as feat
 from daemon.graph import InfraGraph, Rows, Task
-from daemon.policy import ObjectiveWeights, Policy, choose_gang
+from daemon.policy import ObjectiveWeights, Policy, choose_gang, make_policy
 from daemon.profiles import DeviceProfiles, default_profiles
 from export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.v1 import events_pb2 as ev
@@ -234,21 +234,15 @@ class TorchGnnPolicy(Policy):
         if self.temperature > 0:
             drawn = scores / self.temperature + self.rng.gumbel(size=len(scores))
         rows, _ = choose_gang(self, spec, graph, feasible, drawn)
-        if self.record is not None and len(feasible) > gang - 1 and len(feasible) >= 2:
-            index = np.searchsorted(feasible, rows) if _sorted(feasible) else _index_of(feasible, rows)
-            order = np.argsort(-drawn[index], kind="stable")
-            self.record(self.decision(spec, graph, feasible, index[order]))
         at = _index_of(feasible, rows)
+        if self.record is not None and len(feasible) >= 2:  # the gang in the order it was drawn
+            self.record(self.decision(spec, graph, feasible, at[np.argsort(-drawn[at], kind="stable")]))
         return rows, float(scores[at].mean())
 
     def decision(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, chosen: NDArray[np.int64]) -> Decision:
         feeds, inputs, _, _ = self.encoded(graph)
         task_x, pair_x = feat.scorer_inputs(spec, graph, feasible, self.profiles, int(self.clock_ms()))
         return Decision(feeds, inputs.device_positions(feasible), task_x, pair_x, chosen, self.sim_time_s())
-
-
-def _sorted(rows: Rows) -> bool:
-    return bool(len(rows) < 2 or (np.diff(rows) > 0).all())
 
 
 def _index_of(feasible: Rows, rows: Rows) -> NDArray[np.int64]:
@@ -449,27 +443,37 @@ class Trainer:
     def fit(self, data: list[Decision], optimizer: torch.optim.Optimizer) -> float:
         """``imitation_epochs`` passes of cross-entropy over ``data``; the mean loss of the last."""
         rng = np.random.default_rng(self.config.seed + self.epoch)
-        self.model.train()
+
+        def loss_of(decision: Decision, cache: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
+            return imitation_loss(decision_scores(self.model, decision, self.weights, cache), decision.chosen)
+
         mean = math.nan
         for _ in range(self.config.imitation_epochs):
-            order = rng.permutation(len(data))
-            losses = []
-            batches = _batches(order, self.config.batch_decisions)
-            for batch in self._bar(batches, f"fit {len(data)} decisions"):
-                cache: dict[int, tuple[Tensor, Tensor]] = {}
-                terms = [
-                    imitation_loss(decision_scores(self.model, data[i], self.weights, cache), data[i].chosen)
-                    for i in batch
-                ]
-                loss = torch.stack(terms).mean()
-                optimizer.zero_grad()
-                loss.backward()  # type: ignore[no-untyped-call]
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-                optimizer.step()
-                losses.append(loss.item())
-            mean = float(np.mean(losses)) if losses else math.nan
-        self.model.eval()
+            mean = self.descend(data, rng.permutation(len(data)), loss_of, optimizer, f"fit {len(data)} decisions")
         return mean
+
+    def descend(
+        self,
+        decisions: Sequence[Decision],
+        order: NDArray[np.int64],
+        loss_of: Callable[[Decision, dict[int, tuple[Tensor, Tensor]]], Tensor],
+        optimizer: torch.optim.Optimizer,
+        label: str,
+    ) -> float:
+        """One pass over ``decisions`` in ``order``, an optimizer step per ``batch_decisions`` of them
+        (decisions of one graph state share an encoder pass); the mean batch loss (nan: none)."""
+        self.model.train()
+        losses = []
+        for batch in self._bar(_batches(order, self.config.batch_decisions), label):
+            cache: dict[int, tuple[Tensor, Tensor]] = {}
+            loss = torch.stack([loss_of(decisions[i], cache) for i in batch]).mean()
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+        self.model.eval()
+        return float(np.mean(losses)) if losses else math.nan
 
     def reinforce(self, iteration: int, optimizer: torch.optim.Optimizer) -> tuple[float, int, float]:
         """One REINFORCE iteration; returns the mean loss, decisions used and mean episode return (s)."""
@@ -501,29 +505,14 @@ class Trainer:
                     decision.advantage = float(advantage)
                     decisions.append(decision)
                 returns.append(float(returns_to_go(result, np.zeros(1))[0]))
-        self.model.train()
-        losses = []
+        temperature = self.config.temperature
+
+        def loss_of(decision: Decision, cache: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
+            scores = decision_scores(self.model, decision, self.weights, cache)
+            return -decision.advantage * plackett_luce_log_prob(scores, decision.chosen, temperature)
+
         order = np.random.default_rng(iteration).permutation(len(decisions))
-        batches = _batches(order, self.config.batch_decisions)
-        for batch in self._bar(batches, f"reinforce {len(decisions)} decisions"):
-            cache: dict[int, tuple[Tensor, Tensor]] = {}
-            terms = [
-                -decisions[i].advantage
-                * plackett_luce_log_prob(
-                    decision_scores(self.model, decisions[i], self.weights, cache),
-                    decisions[i].chosen,
-                    self.config.temperature,
-                )
-                for i in batch
-            ]
-            loss = torch.stack(terms).mean()
-            optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
-        self.model.eval()
-        mean_loss = float(np.mean(losses)) if losses else math.nan
+        mean_loss = self.descend(decisions, order, loss_of, optimizer, f"reinforce {len(decisions)} decisions")
         return mean_loss, len(decisions), float(np.mean(returns)) if returns else 0.0
 
     # validation and bookkeeping
@@ -536,7 +525,8 @@ class Trainer:
                 seed = VALIDATION_SEED_BASE + k
                 key = (stage, seed)
                 if key not in self._baselines:
-                    self._baselines[key] = compute_metrics(self.simulate(stage, seed, _hetero_greedy()))["jct_mean_s"]
+                    baseline = self.simulate(stage, seed, make_policy("hetero-greedy"))
+                    self._baselines[key] = compute_metrics(baseline)["jct_mean_s"]
                 theirs.append(self._baselines[key])
                 ours.append(compute_metrics(self.simulate(stage, seed, self.student()))["jct_mean_s"])
         return float(np.nanmean(ours)), float(np.nanmean(theirs))
@@ -573,12 +563,6 @@ class Trainer:
 
 def _batches(order: NDArray[np.int64], size: int) -> list[NDArray[np.int64]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
-
-
-def _hetero_greedy() -> Policy:
-    from daemon.policy import make_policy
-
-    return make_policy("hetero-greedy")
 
 
 def _plain(value: Any) -> Any:
