@@ -72,8 +72,10 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Polic
     """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
 
     ``gnn`` is the daemon's :class:`daemon.gnn_policy.GnnPolicy` over the ONNX files in ``model``
-    (the shipped model when None), re-encoding whenever the graph changed. A model that does not
-    load is a ValueError here: an evaluation never reports hetero-greedy's fallback as the GNN.
+    (the shipped model when None), re-encoding whenever the graph changed; it loads them on its
+    first decision, and a decision it would leave to hetero-greedy's fallback is a RuntimeError
+    (:func:`_refuse_fallback`), so an evaluation never reports the fallback as the GNN.
+    :func:`check_gnn_model` tells before any run whether the files load.
     """
     if name == "lookahead":
         from sim.lookahead import LookaheadPolicy
@@ -87,21 +89,31 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Polic
     return make_policy(name, seed=seed)
 
 
-def _gnn_policy(model: str | None) -> Policy:
+def _gnn_settings(model: str | None) -> Any:
     from daemon.config import ModelRefreshSettings, ModelSettings
-    from daemon.gnn_policy import GnnPolicy
-    from daemon.inference import ModelError, load_model
 
-    settings = ModelSettings(
+    return ModelSettings(
         path=Path(model) if model else None,
         watch=False,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
     )
+
+
+def _gnn_policy(model: str | None) -> Policy:
+    from daemon.gnn_policy import GnnPolicy
+
+    return GnnPolicy(_gnn_settings(model), mode="sync", on_fallback=_refuse_fallback)
+
+
+def check_gnn_model(model: str | None) -> None:
+    """ValueError naming the folder unless the GNN's files in ``model`` (None: shipped) load."""
+    from daemon.inference import ModelError, load_model
+
+    directory = _gnn_settings(model).directory
     try:
-        load_model(settings.directory)
+        load_model(directory)
     except (ModelError, OSError) as error:
-        raise ValueError(f"policy gnn: the model in {settings.directory} does not load: {error}") from None
-    return GnnPolicy(settings, mode="sync", on_fallback=_refuse_fallback)
+        raise ValueError(f"policy gnn: the model in {directory} does not load: {error}") from None
 
 
 def _refuse_fallback(reason: str) -> None:
@@ -425,6 +437,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     model = str(args.model) if args.model else None
     for policy in policies:
         make_sim_policy(policy, model=model)
+    if "gnn" in policies:
+        check_gnn_model(model)
     seeds = _seeds(args.seeds)
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
