@@ -353,7 +353,7 @@ class GrpcServer:
 
     def __init__(
         self,
-        service: SchedulerService,
+        service: api_grpc.SchedulerServicer,
         listen: str,
         max_message_bytes: int,
         reflect: bool,

@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "latency": ("daemon.bench_latency", "gRPC Place and PlaceBatch against an empty RPC on one loopback server"),
     "ingest": ("daemon.bench_ingest", "Kafka ingest into the graph against a bare consumer of the same topic"),
     "graph": ("daemon.bench_graph", "graph memory and update cost at scale (upsert, metrics batch, remove+add)"),
+    "cells": ("daemon.bench_cells", "decisions/s with 1, 2 and 3 instances sharing the cells through Kafka"),
     "scale": ("daemon.bench_scale", "GNN embedding refresh at 1k-100k devices and daemon RSS with the GNN loaded"),
 }
 

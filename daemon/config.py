@@ -225,6 +225,34 @@ class SnapshotSettings(_Section):
     keep: int = Field(3, ge=1, le=100)  # newest snapshots kept; an older one is the fallback for a corrupt one
 
 
+class CellsSettings(_Section):
+    """Several instances sharing the cells through Kafka (DESIGN.md §9, daemon/cells.py).
+
+    Off: this instance schedules the one cell ``cell``. On: the input topics have ``partitions``
+    partitions, one cell each (the key is the cell; librdkafka's default partitioner puts a cell
+    on CRC-32(cell) mod ``partitions``); the instances of ``kafka.group_id`` share them through the
+    consumer group of ``topic`` (cooperative-sticky, static membership by
+    ``kafka.group_instance_id``), and each rebuilds the cells it is given.
+    """
+
+    enabled: bool = False
+    partitions: int = Field(6, ge=1, le=4096)
+    # Compacted: the group that shares the cells consumes it, and each owner announces here, per
+    # partition, that it serves it and at which address.
+    topic: str = Field("hlb.cells", min_length=1, max_length=249)
+    # host:port other instances forward requests to; empty: grpc.listen as it is bound.
+    advertise: str = ""
+    # How often decisions made by ingest are committed (the API's commit before they answer).
+    commit_interval_s: float = Field(0.05, gt=0, le=10)
+
+    @field_validator("advertise")
+    @classmethod
+    def _empty_or_host_port(cls, value: str) -> str:
+        if value and not _is_host_port(value):
+            raise ValueError(f"expected host:port or empty, got {value!r}")
+        return value
+
+
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -251,6 +279,15 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
     model: ModelSettings = ModelSettings()
+    cells: CellsSettings = CellsSettings()
+
+    @model_validator(mode="after")
+    def _cells_need_kafka(self) -> Settings:
+        if self.cells.enabled and self.bus != "kafka":
+            raise ValueError("cells.enabled needs bus: kafka (the consumer group shares the cells)")
+        if self.cells.enabled and not self.kafka.group_instance_id:
+            raise ValueError("cells.enabled needs kafka.group_instance_id, a stable id per instance")
+        return self
 
     _yaml_file: ClassVar[Path | None] = None
 

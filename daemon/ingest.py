@@ -29,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 import structlog
@@ -48,6 +48,14 @@ log = structlog.get_logger(__name__)
 Event = Any  # a decoded protobuf message (ev.TelemetryEvent or ev.TaskEvent)
 Step = Callable[[RawEvent, Event], Event]  # one pipeline stage: raises EventError to refuse
 Offsets = dict[tuple[str, int], int]  # (topic, partition) -> next offset to read
+
+
+@runtime_checkable
+class PositionedSource(Protocol):
+    """A source that knows its consumer's position, which moves past records it never hands out."""
+
+    def positions(self) -> dict[tuple[str, int], int]: ...
+
 
 STALENESS_SAMPLES = 4096
 MAX_DECODE_BYTES = 512 * 1024  # record values the wire decoder reads at once (see apply_batch)
@@ -197,17 +205,22 @@ class Ingestor:
             ],
         }
         self.max_event_bytes = max_event_bytes
+        # A check of each record before it is decoded (a shard's: the key names its cell); a
+        # message means the record goes to the dead-letter topic with reason ``wrong_cell``.
+        self.admit: Callable[[RawEvent], str | None] | None = None
         self._ids: tuple[dict[str, int], int, IdIndex] | None = None  # (index, generation) it was built for
 
     def run_once(self, max_events: int, timeout_s: float) -> int:
         """Consume, apply and commit one batch; returns the number of records in it."""
         batch = self.source.next_batch(max_events, timeout_s)
         if not batch:
+            self._advance_past_markers()
             self._refresh_lag()
             return 0
         with self.lock:
             self.apply_batch(batch)
             placed = self.scheduler.schedule_pending()
+            self._advance_past_markers()
         self.source.commit(batch)
         self.stats.batches += 1
         self._refresh_lag()
@@ -215,23 +228,44 @@ class Ingestor:
             log.info("placed", count=len(placed), sequence=placed[-1].sequence)
         return len(batch)
 
+    def _advance_past_markers(self) -> None:
+        """Take the source's own positions where it has them (``PositionedSource``): they move past
+        transaction markers, which no record shows, so a replay can tell that it has caught up."""
+        if isinstance(self.source, PositionedSource):
+            ahead = self.source.positions()
+            with self.lock:
+                current = self.positions
+                self.positions = {**current, **{k: v for k, v in ahead.items() if v > current.get(k, 0)}}
+
     def apply_batch(self, batch: Sequence[RawEvent]) -> None:
         """Apply every record of ``batch`` in order (the caller holds the lock)."""
+        records = batch if self.admit is None else self._admitted(batch)
         telemetry = self.topics.telemetry
-        values = [r.value if r.topic == telemetry and r.value is not None else b"" for r in batch]
+        values = [r.value if r.topic == telemetry and r.value is not None else b"" for r in records]
         # The decoder's index arrays take several times the bytes they read: decode at most
         # MAX_DECODE_BYTES of values at once, so a backlog of big records keeps memory bounded.
         start, size = 0, 0
         for i, value in enumerate(values):
             size += len(value)
             if size >= MAX_DECODE_BYTES or i == len(values) - 1:
-                self._apply_chunk(batch[start : i + 1], values[start : i + 1])
+                self._apply_chunk(records[start : i + 1], values[start : i + 1])
                 start, size = i + 1, 0
         # A partition's records come in offset order, so its last record in the batch is its newest.
         self.positions.update({(r.topic, r.partition): r.offset + 1 for r in batch})
         newest = self.scheduler.graph.newest_telemetry_ms
         if newest:
             self.stats.staleness_ms.append(max(0.0, self.clock() * 1000 - newest))
+
+    def _admitted(self, batch: Sequence[RawEvent]) -> Sequence[RawEvent]:
+        assert self.admit is not None
+        kept = []
+        for record in batch:
+            why = self.admit(record)
+            if why is None:
+                kept.append(record)
+            else:
+                self._reject(record, InvalidEventError(why, "wrong_cell"))
+        return kept
 
     def _apply_chunk(self, batch: Sequence[RawEvent], values: list[bytes]) -> None:
         columns = decode_metrics(values, self.max_event_bytes)

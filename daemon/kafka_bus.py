@@ -247,9 +247,11 @@ class KafkaSource:
         self.config = dict(config)  # what librdkafka was given (secrets included: do not log it)
         self._kafka_log = KafkaLog()
         self._consumer = Consumer({**config, "stats_cb": self._on_stats}, logger=self._kafka_log)
-        self._consumer.subscribe(
-            list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
-        )
+        self._join(list(topics))
+
+    def _join(self, topics: list[str]) -> None:
+        """Take part in the group's assignment of ``topics`` (a subclass may assign instead)."""
+        self._consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for partition in partitions:

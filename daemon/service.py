@@ -33,17 +33,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pydantic import BaseModel
 
 from daemon import snapshot
 from daemon.api import GrpcServer, SchedulerService, cluster_state
-from daemon.bus import EventBus, MemoryBus, Publisher
+from daemon.bus import EventBus, MemoryBus, Publisher, RawEvent
 from daemon.codec import decode
 from daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
-from daemon.errors import BrokerError, ConfigError, EventError
+from daemon.errors import BrokerError, ConfigError, EventError, InvalidEventError
 from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, IngestStats, IngestThread
@@ -66,6 +66,9 @@ from daemon.scheduler import Clock, Scheduler
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger
 from daemon.statedump import canonical_state, write_dump
 from hlb.v1 import events_pb2 as ev
+
+if TYPE_CHECKING:
+    from daemon.cellbus import TransactionalPublisher
 
 log = structlog.get_logger(__name__)
 
@@ -115,8 +118,11 @@ class Daemon:
         *,
         config_path: Path | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        shard: int | None = None,
     ) -> None:
         self.settings = settings
+        # One partition of the inputs, for an instance that shares the cells (``run_shard``).
+        self.shard = shard
         self.bus = bus
         self.clock = clock
         self.config_path = config_path
@@ -130,7 +136,10 @@ class Daemon:
         self.raw_publisher = bus.publisher()
         self.publisher: Publisher = self.raw_publisher  # journaled once run() opens the journal
         # The journal: on by default with Kafka (a memory bus ends with the process anyway).
-        self.journal_enabled = settings.bus == "kafka"
+        self.journal_enabled = settings.bus == "kafka" and shard is None
+        # A shard's decisions are committed in Kafka transactions instead (``run_shard``).
+        self.transactions: TransactionalPublisher | None = None
+        self.service: SchedulerService | None = None
         self.journal: JournalFile | None = None
         self._journaled: JournaledPublisher | None = None
         # Input partitions -> the offset replay must reach before the daemon serves (see run()).
@@ -138,7 +147,8 @@ class Daemon:
         self.ready = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
-        self.notifier = SystemdNotifier()
+        # systemd hears from the instance, not from each of its shards.
+        self.notifier = SystemdNotifier() if shard is None else SystemdNotifier(environ={})
         self.serving = False
         self.on_shutdown_snapshot: Callable[[], None] = lambda: None
         self.reloaders: dict[str, Reloader] = {
@@ -169,8 +179,9 @@ class Daemon:
         self.metrics.placements.labels(policy=placement.policy).inc()
 
     def _publish_submitted(self, spec: ev.TaskSpec) -> None:
-        event = ev.TaskEvent(cell=self.settings.cell, event_time_ms=int(self.clock() * 1000), submitted=spec)
-        self.publisher.publish(self.settings.kafka.topics.tasks, self.settings.cell.encode(), event.SerializeToString())
+        cell = self.scheduler.cell
+        event = ev.TaskEvent(cell=cell, event_time_ms=int(self.clock() * 1000), submitted=spec)
+        self.publisher.publish(self.settings.kafka.topics.tasks, cell.encode(), event.SerializeToString())
 
     def open_journal(self) -> int:
         """Open the journal, restore its decisions the ledger lacks and publish them again; returns
@@ -222,6 +233,9 @@ class Daemon:
 
     async def durable(self) -> None:
         """Wait until every decision made so far is in the journal on disk (group commit)."""
+        if self.transactions is not None:
+            await asyncio.to_thread(self.transactions.commit)
+            return
         journal = self.journal
         if journal is None:
             return
@@ -246,6 +260,8 @@ class Daemon:
             marks = probe.read()
         finally:
             probe.close()
+        if self.shard is not None:
+            marks = {key: mark for key, mark in marks.items() if key[1] == self.shard}
         targets = {}
         for (topic, partition), (low, high) in marks.items():
             if start is not None:
@@ -371,10 +387,7 @@ class Daemon:
         """Serve until ``stop`` is set, then shut down in order. Raises if start-up or ingest fails."""
         topics = self.settings.kafka.topics
         grpc_settings = self.settings.grpc
-        service = SchedulerService(self.scheduler, self.lock, self._publish_submitted)
-        service.staleness_ms = self.staleness_ms
-        service.refusal = self.refusal
-        service.durable = self.durable
+        service = self._make_service()
         # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
         server = GrpcServer(
             service,
@@ -435,6 +448,135 @@ class Daemon:
             await self._shutdown(server, ingest, metrics_server)
         if ingest.failure is not None:
             raise RuntimeError("ingest failed") from ingest.failure
+
+    async def run_shard(self, stop: asyncio.Event, announce: Callable[[bool], None]) -> None:
+        """Decide for one partition of the inputs (``self.shard``) until ``stop`` is set, for an
+        instance that shares the cells with others (``daemon.cells``, which serves the gRPC API).
+
+        Like ``run`` without the server and the journal: the transactional producer is set up
+        first (fencing the partition's previous owner and aborting what it left open), then the
+        ledger is read back ``read_committed``, the newest snapshot restored and the inputs
+        replayed; ``announce(True)`` once caught up, ``announce(False)`` before that. Decisions are
+        committed in a transaction before an RPC that made them answers, and those made by ingest
+        every ``cells.commit_interval_s``. Stops early, raising, when the producer is fenced (a new
+        owner took the partition) or ingest fails.
+        """
+        from daemon.cellbus import TransactionalPublisher
+
+        assert self.shard is not None, "run_shard needs a shard"
+        kafka = self.settings.kafka
+        topics = kafka.topics
+        transactions = await asyncio.to_thread(TransactionalPublisher, kafka, f"{kafka.group_id}.shard-{self.shard}")
+        self.transactions = transactions
+        self.publisher = transactions
+        restored = await asyncio.to_thread(self.restore_ledger)
+        start = await asyncio.to_thread(self.restore_snapshot)
+        if not self.scheduler.cell:
+            self.scheduler.cell = next((p.cell for p in self.ledger.since(0) if p.cell), "")
+        log.info("shard restored", shard=self.shard, cell=self.scheduler.cell, placements=restored)
+        self.ledger.subscribe(self._publish_placement)
+        inputs = [topics.telemetry, topics.tasks]
+        await asyncio.to_thread(self.capture_replay_targets, inputs, start)
+        ingest = self._shard_ingest(inputs, start)
+        self.service = self._make_service()
+        if self.snapshots is not None:
+            self.on_shutdown_snapshot = self.write_snapshot
+            self._spawn(self._snapshot_every(self.settings.snapshot.interval_s))
+        committing = asyncio.ensure_future(self._commit_every(transactions, self.settings.cells.commit_interval_s))
+        failure: BaseException | None = None
+        try:
+            await asyncio.to_thread(self._start_policy, self.scheduler.policy)
+            ingest.start()
+            announce(False)
+            if await self._replay_until_caught_up(stop, ingest):
+                self.serving = True
+                announce(True)
+                log.info("shard serving", shard=self.shard, cell=self.scheduler.cell)
+                stopped = asyncio.ensure_future(stop.wait())
+                while not stopped.done() and not committing.done() and ingest.is_alive():
+                    await asyncio.wait([stopped, committing], timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
+        finally:
+            self.serving = False
+            _stop_policy(self.scheduler.policy)
+            if committing.done() and committing.exception() is not None:
+                failure = committing.exception()
+            committing.cancel()
+            await self._hand_over(ingest, transactions, fenced=failure is not None)
+        if failure is not None:
+            raise failure
+        if ingest.failure is not None:
+            raise RuntimeError("ingest failed") from ingest.failure
+
+    def _shard_ingest(self, inputs: Sequence[str], start: dict[tuple[str, int], int] | None) -> IngestThread:
+        kafka = self.settings.kafka
+        source = self.bus.source(inputs, kafka.group_id, start)
+        dead_letters = CountingPublisher(self.raw_publisher, kafka.topics.dlq, self.metrics)
+        ingestor = Ingestor(source, dead_letters, self.scheduler, self.lock, kafka.topics, kafka.max_event_bytes)
+        ingestor.admit = self._admit
+        ingestor.pipelines[kafka.topics.tasks].insert(1, self._same_cell)
+        self._ingestor = ingestor
+        self.ingest = IngestThread(ingestor, kafka.batch_size, kafka.poll_timeout_s)
+        return self.ingest
+
+    def _make_service(self) -> SchedulerService:
+        service = SchedulerService(self.scheduler, self.lock, self._publish_submitted)
+        service.staleness_ms = self.staleness_ms
+        service.refusal = self.refusal
+        service.durable = self.durable
+        return service
+
+    async def _commit_every(self, transactions: TransactionalPublisher, interval_s: float) -> None:
+        """Commit what ingest decided; returns (raising) only when the producer was fenced."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await asyncio.to_thread(transactions.commit)
+
+    async def _hand_over(self, ingest: IngestThread, transactions: TransactionalPublisher, *, fenced: bool) -> None:
+        """Stop a shard so that the next owner starts from everything it did: ingest stops, the
+        snapshot is written, the open transaction committed (unless fenced: it is not ours now)."""
+        if ingest.ident is not None:
+            await asyncio.to_thread(ingest.stop)
+        try:
+            await asyncio.to_thread(self.on_shutdown_snapshot)
+        except Exception:
+            log.exception("shard snapshot failed", shard=self.shard)
+        if not fenced:
+            undelivered = await asyncio.to_thread(transactions.flush, 10.0)
+            if undelivered:
+                log.error("shard handed over with decisions not committed", shard=self.shard, records=undelivered)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.to_thread(self.raw_publisher.flush, 5.0)
+        await asyncio.to_thread(transactions.close)
+        log.info("shard stopped", shard=self.shard, fenced=fenced)
+
+    def _admit(self, record: RawEvent) -> str | None:
+        """A shard's records must carry its one cell as their key (the first one seen adopts it)."""
+        key = record.key.decode("utf-8", "replace") if record.key else ""
+        if not key:
+            return f"partition {record.partition}: no key; with several instances the key must be the cell"
+        cell = self.scheduler.cell
+        if not cell:
+            self.scheduler.cell = key
+            log.info("shard adopts its cell", shard=self.shard, cell=key)
+            return None
+        if key != cell:
+            return (
+                f"partition {record.partition} carries cell {cell!r}, and cell {key!r} lands there too: "
+                "give the topics more partitions (cells.partitions) or the cell another name"
+            )
+        return None
+
+    def _same_cell(self, _: RawEvent, event: Any) -> Any:
+        """A task event of a shard names its cell or none (the key already named it)."""
+        if event.cell and event.cell != self.scheduler.cell:
+            raise InvalidEventError(
+                f"event for cell {event.cell!r} under key {self.scheduler.cell!r}: the key must be the cell",
+                "wrong_cell",
+            )
+        return event
 
     async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:
         """Wait until ingest has replayed to the start's end offsets; False when stopped (or ingest
@@ -747,6 +889,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: Settings, config_path: Path | None) -> int:
+    if settings.cells.enabled:
+        return await _serve_cells(settings)
     stop = asyncio.Event()
     daemon = Daemon(settings, make_bus(settings), config_path=config_path)
     loop = asyncio.get_running_loop()
@@ -768,5 +912,31 @@ async def _serve(settings: Settings, config_path: Path | None) -> int:
         return 1
     except Exception:
         log.exception("daemon failed")
+        return 1
+    return 0
+
+
+async def _serve_cells(settings: Settings) -> int:
+    """``hlb serve`` as one of several instances sharing the cells (``daemon.cells``)."""
+    from daemon.cells import CellHost
+
+    stop = asyncio.Event()
+    host = CellHost(settings)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: log.warning("reload is not supported with cells.enabled; restart the instance")
+    )
+    try:
+        await host.run(stop)
+    except ConfigError as exc:
+        log.error("invalid configuration", error=str(exc))
+        return EX_CONFIG
+    except (BrokerError, OSError) as exc:
+        log.error("instance failed", error=str(exc))
+        return 1
+    except Exception:
+        log.exception("instance failed")
         return 1
     return 0

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hlb.v1 import events_pb2 as hlb_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hlb/v1/scheduler.proto\x12\x06hlb.v1\x1a\x13hlb/v1/events.proto\"B\n\x07Pending\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0equeue_position\x18\x03 \x01(\r\"?\n\x0cPlaceRequest\x12\x1e\n\x04task\x18\x01 \x01(\x0b\x32\x10.hlb.v1.TaskSpec\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"f\n\rPlaceResponse\x12&\n\tplacement\x18\x01 \x01(\x0b\x32\x11.hlb.v1.PlacementH\x00\x12\"\n\x07pending\x18\x02 \x01(\x0b\x32\x0f.hlb.v1.PendingH\x00\x42\t\n\x07outcome\"E\n\x11PlaceBatchRequest\x12\x1f\n\x05tasks\x18\x01 \x03(\x0b\x32\x10.hlb.v1.TaskSpec\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"<\n\x12PlaceBatchResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.hlb.v1.PlaceResponse\"&\n\x13GetPlacementRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"m\n\x14GetPlacementResponse\x12&\n\tplacement\x18\x01 \x01(\x0b\x32\x11.hlb.v1.PlacementH\x00\x12\"\n\x07pending\x18\x02 \x01(\x0b\x32\x0f.hlb.v1.PendingH\x00\x42\t\n\x07outcome\"/\n\x16WatchPlacementsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\"I\n\x13ScoreDevicesRequest\x12\x1e\n\x04task\x18\x01 \x01(\x0b\x32\x10.hlb.v1.TaskSpec\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\"Q\n\x0b\x44\x65viceScore\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x10\n\x08\x66\x65\x61sible\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"K\n\x14ScoreDevicesResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.hlb.v1.DeviceScore\x12\x0e\n\x06policy\x18\x02 \x01(\t\"^\n\x0e\x45xplainRequest\x12\x11\n\x07task_id\x18\x01 \x01(\tH\x00\x12 \n\x04task\x18\x02 \x01(\x0b\x32\x10.hlb.v1.TaskSpecH\x00\x12\r\n\x05top_k\x18\x03 \x01(\rB\x08\n\x06target\"\xb9\x01\n\x0f\x45xplainResponse\x12\'\n\ncandidates\x18\x01 \x03(\x0b\x32\x13.hlb.v1.DeviceScore\x12%\n\x08\x65xcluded\x18\x02 \x03(\x0b\x32\x13.hlb.v1.DeviceScore\x12 \n\x07pending\x18\x03 \x01(\x0b\x32\x0f.hlb.v1.Pending\x12$\n\tplacement\x18\x04 \x01(\x0b\x32\x11.hlb.v1.Placement\x12\x0e\n\x06policy\x18\x05 \x01(\t\"\x18\n\x16GetClusterStateRequest\"k\n\x0bKindSummary\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.hlb.v1.DeviceKind\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\x0f\n\x07healthy\x18\x03 \x01(\r\x12\x18\n\x10mean_utilization\x18\x04 \x01(\x01\"\x80\x02\n\x0c\x43lusterState\x12\x0f\n\x07\x64\x65vices\x18\x01 \x01(\r\x12\r\n\x05hosts\x18\x02 \x01(\r\x12\"\n\x05kinds\x18\x03 \x03(\x0b\x32\x13.hlb.v1.KindSummary\x12\x15\n\rpending_tasks\x18\x04 \x01(\r\x12\x15\n\rrunning_tasks\x18\x05 \x01(\r\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x15\n\rmodel_version\x18\x08 \x01(\t\x12\x14\n\x0cstaleness_ms\x18\t \x01(\x01\x12\x18\n\x10mean_utilization\x18\n \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x0b \x01(\t2\xe9\x03\n\tScheduler\x12\x34\n\x05Place\x12\x14.hlb.v1.PlaceRequest\x1a\x15.hlb.v1.PlaceResponse\x12\x43\n\nPlaceBatch\x12\x19.hlb.v1.PlaceBatchRequest\x1a\x1a.hlb.v1.PlaceBatchResponse\x12I\n\x0cGetPlacement\x12\x1b.hlb.v1.GetPlacementRequest\x1a\x1c.hlb.v1.GetPlacementResponse\x12\x46\n\x0fWatchPlacements\x12\x1e.hlb.v1.WatchPlacementsRequest\x1a\x11.hlb.v1.Placement0\x01\x12I\n\x0cScoreDevices\x12\x1b.hlb.v1.ScoreDevicesRequest\x1a\x1c.hlb.v1.ScoreDevicesResponse\x12:\n\x07\x45xplain\x12\x16.hlb.v1.ExplainRequest\x1a\x17.hlb.v1.ExplainResponse\x12G\n\x0fGetClusterState\x12\x1e.hlb.v1.GetClusterStateRequest\x1a\x14.hlb.v1.ClusterStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hlb/v1/scheduler.proto\x12\x06hlb.v1\x1a\x13hlb/v1/events.proto\"B\n\x07Pending\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0equeue_position\x18\x03 \x01(\r\"M\n\x0cPlaceRequest\x12\x1e\n\x04task\x18\x01 \x01(\x0b\x32\x10.hlb.v1.TaskSpec\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\x0c\n\x04\x63\x65ll\x18\x03 \x01(\t\"f\n\rPlaceResponse\x12&\n\tplacement\x18\x01 \x01(\x0b\x32\x11.hlb.v1.PlacementH\x00\x12\"\n\x07pending\x18\x02 \x01(\x0b\x32\x0f.hlb.v1.PendingH\x00\x42\t\n\x07outcome\"S\n\x11PlaceBatchRequest\x12\x1f\n\x05tasks\x18\x01 \x03(\x0b\x32\x10.hlb.v1.TaskSpec\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\x0c\n\x04\x63\x65ll\x18\x03 \x01(\t\"<\n\x12PlaceBatchResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.hlb.v1.PlaceResponse\"4\n\x13GetPlacementRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63\x65ll\x18\x02 \x01(\t\"m\n\x14GetPlacementResponse\x12&\n\tplacement\x18\x01 \x01(\x0b\x32\x11.hlb.v1.PlacementH\x00\x12\"\n\x07pending\x18\x02 \x01(\x0b\x32\x0f.hlb.v1.PendingH\x00\x42\t\n\x07outcome\"=\n\x16WatchPlacementsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63\x65ll\x18\x02 \x01(\t\"W\n\x13ScoreDevicesRequest\x12\x1e\n\x04task\x18\x01 \x01(\x0b\x32\x10.hlb.v1.TaskSpec\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\x0c\n\x04\x63\x65ll\x18\x03 \x01(\t\"Q\n\x0b\x44\x65viceScore\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x10\n\x08\x66\x65\x61sible\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"K\n\x14ScoreDevicesResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.hlb.v1.DeviceScore\x12\x0e\n\x06policy\x18\x02 \x01(\t\"n\n\x0e\x45xplainRequest\x12\x11\n\x07task_id\x18\x01 \x01(\tH\x00\x12 \n\x04task\x18\x02 \x01(\x0b\x32\x10.hlb.v1.TaskSpecH\x00\x12\x0e\n\x04\x63\x65ll\x18\x04 \x01(\tH\x00\x12\r\n\x05top_k\x18\x03 \x01(\rB\x08\n\x06target\"\xb9\x01\n\x0f\x45xplainResponse\x12\'\n\ncandidates\x18\x01 \x03(\x0b\x32\x13.hlb.v1.DeviceScore\x12%\n\x08\x65xcluded\x18\x02 \x03(\x0b\x32\x13.hlb.v1.DeviceScore\x12 \n\x07pending\x18\x03 \x01(\x0b\x32\x0f.hlb.v1.Pending\x12$\n\tplacement\x18\x04 \x01(\x0b\x32\x11.hlb.v1.Placement\x12\x0e\n\x06policy\x18\x05 \x01(\t\"&\n\x16GetClusterStateRequest\x12\x0c\n\x04\x63\x65ll\x18\x01 \x01(\t\"k\n\x0bKindSummary\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.hlb.v1.DeviceKind\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\x0f\n\x07healthy\x18\x03 \x01(\r\x12\x18\n\x10mean_utilization\x18\x04 \x01(\x01\"\xb6\x02\n\x0c\x43lusterState\x12\x0f\n\x07\x64\x65vices\x18\x01 \x01(\r\x12\r\n\x05hosts\x18\x02 \x01(\r\x12\"\n\x05kinds\x18\x03 \x03(\x0b\x32\x13.hlb.v1.KindSummary\x12\x15\n\rpending_tasks\x18\x04 \x01(\r\x12\x15\n\rrunning_tasks\x18\x05 \x01(\r\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x15\n\rmodel_version\x18\x08 \x01(\t\x12\x14\n\x0cstaleness_ms\x18\t \x01(\x01\x12\x18\n\x10mean_utilization\x18\n \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x0b \x01(\t\x12\x10\n\x08instance\x18\x0c \x01(\t\x12\"\n\x06shards\x18\r \x03(\x0b\x32\x12.hlb.v1.ShardOwner\"o\n\nShardOwner\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0c\n\x04\x63\x65ll\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x10\n\x08since_ms\x18\x06 \x01(\x03\x32\xe9\x03\n\tScheduler\x12\x34\n\x05Place\x12\x14.hlb.v1.PlaceRequest\x1a\x15.hlb.v1.PlaceResponse\x12\x43\n\nPlaceBatch\x12\x19.hlb.v1.PlaceBatchRequest\x1a\x1a.hlb.v1.PlaceBatchResponse\x12I\n\x0cGetPlacement\x12\x1b.hlb.v1.GetPlacementRequest\x1a\x1c.hlb.v1.GetPlacementResponse\x12\x46\n\x0fWatchPlacements\x12\x1e.hlb.v1.WatchPlacementsRequest\x1a\x11.hlb.v1.Placement0\x01\x12I\n\x0cScoreDevices\x12\x1b.hlb.v1.ScoreDevicesRequest\x1a\x1c.hlb.v1.ScoreDevicesResponse\x12:\n\x07\x45xplain\x12\x16.hlb.v1.ExplainRequest\x1a\x17.hlb.v1.ExplainResponse\x12G\n\x0fGetClusterState\x12\x1e.hlb.v1.GetClusterStateRequest\x1a\x14.hlb.v1.ClusterStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PENDING']._serialized_start=55
   _globals['_PENDING']._serialized_end=121
   _globals['_PLACEREQUEST']._serialized_start=123
-  _globals['_PLACEREQUEST']._serialized_end=186
-  _globals['_PLACERESPONSE']._serialized_start=188
-  _globals['_PLACERESPONSE']._serialized_end=290
-  _globals['_PLACEBATCHREQUEST']._serialized_start=292
-  _globals['_PLACEBATCHREQUEST']._serialized_end=361
-  _globals['_PLACEBATCHRESPONSE']._serialized_start=363
-  _globals['_PLACEBATCHRESPONSE']._serialized_end=423
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=425
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=463
-  _globals['_GETPLACEMENTRESPONSE']._serialized_start=465
-  _globals['_GETPLACEMENTRESPONSE']._serialized_end=574
-  _globals['_WATCHPLACEMENTSREQUEST']._serialized_start=576
-  _globals['_WATCHPLACEMENTSREQUEST']._serialized_end=623
-  _globals['_SCOREDEVICESREQUEST']._serialized_start=625
-  _globals['_SCOREDEVICESREQUEST']._serialized_end=698
-  _globals['_DEVICESCORE']._serialized_start=700
-  _globals['_DEVICESCORE']._serialized_end=781
-  _globals['_SCOREDEVICESRESPONSE']._serialized_start=783
-  _globals['_SCOREDEVICESRESPONSE']._serialized_end=858
-  _globals['_EXPLAINREQUEST']._serialized_start=860
-  _globals['_EXPLAINREQUEST']._serialized_end=954
-  _globals['_EXPLAINRESPONSE']._serialized_start=957
-  _globals['_EXPLAINRESPONSE']._serialized_end=1142
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=1144
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=1168
-  _globals['_KINDSUMMARY']._serialized_start=1170
-  _globals['_KINDSUMMARY']._serialized_end=1277
-  _globals['_CLUSTERSTATE']._serialized_start=1280
-  _globals['_CLUSTERSTATE']._serialized_end=1536
-  _globals['_SCHEDULER']._serialized_start=1539
-  _globals['_SCHEDULER']._serialized_end=2028
+  _globals['_PLACEREQUEST']._serialized_end=200
+  _globals['_PLACERESPONSE']._serialized_start=202
+  _globals['_PLACERESPONSE']._serialized_end=304
+  _globals['_PLACEBATCHREQUEST']._serialized_start=306
+  _globals['_PLACEBATCHREQUEST']._serialized_end=389
+  _globals['_PLACEBATCHRESPONSE']._serialized_start=391
+  _globals['_PLACEBATCHRESPONSE']._serialized_end=451
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=453
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=505
+  _globals['_GETPLACEMENTRESPONSE']._serialized_start=507
+  _globals['_GETPLACEMENTRESPONSE']._serialized_end=616
+  _globals['_WATCHPLACEMENTSREQUEST']._serialized_start=618
+  _globals['_WATCHPLACEMENTSREQUEST']._serialized_end=679
+  _globals['_SCOREDEVICESREQUEST']._serialized_start=681
+  _globals['_SCOREDEVICESREQUEST']._serialized_end=768
+  _globals['_DEVICESCORE']._serialized_start=770
+  _globals['_DEVICESCORE']._serialized_end=851
+  _globals['_SCOREDEVICESRESPONSE']._serialized_start=853
+  _globals['_SCOREDEVICESRESPONSE']._serialized_end=928
+  _globals['_EXPLAINREQUEST']._serialized_start=930
+  _globals['_EXPLAINREQUEST']._serialized_end=1040
+  _globals['_EXPLAINRESPONSE']._serialized_start=1043
+  _globals['_EXPLAINRESPONSE']._serialized_end=1228
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=1230
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=1268
+  _globals['_KINDSUMMARY']._serialized_start=1270
+  _globals['_KINDSUMMARY']._serialized_end=1377
+  _globals['_CLUSTERSTATE']._serialized_start=1380
+  _globals['_CLUSTERSTATE']._serialized_end=1690
+  _globals['_SHARDOWNER']._serialized_start=1692
+  _globals['_SHARDOWNER']._serialized_end=1803
+  _globals['_SCHEDULER']._serialized_start=1806
+  _globals['_SCHEDULER']._serialized_end=2295
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,12 @@ class PlaceRequest(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
     dry_run: _builtins.bool
+    cell: _builtins.str
+    """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
+    instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    """
     @_builtins.property
     def task(self) -> _events_pb2.TaskSpec: ...
     def __init__(
@@ -62,10 +67,11 @@ class PlaceRequest(_message.Message):
         *,
         task: _events_pb2.TaskSpec | None = ...,
         dry_run: _builtins.bool = ...,
+        cell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "dry_run", b"dry_run", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,7 +113,12 @@ class PlaceBatchRequest(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
     dry_run: _builtins.bool
+    cell: _builtins.str
+    """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
+    instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_events_pb2.TaskSpec]: ...
     def __init__(
@@ -115,10 +126,11 @@ class PlaceBatchRequest(_message.Message):
         *,
         tasks: _abc.Iterable[_events_pb2.TaskSpec] | None = ...,
         dry_run: _builtins.bool = ...,
+        cell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "dry_run", b"dry_run", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -151,15 +163,21 @@ class GetPlacementRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_ID_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
+    cell: _builtins.str
+    """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
+    instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
+        cell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -196,16 +214,22 @@ class WatchPlacementsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FROM_SEQUENCE_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
     from_sequence: _builtins.int
     """first sequence to send; 0 or 1 means from the start"""
+    cell: _builtins.str
+    """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
+    instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    """
     def __init__(
         self,
         *,
         from_sequence: _builtins.int = ...,
+        cell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_sequence", b"from_sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "from_sequence", b"from_sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -217,6 +241,11 @@ class ScoreDevicesRequest(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
+    cell: _builtins.str
+    """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
+    instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    """
     @_builtins.property
     def task(self) -> _events_pb2.TaskSpec: ...
     @_builtins.property
@@ -226,10 +255,11 @@ class ScoreDevicesRequest(_message.Message):
         *,
         task: _events_pb2.TaskSpec | None = ...,
         device_ids: _abc.Iterable[_builtins.str] | None = ...,
+        cell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "device_ids", b"device_ids", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -296,9 +326,14 @@ class ExplainRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """a task the daemon knows"""
+    cell: _builtins.str
+    """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
+    instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    """
     top_k: _builtins.int
     """0 means 5"""
     @_builtins.property
@@ -310,13 +345,14 @@ class ExplainRequest(_message.Message):
         *,
         task_id: _builtins.str = ...,
         task: _events_pb2.TaskSpec | None = ...,
+        cell: _builtins.str = ...,
         top_k: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["target", b"target", "task", b"task", "task_id", b"task_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "target", b"target", "task", b"task", "task_id", b"task_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["target", b"target", "task", b"task", "task_id", b"task_id", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "target", b"target", "task", b"task", "task_id", b"task_id", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["task_id", "task"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["task_id", "task", "cell"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 
@@ -369,12 +405,19 @@ Global___ExplainResponse: _TypeAlias = ExplainResponse  # noqa: Y015
 class GetClusterStateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    CELL_FIELD_NUMBER: _builtins.int
+    cell: _builtins.str
+    """A cell's summary; empty: the answering daemon's own cells (with `cells.enabled`, every cell
+    owned here, added up). `shards` in the answer lists every owner either way.
+    """
     def __init__(
         self,
+        *,
+        cell: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -423,6 +466,8 @@ class ClusterState(_message.Message):
     STALENESS_MS_FIELD_NUMBER: _builtins.int
     MEAN_UTILIZATION_FIELD_NUMBER: _builtins.int
     DEGRADED_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
     devices: _builtins.int
     hosts: _builtins.int
     pending_tasks: _builtins.int
@@ -437,8 +482,14 @@ class ClusterState(_message.Message):
     """Empty while the configured policy decides; otherwise why it cannot and a fallback decides
     instead (e.g. the GNN's model is missing, corrupt or failed: hetero-greedy decides).
     """
+    instance: _builtins.str
+    """With several instances (`cells.enabled`): who answered, and who owns which partition (shard)
+    of the input topics, as the instances announce it on the cells topic.
+    """
     @_builtins.property
     def kinds(self) -> _containers.RepeatedCompositeFieldContainer[Global___KindSummary]: ...
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardOwner]: ...
     def __init__(
         self,
         *,
@@ -453,11 +504,55 @@ class ClusterState(_message.Message):
         staleness_ms: _builtins.float = ...,
         mean_utilization: _builtins.float = ...,
         degraded: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        shards: _abc.Iterable[Global___ShardOwner] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "devices", b"devices", "hosts", b"hosts", "kinds", b"kinds", "last_sequence", b"last_sequence", "mean_utilization", b"mean_utilization", "model_version", b"model_version", "pending_tasks", b"pending_tasks", "policy", b"policy", "running_tasks", b"running_tasks", "staleness_ms", b"staleness_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "devices", b"devices", "hosts", b"hosts", "instance", b"instance", "kinds", b"kinds", "last_sequence", b"last_sequence", "mean_utilization", b"mean_utilization", "model_version", b"model_version", "pending_tasks", b"pending_tasks", "policy", b"policy", "running_tasks", b"running_tasks", "shards", b"shards", "staleness_ms", b"staleness_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterState: _TypeAlias = ClusterState  # noqa: Y015
+
+@_typing.final
+class ShardOwner(_message.Message):
+    """One partition of the input topics and the instance that owns it (DESIGN.md §9)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
+    SINCE_MS_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    """the partition index"""
+    cell: _builtins.str
+    """the cell whose events it carries; empty until one arrived"""
+    instance: _builtins.str
+    """the owner's kafka.group_instance_id"""
+    address: _builtins.str
+    """where the owner serves gRPC (host:port)"""
+    serving: _builtins.bool
+    """false while the owner rebuilds it (snapshot, replay)"""
+    since_ms: _builtins.int
+    """when this owner announced it (Unix epoch ms)"""
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        cell: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        address: _builtins.str = ...,
+        serving: _builtins.bool = ...,
+        since_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cell", b"cell", "instance", b"instance", "serving", b"serving", "shard", b"shard", "since_ms", b"since_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardOwner: _TypeAlias = ShardOwner  # noqa: Y015
