@@ -264,6 +264,10 @@ def _live_phase(args: argparse.Namespace, topic: str, ingestor: Any, filled: int
     before they were sent, and that wait counted as the graph's staleness. The samples start
     once the graph holds the producer's telemetry (the fill's is older by the phases between).
     """
+    if args.live_events <= 0:  # no live phase: no staleness to report
+        ingestor.stats.staleness_ms.clear()
+        ingestor.stats.staleness_peak_ms.clear()
+        return {"messages": 0, "reports_per_s": 0}
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     started_ms = time.time() * 1000
