@@ -74,12 +74,24 @@ class IngestStats:
     batches: int = 0
     metrics_reports: int = 0  # device metrics applied (a metrics batch holds many)
     lag: dict[tuple[str, int], int] = field(default_factory=dict)
-    # Age of the newest applied telemetry right after each batch, ms (newest last).
+    # Age of the newest applied telemetry right after each batch, ms (newest last): the delay
+    # from an event's time to the graph, the low point of the age a reader of the graph sees.
     staleness_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALENESS_SAMPLES))
+    # The same age just before a batch that brought newer telemetry was applied, ms: the high
+    # point, how old the graph had grown when it was refreshed (what a reader saw at worst).
+    staleness_peak_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALENESS_SAMPLES))
 
     def staleness_p99_ms(self) -> float:
-        """p99 of the recent staleness samples; -1 when there are none."""
-        return float(np.percentile(np.fromiter(self.staleness_ms, dtype=np.float64), 99)) if self.staleness_ms else -1.0
+        """p99 of the recent staleness samples (after each batch); -1 when there are none."""
+        return _p99(self.staleness_ms)
+
+    def staleness_peak_p99_ms(self) -> float:
+        """p99 of the recent peak staleness samples (before each refresh); -1 when there are none."""
+        return _p99(self.staleness_peak_ms)
+
+
+def _p99(samples: deque[float]) -> float:
+    return float(np.percentile(np.fromiter(samples, dtype=np.float64), 99)) if samples else -1.0
 
 
 # -- pipeline steps ------------------------------------------------------------------------------
@@ -240,6 +252,7 @@ class Ingestor:
     def apply_batch(self, batch: Sequence[RawEvent]) -> None:
         """Apply every record of ``batch`` in order (the caller holds the lock)."""
         records = batch if self.admit is None else self._admitted(batch)
+        previous = self.scheduler.graph.newest_telemetry_ms
         telemetry = self.topics.telemetry
         values = [r.value if r.topic == telemetry and r.value is not None else b"" for r in records]
         # The decoder's index arrays take several times the bytes they read: decode at most
@@ -254,7 +267,10 @@ class Ingestor:
         self.positions.update({(r.topic, r.partition): r.offset + 1 for r in batch})
         newest = self.scheduler.graph.newest_telemetry_ms
         if newest:
-            self.stats.staleness_ms.append(max(0.0, self.clock() * 1000 - newest))
+            now_ms = self.clock() * 1000
+            self.stats.staleness_ms.append(max(0.0, now_ms - newest))
+            if previous and newest > previous:
+                self.stats.staleness_peak_ms.append(max(0.0, now_ms - previous))
 
     def _admitted(self, batch: Sequence[RawEvent]) -> Sequence[RawEvent]:
         assert self.admit is not None

@@ -40,6 +40,8 @@ log = structlog.get_logger(__name__)
 
 ClientConfig = dict[str, str | int | float | bool]
 
+FETCH_QUEUE_BACKOFF_MS = 10  # see KafkaSource: how soon a full prefetch queue is looked at again
+
 
 def _client_config(settings: KafkaSettings) -> ClientConfig:
     config: ClientConfig = {"bootstrap.servers": settings.bootstrap_servers}
@@ -233,6 +235,11 @@ class KafkaSource:
         config: ClientConfig = {
             # Tunables: kafka.client_config overrides them.
             "fetch.wait.max.ms": 50,
+            # Once more than queued.min.messages (100,000) are prefetched, librdkafka waits this
+            # long before it fetches again. Its default, 1 s, is longer than ingest takes to apply
+            # those records (about 0.4 s), so a catching-up ingest (a replay, a backlog) then sat
+            # idle with an empty queue for up to 0.6 s while the graph fell behind.
+            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
             "statistics.interval.ms": statistics_interval_ms,
             **_client_config(settings),
             # What hlb's correctness depends on (config.FIXED_CLIENT_KEYS refuses overrides).

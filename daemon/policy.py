@@ -220,14 +220,20 @@ class HeteroGreedy(Policy):
         return self._score(spec, graph, rows, self.profiles.runtime_s(graph, rows, spec))
 
     def batch_scorer(self, spec: ev.TaskSpec, graph: InfraGraph) -> Callable[[Rows], Scores]:
-        """The run times (a device's model and peak) are computed once for every device row."""
+        """The run times (a device's model and peak) are computed once for every device row; a task
+        without dependencies has its inputs ready everywhere (``ready_s`` 0), so that is not added."""
         runtime = self.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
-        return lambda rows: self._score(spec, graph, rows, runtime[rows])
+        ready = bool(spec.dependencies)
+        return lambda rows: self._score(spec, graph, rows, runtime[rows], ready)
 
-    def _score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, runtime: NDArray[np.float64]) -> Scores:
+    def _score(
+        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, runtime: NDArray[np.float64], ready: bool = True
+    ) -> Scores:
         w = self.weights
         work = spec.work_ref_s if spec.work_ref_s > 0 else 1.0
-        finish = self.ready_s(spec, graph, rows) + runtime / device_share(graph, rows)
+        finish = runtime / device_share(graph, rows)
+        if ready:
+            finish = self.ready_s(spec, graph, rows) + finish
         scores: Scores = finish * (-w.completion_time / work)
         if w.energy:
             power = graph.devices.peak_power_w[rows]

@@ -112,7 +112,9 @@ class _BatchScores:
         self.graph = graph
         self.policy = policy
         self.entries: dict[ShapeKey, _Shape] = {}
-        self.upper_bounds = policy.binding_lowers_scores and type(policy).choose_gang is Policy.choose_gang
+        # With the default choose_gang a task of one device takes the first of the best scores.
+        self.first_best = type(policy).choose_gang is Policy.choose_gang
+        self.upper_bounds = policy.binding_lowers_scores and self.first_best
 
     def choose(self, spec: ev.TaskSpec) -> tuple[Rows, Rows, float] | None:
         """(feasible rows, gang, mean score) as ``feasible_rows`` and ``choose_gang`` would give them
@@ -130,10 +132,15 @@ class _BatchScores:
             self.entries[key] = entry
         elif entry.stale:
             if self.upper_bounds and spec.num_devices <= 1 and len(entry.rows):
-                best = int(np.argmax(entry.scores))
+                best = int(entry.scores.argmax())
                 if int(entry.rows[best]) not in entry.stale:
                     return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
             self._refresh(entry)
+        if self.first_best and spec.num_devices <= 1:  # choose_gang's answer, without its call
+            if not len(entry.rows):
+                return entry.rows, entry.rows, 0.0
+            best = int(entry.scores.argmax())
+            return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
         gang, score = self.policy.choose_gang(spec, self.graph, entry.rows, entry.scores)
         return entry.rows, gang, score
 
@@ -145,21 +152,25 @@ class _BatchScores:
     def _refresh(self, entry: _Shape) -> None:
         """Recheck and rescore the entry's stale rows; drop those that no longer fit."""
         rows = entry.rows
-        if len(entry.stale) == 1:  # the common case (one device bound since): no sorting, no masks
+        if len(entry.stale) == 1:  # the common case (one device bound since): a slice, no masks
             row = entry.stale.pop()
-            i = int(np.searchsorted(rows, row))
+            i = int(rows.searchsorted(row))
             if i == len(rows) or rows[i] != row:
                 return
-            at: NDArray[np.intp] = np.arange(i, i + 1)
-        else:
-            changed = np.fromiter(sorted(entry.stale), dtype=np.int64, count=len(entry.stale))
-            entry.stale.clear()
-            if not len(rows):
-                return
-            at = np.searchsorted(rows, changed)
-            at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)]
-            if not len(at):
-                return
+            one = rows[i : i + 1]
+            if self.graph.room(entry.spec, one)[0]:
+                entry.scores[i : i + 1] = entry.score(one)
+            else:
+                entry.rows, entry.scores = np.delete(rows, i), np.delete(entry.scores, i)
+            return
+        changed = np.fromiter(sorted(entry.stale), dtype=np.int64, count=len(entry.stale))
+        entry.stale.clear()
+        if not len(rows):
+            return
+        at: NDArray[np.intp] = rows.searchsorted(changed)
+        at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)]
+        if not len(at):
+            return
         ok = self.graph.room(entry.spec, rows[at])
         if ok.any():
             entry.scores[at[ok]] = entry.score(rows[at[ok]])
@@ -484,11 +495,12 @@ class Scheduler:
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
+        rows: list[int] = gang.tolist()
         placement = ev.Placement(
             task_id=task.spec.id,
             job_id=task.spec.job_id,
             cell=task.cell,
-            device_ids=self.graph.device_ids_of(gang),
+            device_ids=self.graph.device_ids_of(rows),
             policy=self.policy.name,
             score=score,
             decided_at_ms=int(self.clock() * 1000),
@@ -496,7 +508,7 @@ class Scheduler:
         if dry_run:
             return placement
         self._dequeue(task.spec.id)
-        self.graph.bind(task, [int(r) for r in gang])
+        self.graph.bind(task, rows)
         self.policy.placed(task.spec, self.graph, gang)
         if cache is not None:
             cache.bound(task.device_rows)

@@ -112,5 +112,6 @@ def test_tunables_override_hlb_defaults_while_fixed_keys_and_static_membership_r
     try:
         assert "group.instance.id" not in default.config
         assert default.config["fetch.wait.max.ms"] == 50
+        assert default.config["fetch.queue.backoff.ms"] == 10  # librdkafka's 1 s idled a catching-up ingest
     finally:
         default.close()

@@ -160,6 +160,25 @@ def test_lag_and_staleness_are_measured() -> None:
     assert ingestor.stats.lag[(TOPICS.telemetry, 0)] == 0
 
 
+def test_peak_staleness_is_the_age_the_graph_had_reached_when_newer_telemetry_arrived() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus)
+    now = [2.0]
+    ingestor.clock = lambda: now[0]
+    publish(bus, TOPICS.telemetry, DEVICE)
+    publish(bus, TOPICS.telemetry, telemetry(1500, metrics_batch=metrics(("d0", 0.1))))
+    ingestor.run_once(2, 0.0)  # the first telemetry: no earlier age to report
+    assert list(ingestor.stats.staleness_peak_ms) == []
+    now[0] = 2.3
+    publish(bus, TOPICS.telemetry, DEVICE)  # inventory only: the newest telemetry stays as it was
+    ingestor.run_once(1, 0.0)
+    publish(bus, TOPICS.telemetry, telemetry(2250, metrics_batch=metrics(("d0", 0.2))))
+    ingestor.run_once(1, 0.0)
+    assert list(ingestor.stats.staleness_peak_ms) == [800.0]  # 2300 - 1500, just before the refresh
+    assert list(ingestor.stats.staleness_ms) == [500.0, 800.0, 50.0]
+    assert ingestor.stats.staleness_peak_p99_ms() == 800.0
+
+
 def test_librdkafka_statistics_give_lag_per_assigned_partition() -> None:
     stats = {
         "topics": {

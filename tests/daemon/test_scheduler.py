@@ -512,6 +512,49 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(
     assert sum(p is not None for p in batched) > (60 if per_device == 0 else 30)
 
 
+@pytest.mark.parametrize("policy", ["least-loaded", "best-fit", "hetero-greedy", "heft"])
+@pytest.mark.parametrize("per_device", [0, 2])
+def test_a_batch_of_one_device_tasks_decides_as_placing_them_one_by_one_by_priority(
+    policy: str, per_device: int
+) -> None:
+    """The common batch: many one-device tasks of a few shapes, each binding making its device's
+    score stale, devices filling up until they drop out, priorities reordering the batch."""
+    rng = np.random.default_rng(11)
+    models = ["V100-SXM2-16GB", "A100-SXM4-80GB", "T4"]
+
+    def cluster() -> Scheduler:
+        graph = InfraGraph(max_tasks_per_device=per_device)
+        scheduler = Scheduler(graph, make_policy(policy), PlacementLedger(), "c", clock=lambda: 0.0)
+        for i in range(24):
+            spec = ev.Device(
+                id=f"d{i}", host_id=f"h{i // 8}", kind=GPU, model=models[i % 3], memory_gb=16 + 8 * (i % 3)
+            )
+            scheduler.apply_telemetry(ev.TelemetryEvent(device_upsert=spec))
+        return scheduler
+
+    specs = [
+        ev.TaskSpec(
+            id=f"t{i}",
+            workload_class="resnet50",
+            memory_per_device_gb=float(rng.choice([3.0, 3.0, 3.0, 7.0])),
+            work_ref_s=600.0,
+            priority=int(rng.integers(0, 3)),
+        )
+        for i in range(150)
+    ]
+    batched = cluster().place_batch(specs)
+    one_by_one = cluster()
+    by_priority = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
+    decided = {i: one_by_one.place(specs[i]).placement for i in by_priority}
+    single = [decided[i] for i in range(len(specs))]  # in request order, as the batch answers
+    assert [d.placement.device_ids if d.placement else None for d in batched] == [
+        p.device_ids if p else None for p in single
+    ]
+    assert [d.placement.score if d.placement else None for d in batched] == [p.score if p else None for p in single]
+    placed = sum(d.placement is not None for d in batched)
+    assert 20 < placed < len(specs)  # devices filled up and dropped out before the batch ended
+
+
 def test_a_batch_names_its_first_bad_spec_as_checking_them_in_order_would() -> None:
     good = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=1.0) for i in range(6)]
     cases = {

@@ -3,11 +3,12 @@
 The load generator publishes metrics batches (one per cluster, every device) and task submissions at
 a steady rate the daemon keeps up with, then at ten times that rate while the daemon's consumer
 stalls for a few seconds (SIGSTOP), then stops. Meanwhile the test samples the serve process's
-resident memory from /proc and its progress (events applied, from the state dump). The burst must
-build a real backlog (the test fails if the daemon never fell behind, as it would then prove
-nothing), memory during burst and drain must stay within the consumer's prefetch limit plus a fixed
-margin of the steady-state peak however large the backlog (a daemon that buffered the backlog would
-exceed it), and every event must end up applied and every task placed.
+resident memory from /proc and, from the burst on, its lag: events published so far minus events
+applied (``hlb_events_applied`` on /metrics). The burst must build a real backlog (the test fails
+if the daemon never fell behind, as it would then prove nothing), memory during burst and drain
+must stay within the consumer's prefetch limit plus a fixed margin of the steady-state peak however
+large the backlog (a daemon that buffered the backlog would exceed it), and every event must end
+up applied and every task placed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,34 @@ class Sampler(threading.Thread):
         return max(rss for t, rss in self.samples if since <= t <= until)
 
 
+class Published:
+    """How many events the load has handed to its producer so far (read by ``LagSampler``)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class LagSampler(threading.Thread):
+    """Samples the daemon's lag (events published minus applied) every 0.1 s until stopped."""
+
+    def __init__(self, daemon: Daemon, published: Published) -> None:
+        super().__init__(daemon=True)
+        self.daemon_process = daemon
+        self.published = published
+        self.lags: list[int] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            sent = self.published.count  # read first: what is published meanwhile is not counted
+            try:
+                applied = self.daemon_process.metrics()["hlb_events_applied_total"]
+            except OSError:  # stopped longer than the scrape's timeout: the next sample counts
+                continue
+            self.lags.append(sent - int(applied))
+            self.done.wait(0.1)
+
+
 def tiny_tasks(prefix: str, count: int) -> list[ev.TaskSpec]:
     return [ev.TaskSpec(id=f"{prefix}-{i}", memory_per_device_gb=0.1) for i in range(count)]
 
@@ -82,8 +111,11 @@ def metrics_payload() -> bytes:
     return ev.TelemetryEvent(metrics_batch=batch).SerializeToString()
 
 
-def publish_paced(load: Load, payload: bytes, per_s: float, seconds: float, tasks: list[ev.TaskSpec]) -> int:
-    """Publish metrics at ``per_s`` (and ``tasks`` spread evenly) for ``seconds``; returns how many metrics."""
+def publish_paced(
+    load: Load, payload: bytes, per_s: float, seconds: float, tasks: list[ev.TaskSpec], published: Published
+) -> int:
+    """Publish metrics at ``per_s`` (and ``tasks`` spread evenly) for ``seconds``, counting every event
+    in ``published``; returns how many metrics."""
     start = time.monotonic()
     total = int(per_s * seconds)
     every = max(1, total // max(1, len(tasks)))
@@ -94,10 +126,13 @@ def publish_paced(load: Load, payload: bytes, per_s: float, seconds: float, task
             load.producer.poll(0.001)
         header = ev.TelemetryEvent(cell=CELL, event_time_ms=now_ms(), source="burst").SerializeToString()
         load.send(load.topics.telemetry, header + payload)
+        published.count += 1
         if queue and i % every == 0:
             load.submit(queue.pop())
+            published.count += 1
     for spec in queue:
         load.submit(spec)
+        published.count += 1
     return total
 
 
@@ -113,10 +148,16 @@ class Run:
 
 
 def steady_then_burst(
-    load: Load, payload: bytes, steady_tasks: list[ev.TaskSpec], burst_tasks: list[ev.TaskSpec], daemon: Daemon
+    load: Load,
+    payload: bytes,
+    steady_tasks: list[ev.TaskSpec],
+    burst_tasks: list[ev.TaskSpec],
+    daemon: Daemon,
+    lag: LagSampler,
 ) -> Run:
+    progress = lag.published
     steady_start = time.monotonic()
-    steady = publish_paced(load, payload, STEADY_PER_S, STEADY_S, steady_tasks)
+    steady = publish_paced(load, payload, STEADY_PER_S, STEADY_S, steady_tasks, progress)
     steady_rate = steady / (time.monotonic() - steady_start)
     load.flush()
     burst_start = time.monotonic()
@@ -125,7 +166,8 @@ def steady_then_burst(
     daemon.process.send_signal(signal.SIGSTOP)
     resume = threading.Timer(STALL_S, daemon.process.send_signal, args=(signal.SIGCONT,))
     resume.start()
-    burst = publish_paced(load, payload, STEADY_PER_S * 10, BURST_S, burst_tasks)
+    lag.start()  # the daemon may catch up before the burst ends: the lag is watched while it builds
+    burst = publish_paced(load, payload, STEADY_PER_S * 10, BURST_S, burst_tasks, progress)
     burst_rate = burst / (time.monotonic() - burst_start)
     load.flush()
     resume.join()
@@ -163,6 +205,7 @@ def test_a_burst_of_ten_times_the_steady_rate_keeps_memory_bounded_and_the_lag_d
     load = Load(kafka_bootstrap, topics, inventory=INVENTORY)
     ledger = LedgerFollower(kafka_bootstrap, topics.placements)
     sampler = Sampler(daemon)
+    lag = LagSampler(daemon, Published(len(INVENTORY)))
     payload = metrics_payload()
     steady_tasks = [ev.TaskSpec(id=f"steady-{i}", memory_per_device_gb=0.1) for i in range(int(TASKS_PER_S * STEADY_S))]
     burst_tasks = [
@@ -173,15 +216,19 @@ def test_a_burst_of_ten_times_the_steady_rate_keeps_memory_bounded_and_the_lag_d
         load.flush()
         wait_until(lambda: daemon.cluster_state().devices == len(DEVICES), 30, "the inventory to be applied")
         sampler.start()
-        run = steady_then_burst(load, payload, steady_tasks, burst_tasks, daemon)
+        run = steady_then_burst(load, payload, steady_tasks, burst_tasks, daemon, lag)
         lags = wait_drained(daemon, run.published)
         ledger.wait_for([s.id for s in steady_tasks + burst_tasks], 60)
         sampler.done.set()
         sampler.join()
+        lag.done.set()
+        lag.join()
+        lags += lag.lags
         assert daemon.alive()
         assert daemon.terminate() == 0, daemon.log()[-5000:]
     finally:
         sampler.done.set()
+        lag.done.set()
         ledger.close()
         config.stop_all()
 
