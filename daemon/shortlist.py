@@ -132,28 +132,22 @@ class ShortlistBatch:
                 self.used_up = True
             else:
                 level = self.level[i]
-                self.room[i] = self.room_table[level, i]
-                self.current_prior[i] = self.prior_table[level, i]
+                self.ranked[i] = self.prior_table[level, i] if self.room_table[level, i] else -np.inf
                 self.learned[i] = self.learned_table[level, i]
                 self._fell(i)
         elif np.isin(np.asarray(rows), self.window_rows).any():
             self.touched = True
         self.last = None
 
-    def _ranked(self) -> Scores:
-        """The window's priors now, -inf for a row without room. [M]."""
-        ranked: Scores = np.where(self.room, self.current_prior, -np.inf)
-        return ranked
-
     def _fell(self, i: int) -> None:
         """Row ``i`` of the shortlist lost prior (or room): the best row of the window outside the
         shortlist takes its place when it now ranks higher (the shortlist stays the window's best k)."""
-        ranked = self._ranked()
+        ranked = self.ranked
         outside = np.where(self.in_shortlist, -np.inf, ranked)
         j = int(np.argmax(outside))  # the first best: the lowest row
         if outside[j] > ranked[i] or (outside[j] == ranked[i] > -np.inf and j < i):
             self.in_shortlist[i], self.in_shortlist[j] = False, True
-        elif not self.room[i]:
+        elif ranked[i] == -np.inf:  # no room left, and no row to take its place
             self.in_shortlist[i] = False
 
     def _shortlist_holds(self) -> bool:
@@ -164,7 +158,7 @@ class ShortlistBatch:
         size = int(self.in_shortlist.sum())
         if size < self.k:
             return False
-        values = np.where(self.in_shortlist, self._ranked(), np.inf)
+        values = np.where(self.in_shortlist, self.ranked, np.inf)
         worst_prior = float(values.min())
         worst = int(np.flatnonzero(values == worst_prior)[-1])
         outside_prior, outside_row = self.outside
@@ -209,12 +203,11 @@ class ShortlistBatch:
         self.prior_table = self.prior_of(rows, occupancy).reshape(self.levels, n)
         self.learned_table = np.asarray(learned, dtype=np.float64).reshape(self.levels, n)
         self.level = np.zeros(n, dtype=np.int64)
-        self.room = self.room_table[0].copy()
-        self.current_prior = self.prior_table[0].copy()
+        # The window's priors now, -inf for a row without room. [M]
+        self.ranked: Scores = np.where(self.room_table[0], self.prior_table[0], -np.inf)
         self.learned = self.learned_table[0].copy()
-        ranked = self._ranked()
         self.in_shortlist = np.zeros(n, dtype=np.bool_)
-        self.in_shortlist[top_rows(ranked, min(self.k, int(self.room.sum())))] = True
+        self.in_shortlist[top_rows(self.ranked, min(self.k, int(self.room_table[0].sum())))] = True
         self.used_up = False
         self.touched = False
         self.last = None
