@@ -190,6 +190,9 @@ class ModelSettings(_Section):
     providers: tuple[str, ...] = ("CUDAExecutionProvider", "CPUExecutionProvider")
     # Reload the model when its files change (checked by the refresh thread), besides on SIGHUP.
     watch: bool = True
+    # Two-stage ranking: the scorer ranks the best `shortlist` feasible devices by hetero-greedy's
+    # estimated finish (its physical prior), more for a gang; 0: every feasible device.
+    shortlist: int = Field(64, ge=0, le=1_000_000)
     refresh: ModelRefreshSettings = ModelRefreshSettings()
 
     @field_validator("providers")

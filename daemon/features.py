@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Rows, TaskState
+from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Occupancy, Rows, TaskState
 from daemon.profiles import DeviceProfiles
 from hlb.v1 import events_pb2 as ev
 
@@ -552,11 +552,12 @@ def estimated_speed(
     return speed, profiled
 
 
-def device_share(graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+def device_share(graph: InfraGraph, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.float64]:
     """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
-    there (``1 / (n + 1)``), or what measured load leaves free when that is less. [N] -> [N] in (0, 1]."""
+    there (``1 / (n + 1)``), or what measured load leaves free when that is less. ``occupancy``:
+    instead of the rows' own. [N] -> [N] in (0, 1]."""
     d = graph.devices
-    placed = 1.0 / (1.0 + d.n_tasks[rows])
+    placed = 1.0 / (1.0 + (d.n_tasks[rows] if occupancy is None else occupancy.n_tasks))
     measured = np.maximum(1.0 - d.utilization[rows], 0.05)
     share: NDArray[np.float64] = np.minimum(placed, measured)
     return share
@@ -586,10 +587,17 @@ def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[
 
 
 def pair_features(
-    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
+    spec: ev.TaskSpec,
+    graph: InfraGraph,
+    rows: Rows,
+    profile: SpeedProfile | DeviceProfiles | None = None,
+    occupancy: Occupancy | None = None,
 ) -> Matrix:
-    """Features of (task, candidate device) pairs for the scorer. Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
+    """Features of (task, candidate device) pairs for the scorer. ``occupancy``: the rows' tasks and
+    reservations to assume instead of their own (a row may appear more than once, each time with
+    its own). Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
     d = graph.devices
+    occupancy = occupancy if occupancy is not None else Occupancy.of(graph, rows)
     speed, profiled = estimated_speed(spec, graph, rows, profile)
     runtime = np.where(speed > 0, spec.work_ref_s / np.where(speed > 0, speed, 1.0), 1.0e9)
     energy_kj = runtime * d.peak_power_w[rows] / 1000.0
@@ -602,10 +610,10 @@ def pair_features(
         _, inverse, counts = np.unique(d.host[rows], return_inverse=True, return_counts=True)
         same_host = np.minimum(counts[inverse], gang) / gang
     memory = d.memory_gb[rows]
-    free = np.maximum(graph.free_memory_gb(rows), 0.0)
+    free = np.maximum(graph.free_memory_gb(rows, occupancy), 0.0)
     fit = np.where(free > 0, np.minimum(spec.memory_per_device_gb / np.where(free > 0, free, 1.0), 1.0), 1.0)
     after = np.where(
-        memory > 0, (d.reserved_gb[rows] + spec.memory_per_device_gb) / np.where(memory > 0, memory, 1.0), 1.0
+        memory > 0, (occupancy.reserved_gb + spec.memory_per_device_gb) / np.where(memory > 0, memory, 1.0), 1.0
     )
     preferred_index = [graph.model_names.index(m) for m in spec.preferred_models if m in graph.model_names]
     raw = np.column_stack(
@@ -616,13 +624,13 @@ def pair_features(
             local,
             local / total_in if total_in > 0 else np.zeros(len(rows)),
             same_host,
-            d.n_tasks[rows],
+            occupancy.n_tasks,
             fit,
             np.minimum(after, 1.0),
-            graph.load(rows),
+            graph.load(rows, occupancy),
             np.isin(d.model[rows], preferred_index),
             profiled,
-            runtime / device_share(graph, rows),
+            runtime / device_share(graph, rows, occupancy),
         ]
     ).astype(np.float64)
     return normalize(raw.reshape(len(rows), len(PAIR_FEATURES)), PAIR_FEATURES)

@@ -41,9 +41,10 @@ from numpy.typing import NDArray
 
 from daemon import features as feat
 from daemon.config import ModelSettings
-from daemon.graph import InfraGraph, Rows
+from daemon.graph import InfraGraph, Occupancy, Rows
 from daemon.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
-from daemon.policy import HeteroGreedy, ObjectiveWeights, Policy, Scores
+from daemon.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, choose_gang
+from daemon.shortlist import ShortlistBatch, shortlist
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -108,13 +109,12 @@ def file_signature(directory: Path) -> FileSignature:
 class GnnPolicy(Policy):
     """Scores with the GNN; hetero-greedy decides whenever the GNN cannot (see the module docstring).
 
-    Scores of one row depend on that row and the task only (the scorer is per candidate), except
-    ``same_host_share`` among a gang's pair features, which counts a host's candidates: it is 1 for
-    every single-device task, and for a gang a batch does not revise it on the other rows of a host
-    whose devices a binding in the same batch took.
+    A decision is two-stage (:mod:`daemon.shortlist`): hetero-greedy's score (the scorer's physical
+    prior) over every feasible device picks the best ``model.shortlist`` of them, and the scorer
+    ranks those. A batch decides one-device tasks from scores computed ahead
+    (:class:`~daemon.shortlist.ShortlistBatch`, the same decisions); a gang, or a task with
+    dependencies, is decided alone. ``score`` (ScoreDevices) scores exactly the rows it is given.
     """
-
-    row_local = True
 
     def __init__(
         self,
@@ -197,11 +197,27 @@ class GnnPolicy(Policy):
             return self._fall_back("embeddings_stale", spec, graph, rows)
         if not len(rows):
             return np.zeros(0, dtype=np.float64)
+        scores = self._learned(cache, spec, graph, rows, positions, None)
+        if scores is None:
+            return self._fall_back("inference_error", spec, graph, rows)
+        return scores
+
+    def _learned(
+        self,
+        cache: EmbeddingCache,
+        spec: ev.TaskSpec,
+        graph: InfraGraph,
+        rows: Rows,
+        positions: NDArray[np.int64],
+        occupancy: Occupancy | None,
+    ) -> Scores | None:
+        """The scorer's scores of ``rows`` (cache ``positions``), under ``occupancy`` when given;
+        None when it failed (the model is then out of use). [C] -> [C]."""
         try:
             scores = cache.model.score(
                 self._task_features(spec),
                 cache.device_emb[positions],
-                feat.pair_features(spec, graph, rows, self.fallback.profiles),
+                feat.pair_features(spec, graph, rows, self.fallback.profiles, occupancy),
                 cache.context,
                 self._weights,
             )
@@ -209,8 +225,61 @@ class GnnPolicy(Policy):
                 raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
         except Exception as error:  # onnxruntime raises its own untyped errors
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
-            return self._fall_back("inference_error", spec, graph, rows)
+            return None
         return scores.astype(np.float64)
+
+    # -- two-stage ranking -------------------------------------------------------------------
+
+    def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
+        """The best ``model.shortlist`` feasible rows by hetero-greedy's score (more for a gang);
+        all of them while the fallback decides (it ranks by that score anyway)."""
+        k = self.settings.shortlist
+        if self._cache is None or k <= 0 or len(feasible) <= k:
+            return feasible
+        prior = self.fallback.score(spec, graph, feasible)
+        picked: Rows = feasible[shortlist(graph, feasible, prior, k, max(1, spec.num_devices))]
+        return picked
+
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
+    ) -> tuple[Rows, float]:
+        """The gang among the shortlist of ``feasible`` (among ``feasible`` when ``scores`` are given)."""
+        if scores is not None or len(feasible) < max(1, spec.num_devices):  # the latter: nothing to score
+            return choose_gang(self, spec, graph, feasible, scores)
+        if self.mode == "sync":
+            self.refresh_if_changed(graph)  # loads the model on first use: the shortlist applies from then
+        rows = self.shortlist(spec, graph, feasible)
+        return choose_gang(self, spec, graph, rows, self.score(spec, graph, rows))
+
+    def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
+        """Task features besides the shape: priority, waiting time and deadline, latency SLO."""
+        return (spec.priority, spec.submit_time_ms, spec.deadline_ms, spec.latency_slo_ms)
+
+    def batch_chooser(self, spec: ev.TaskSpec, graph: InfraGraph) -> BatchChooser | None:
+        """One-device tasks without dependencies, while the model serves in background mode (sync
+        mode re-encodes between decisions): a :class:`ShortlistBatch` on the current cache."""
+        cache = self._cache
+        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies:
+            return None
+        runtime = self.fallback.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
+        fallback = self.fallback
+
+        def prior(rows: Rows, occupancy: Occupancy | None) -> Scores:
+            if occupancy is None:
+                occupancy = Occupancy.of(graph, rows)
+            return fallback.score_with(spec, graph, rows, runtime[rows], occupancy)
+
+        def learned(rows: Rows, occupancy: Occupancy | None) -> Scores | None:
+            if self._cache is not cache:
+                return None
+            positions = cache.positions_of(graph, rows)
+            if positions is None:
+                return None
+            if not len(rows):
+                return np.zeros(0, dtype=np.float64)
+            return self._learned(cache, spec, graph, rows, positions, occupancy)
+
+        return ShortlistBatch(spec, graph, self.settings.shortlist, prior, learned)
 
     def _task_features(self, spec: ev.TaskSpec) -> feat.Matrix:
         """The task's features, kept for the last spec: a batch rescores rows for one spec many times."""

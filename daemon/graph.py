@@ -297,6 +297,38 @@ def _check_ranges(values: NDArray[np.float64], ids: Sequence[str], what: str, lo
         raise InvalidEventError(f"device {ids[i]} {what}={values[i]!r} is outside [{low}, {bound}]", "out_of_range")
 
 
+@dataclass(frozen=True)
+class Occupancy:
+    """What a binding changes on devices: tasks held, memory reserved, memory placed and not started.
+
+    The graph's own values (:meth:`of`), or those after more bindings (:meth:`after`), so that a
+    policy can score a device as it will be once more tasks are bound to it, with the same
+    arithmetic as :meth:`InfraGraph.bind` (one addition per binding: the floats are the same).
+    Shapes: [N] each, aligned with the rows they were read for.
+    """
+
+    n_tasks: NDArray[np.int32]
+    reserved_gb: NDArray[np.float64]
+    placed_gb: NDArray[np.float64]
+
+    @classmethod
+    def of(cls, graph: InfraGraph, rows: Rows) -> Occupancy:
+        d = graph.devices
+        return cls(d.n_tasks[rows], d.reserved_gb[rows], d.placed_gb[rows])
+
+    def after(self, memory_gb: float) -> Occupancy:
+        """One more task of ``memory_gb`` on every row, as ``bind`` adds it."""
+        return Occupancy(self.n_tasks + 1, self.reserved_gb + memory_gb, self.placed_gb + memory_gb)
+
+    @staticmethod
+    def concat(parts: Sequence[Occupancy]) -> Occupancy:
+        return Occupancy(
+            np.concatenate([p.n_tasks for p in parts]),
+            np.concatenate([p.reserved_gb for p in parts]),
+            np.concatenate([p.placed_gb for p in parts]),
+        )
+
+
 class InfraGraph:
     """Devices, hosts, switches, links and tasks of one daemon, as struct-of-arrays tables.
 
@@ -345,20 +377,24 @@ class InfraGraph:
     def tasks_on_device(self, row: int) -> set[str]:
         return self._tasks_on_device.get(row, set())
 
-    def free_memory_gb(self, rows: Rows) -> NDArray[np.float64]:
+    def free_memory_gb(self, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.float64]:
         """Memory free for new tasks. Reported use may already include hlb's running tasks, so the
         larger of reserved and used counts; but tasks placed and not started yet cannot be in the
-        reported use, so theirs is added to it. Shapes: rows [N] -> [N] GB."""
+        reported use, so theirs is added to it. ``occupancy``: instead of the rows' own (the same
+        shapes). Shapes: rows [N] -> [N] GB."""
         d = self.devices
-        used = d.memory_used_gb[rows] + d.placed_gb[rows]
-        free: NDArray[np.float64] = d.memory_gb[rows] - np.maximum(d.reserved_gb[rows], used)
+        placed = d.placed_gb[rows] if occupancy is None else occupancy.placed_gb
+        reserved = d.reserved_gb[rows] if occupancy is None else occupancy.reserved_gb
+        used = d.memory_used_gb[rows] + placed
+        free: NDArray[np.float64] = d.memory_gb[rows] - np.maximum(reserved, used)
         return free
 
-    def load(self, rows: Rows) -> NDArray[np.float64]:
+    def load(self, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.float64]:
         """0 (idle) .. 1 (busy): the larger of measured utilization and reserved memory share. [N] -> [N]."""
         d = self.devices
         memory = d.memory_gb[rows]
-        share = np.divide(d.reserved_gb[rows], memory, out=np.ones_like(memory), where=memory > 0)
+        reserved = d.reserved_gb[rows] if occupancy is None else occupancy.reserved_gb
+        share = np.divide(reserved, memory, out=np.ones_like(memory), where=memory > 0)
         load: NDArray[np.float64] = np.maximum(d.utilization[rows], np.minimum(share, 1.0))
         return load
 
@@ -396,12 +432,13 @@ class InfraGraph:
         feasible: Rows = rows[ok]
         return feasible
 
-    def room(self, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.bool_]:
+    def room(self, spec: ev.TaskSpec, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.bool_]:
         """Whether each row has the free memory and a free task slot for ``spec``: the hard
         constraints that a binding can change (health, kind and model it cannot). [N] -> [N]."""
-        ok: NDArray[np.bool_] = self.free_memory_gb(rows) >= spec.memory_per_device_gb
+        ok: NDArray[np.bool_] = self.free_memory_gb(rows, occupancy) >= spec.memory_per_device_gb
         if self.max_tasks_per_device > 0:
-            ok &= self.devices.n_tasks[rows] < self.max_tasks_per_device
+            n_tasks = self.devices.n_tasks[rows] if occupancy is None else occupancy.n_tasks
+            ok &= n_tasks < self.max_tasks_per_device
         return ok
 
     def violations(self, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.int8]:

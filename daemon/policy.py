@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from daemon.config import ModelSettings
 from daemon.features import device_share
-from daemon.graph import HOST_NODE, SWITCH_NODE, InfraGraph, Rows, Task
+from daemon.graph import HOST_NODE, SWITCH_NODE, InfraGraph, Occupancy, Rows, Task
 from daemon.heft import upward_ranks
 from daemon.profiles import DeviceProfiles, default_profiles
 from hlb.v1 import events_pb2 as ev
@@ -67,6 +67,17 @@ class ObjectiveWeights:
         return weights
 
 
+class BatchChooser(Protocol):
+    """Decisions for the tasks of one shape within one batch (one hold of the daemon's lock), equal
+    to those the policy would make one task at a time."""
+
+    def choose(self, spec: ev.TaskSpec) -> tuple[Rows, Rows, float] | None:
+        """(feasible rows, gang, mean score) now; None: decide this task without the chooser."""
+
+    def bound(self, rows: Sequence[int], own: bool) -> None:
+        """The batch bound ``rows``; ``own``: to the task this chooser answered last."""
+
+
 class Policy:
     """Ranks feasible devices for a task. Subclasses implement :meth:`score`.
 
@@ -102,6 +113,21 @@ class Policy:
         """``score`` for ``spec`` while the inventory stays as it is now (one batch, under the lock):
         a policy may compute what depends only on the devices once. Same scores as ``score``."""
         return lambda rows: self.score(spec, graph, rows)
+
+    def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
+        """The feasible rows this policy ranks for ``spec`` (ascending): all of them, unless the
+        policy narrows them cheaply first (the GNN's two-stage ranking). Explain shows these."""
+        return feasible
+
+    def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
+        """What else in ``spec`` than its shape (kind, size, memory, work, allowed and preferred
+        devices) the scores depend on, so that a batch reuses scores only among equal keys."""
+        return ()
+
+    def batch_chooser(self, spec: ev.TaskSpec, graph: InfraGraph) -> BatchChooser | None:
+        """A policy's own way to decide the tasks of ``spec``'s shape through one batch, or None
+        (the scheduler's: cached scores for a ``row_local`` policy, else each decision alone)."""
+        return None
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         """The task was bound to ``rows``."""
@@ -219,19 +245,32 @@ class HeteroGreedy(Policy):
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         return self._score(spec, graph, rows, self.profiles.runtime_s(graph, rows, spec))
 
+    def score_with(
+        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, runtime: NDArray[np.float64], occupancy: Occupancy
+    ) -> Scores:
+        """``score`` with the run times given and the rows' tasks and reservations as ``occupancy``
+        says (a row may appear more than once). Shapes: rows, runtime [N] -> [N]."""
+        return self._score(spec, graph, rows, runtime, occupancy)
+
     def batch_scorer(self, spec: ev.TaskSpec, graph: InfraGraph) -> Callable[[Rows], Scores]:
         """The run times (a device's model and peak) are computed once for every device row; a task
         without dependencies has its inputs ready everywhere (``ready_s`` 0), so that is not added."""
         runtime = self.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
         ready = bool(spec.dependencies)
-        return lambda rows: self._score(spec, graph, rows, runtime[rows], ready)
+        return lambda rows: self._score(spec, graph, rows, runtime[rows], ready=ready)
 
     def _score(
-        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, runtime: NDArray[np.float64], ready: bool = True
+        self,
+        spec: ev.TaskSpec,
+        graph: InfraGraph,
+        rows: Rows,
+        runtime: NDArray[np.float64],
+        occupancy: Occupancy | None = None,
+        ready: bool = True,
     ) -> Scores:
         w = self.weights
         work = spec.work_ref_s if spec.work_ref_s > 0 else 1.0
-        finish = runtime / device_share(graph, rows)
+        finish = runtime / device_share(graph, rows, occupancy)
         if ready:
             finish = self.ready_s(spec, graph, rows) + finish
         scores: Scores = finish * (-w.completion_time / work)
@@ -240,7 +279,7 @@ class HeteroGreedy(Policy):
             energy = runtime * np.where(power > 0, power, REFERENCE_POWER_W)
             scores -= w.energy * energy / (work * REFERENCE_POWER_W)
         if w.utilization:
-            scores += w.utilization * (1.0 - graph.load(rows))
+            scores += w.utilization * (1.0 - graph.load(rows, occupancy))
         return scores
 
 
@@ -404,6 +443,7 @@ def make_policy(
 
 __all__ = [
     "POLICY_NAMES",
+    "BatchChooser",
     "BestFit",
     "Heft",
     "HeteroGreedy",

@@ -33,7 +33,7 @@ from daemon.graph import (
     check_task_specs,
 )
 from daemon.ledger import PlacementLedger
-from daemon.policy import Policy
+from daemon.policy import BatchChooser, Policy
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
@@ -65,12 +65,13 @@ ShapeKey = tuple[object, ...]
 MAX_CACHED_SHAPES = 16
 
 
-def _shape(spec: ev.TaskSpec) -> ShapeKey | None:
+def _shape(spec: ev.TaskSpec, policy: Policy) -> ShapeKey | None:
     """What a row-local policy's scores depend on, or None for a task whose scores depend on more
     (its dependencies' placements)."""
     if spec.dependencies:
         return None
     return (
+        *policy.task_key(spec),
         spec.workload_class,
         spec.kind,
         spec.num_devices,
@@ -96,6 +97,9 @@ class _Shape:
 class _BatchScores:
     """Feasible rows and their scores per task shape, kept exact through one batch.
 
+    A policy may decide a shape's tasks its own way instead (``Policy.batch_chooser``: the GNN's
+    scores computed ahead); then it is told of every binding, and whether it was its own answer.
+
     Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
     memory and capacity: rows never become feasible, and only the rows just bound change score or
     drop out. With a row-local policy, rescoring those rows gives exactly what a full pass would.
@@ -115,12 +119,24 @@ class _BatchScores:
         # With the default choose_gang a task of one device takes the first of the best scores.
         self.first_best = type(policy).choose_gang is Policy.choose_gang
         self.upper_bounds = policy.binding_lowers_scores and self.first_best
+        self.choosers: dict[ShapeKey, BatchChooser | None] = {}
+        self.answered: BatchChooser | None = None  # the chooser that answered the last ``choose``
 
     def choose(self, spec: ev.TaskSpec) -> tuple[Rows, Rows, float] | None:
         """(feasible rows, gang, mean score) as ``feasible_rows`` and ``choose_gang`` would give them
         now; None for a task whose scores depend on more than its shape (not cached)."""
-        key = _shape(spec)
+        self.answered = None
+        key = _shape(spec, self.policy)
         if key is None:
+            return None
+        if key in self.choosers:
+            chooser = self.choosers[key]
+        else:
+            chooser = self.choosers[key] = self.policy.batch_chooser(spec, self.graph)
+        if chooser is not None:
+            self.answered = chooser
+            return chooser.choose(spec)
+        if not self.policy.row_local:
             return None
         entry = self.entries.get(key)
         if entry is None:
@@ -148,6 +164,10 @@ class _BatchScores:
         """The batch bound ``changed`` device rows: their scores are stale in every shape."""
         for entry in self.entries.values():
             entry.stale.update(changed)
+        for chooser in self.choosers.values():
+            if chooser is not None:
+                chooser.bound(changed, chooser is self.answered)
+        self.answered = None
 
     def _refresh(self, entry: _Shape) -> None:
         """Recheck and rescore the entry's stale rows; drop those that no longer fit."""
@@ -344,7 +364,7 @@ class Scheduler:
         order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
         decisions: list[Decision | None] = [None] * len(specs)
         probes: list[Task] = []
-        cache = _BatchScores(self.graph, self.policy) if self.policy.row_local else None
+        cache = _BatchScores(self.graph, self.policy)
         try:
             for i in order:
                 spec = specs[i]
@@ -433,12 +453,12 @@ class Scheduler:
             check_task_spec(target)
             spec = target
             task = self.graph.tasks.get(spec.id)
-        feasible = self.graph.feasible_rows(spec)
+        ranked = self.policy.shortlist(spec, self.graph, self.graph.feasible_rows(spec))
         candidates: list[api.DeviceScore] = []
-        if len(feasible):
-            scores = self.policy.score(spec, self.graph, feasible)
+        if len(ranked):
+            scores = self.policy.score(spec, self.graph, ranked)
             best = np.argsort(-scores, kind="stable")[: max(1, top_k)]
-            ids = self.graph.device_ids_of(feasible[best])
+            ids = self.graph.device_ids_of(ranked[best])
             candidates = [
                 api.DeviceScore(device_id=i, score=float(s), feasible=True)
                 for i, s in zip(ids, scores[best], strict=True)

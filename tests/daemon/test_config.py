@@ -19,6 +19,14 @@ def test_the_shipped_config_yaml_loads_with_its_documented_defaults() -> None:
     assert settings.bus == "kafka"
     assert settings.kafka.topics.placements == "hlb.placements"
     assert settings.grpc.listen == "127.0.0.1:50051"
+    assert settings.model.shortlist == 64
+
+
+def test_a_negative_gnn_shortlist_names_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("model:\n  shortlist: -1\n")
+    with pytest.raises(ConfigError, match=r"model\.shortlist"):
+        load_settings(config)
 
 
 def test_environment_overrides_yaml_with_double_underscore_nesting(

@@ -37,9 +37,13 @@ def cluster(devices: int = 48) -> InfraGraph:
     return graph
 
 
-def settings(path: Path, watch: bool = False, **refresh: Any) -> ModelSettings:
+def settings(path: Path, watch: bool = False, shortlist: int = 64, **refresh: Any) -> ModelSettings:
     return ModelSettings(
-        path=path, providers=("CPUExecutionProvider",), watch=watch, refresh=ModelRefreshSettings(**refresh)
+        path=path,
+        providers=("CPUExecutionProvider",),
+        watch=watch,
+        shortlist=shortlist,
+        refresh=ModelRefreshSettings(**refresh),
     )
 
 
@@ -410,3 +414,113 @@ def test_weights_reach_the_scorer(model_dir: Path) -> None:
     energy = GnnPolicy(settings(model_dir), ObjectiveWeights(completion_time=0.0, energy=1.0), mode="sync")
     speed = GnnPolicy(settings(model_dir), ObjectiveWeights(completion_time=1.0), mode="sync")
     assert not np.allclose(energy.score(SPEC, graph, rows), speed.score(SPEC, graph, rows))
+
+
+# -- two-stage ranking -----------------------------------------------------------------------
+
+
+def serving_scheduler(model_dir: Path, devices: int, shortlist: int) -> tuple[Scheduler, GnnPolicy]:
+    """A scheduler deciding with the GNN as the daemon runs it (background mode, its thread idle),
+    task features dated by a fixed clock."""
+    graph = cluster(devices)
+    policy = GnnPolicy(settings(model_dir, shortlist=shortlist, poll_s=60.0), mode="background")
+    policy.clock_ms = lambda: 1_000_000.0
+    policy.start(graph, threading.RLock())
+    return Scheduler(graph, policy, PlacementLedger(), "c", clock=lambda: 1000.0), policy
+
+
+def one_device_tasks(n: int, prefix: str = "t") -> list[ev.TaskSpec]:
+    return [
+        ev.TaskSpec(id=f"{prefix}{i}", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=9.0)
+        for i in range(n)
+    ]
+
+
+def test_the_shortlist_is_the_best_feasible_rows_by_estimated_finish(model_dir: Path) -> None:
+    scheduler, policy = serving_scheduler(model_dir, 96, shortlist=8)
+    try:
+        graph = scheduler.graph
+        restricted = ev.TaskSpec(id="r", work_ref_s=600.0, memory_per_device_gb=1.0, allowed_kinds=[ev.DEVICE_KIND_GPU])
+        feasible = graph.feasible_rows(restricted)
+        rows = policy.shortlist(restricted, graph, feasible)
+        assert len(rows) == 8
+        assert set(rows.tolist()) <= set(feasible.tolist())  # never an infeasible device
+        assert (graph.devices.kind[rows] == ev.DEVICE_KIND_GPU).all()
+        prior = HeteroGreedy().score(restricted, graph, feasible)
+        assert prior[np.isin(feasible, rows)].min() >= prior[~np.isin(feasible, rows)].max()
+        decision = scheduler.place(restricted, dry_run=True)
+        assert decision.placement is not None
+        assert graph.devices.index[decision.placement.device_ids[0]] in rows
+        # A gang of 4: its pool, and every feasible device of the hosts those are on.
+        gang = ev.TaskSpec(id="g", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=4)
+        feasible = graph.feasible_rows(gang)
+        rows = policy.shortlist(gang, graph, feasible)
+        hosts = np.unique(graph.devices.host[rows])
+        assert len(rows) >= 16
+        np.testing.assert_array_equal(rows, feasible[np.isin(graph.devices.host[feasible], hosts)])
+        placed = scheduler.place(gang).placement
+        assert placed is not None
+        assert len({d.rsplit("/", 1)[0] for d in placed.device_ids}) == 1  # one host
+    finally:
+        policy.stop()
+
+
+@pytest.mark.parametrize("shortlist", [48, 1000])
+def test_a_shortlist_of_every_feasible_device_decides_as_scoring_them_all(model_dir: Path, shortlist: int) -> None:
+    short, short_policy = serving_scheduler(model_dir, 48, shortlist=shortlist)
+    full, full_policy = serving_scheduler(model_dir, 48, shortlist=0)  # 0: score every feasible device
+    try:
+        for spec in one_device_tasks(30):
+            expected = full_policy.score(spec, full.graph, full.graph.feasible_rows(spec))
+            best = full.graph.feasible_rows(spec)[int(np.argmax(expected))]
+            a, b = short.place(spec).placement, full.place(spec).placement
+            assert a is not None
+            assert b is not None
+            assert (a.device_ids, a.score) == (b.device_ids, b.score)
+            assert b.device_ids == full.graph.device_ids_of([best])
+            assert a.policy == "gnn"
+    finally:
+        short_policy.stop()
+        full_policy.stop()
+
+
+def test_a_small_shortlist_still_lets_the_model_choose(model_dir: Path) -> None:
+    """With 8 of 96 candidates the model decides among those 8, not as hetero-greedy would."""
+    scheduler, policy = serving_scheduler(model_dir, 96, shortlist=8)
+    try:
+        spec = one_device_tasks(1)[0]
+        rows = policy.shortlist(spec, scheduler.graph, scheduler.graph.feasible_rows(spec))
+        scores = policy.score(spec, scheduler.graph, rows)
+        explained = scheduler.explain(spec, top_k=3)
+        assert [c.device_id for c in explained.candidates] == scheduler.graph.device_ids_of(
+            rows[np.argsort(-scores, kind="stable")[:3]]
+        )
+        placed = scheduler.place(spec).placement
+        assert placed is not None
+        assert placed.device_ids == scheduler.graph.device_ids_of(rows[[int(np.argmax(scores))]])
+    finally:
+        policy.stop()
+
+
+@pytest.mark.parametrize("shortlist", [4, 16, 0])
+def test_a_batch_decides_as_one_place_after_another(model_dir: Path, shortlist: int) -> None:
+    """PlaceBatch scores ahead and rescoring nothing per placement, yet decides exactly as Place
+    calls in the same order would, with other shapes and a gang binding rows in between."""
+    batch, batch_policy = serving_scheduler(model_dir, 64, shortlist=shortlist)
+    one, one_policy = serving_scheduler(model_dir, 64, shortlist=shortlist)
+    try:
+        specs = one_device_tasks(70)
+        specs[10] = ev.TaskSpec(id="big", workload_class="bert", work_ref_s=60.0, memory_per_device_gb=30.0)
+        specs[25] = ev.TaskSpec(id="gang", work_ref_s=900.0, memory_per_device_gb=5.0, num_devices=4)
+        specs[40] = ev.TaskSpec(id="late", work_ref_s=600.0, memory_per_device_gb=9.0, priority=1)
+        decided = dict(zip([s.id for s in specs], batch.place_batch(specs), strict=True))
+        for spec in sorted(specs, key=lambda s: -s.priority):  # the batch's order: priority first
+            decision, alone = decided[spec.id], one.place(spec)
+            assert decision.placement is not None, spec.id
+            assert alone.placement is not None, spec.id
+            assert decision.placement.device_ids == alone.placement.device_ids, spec.id
+            assert decision.placement.score == pytest.approx(alone.placement.score, rel=1e-6, abs=1e-9)
+            assert decision.placement.policy == "gnn"
+    finally:
+        batch_policy.stop()
+        one_policy.stop()

@@ -131,7 +131,7 @@ def test_any_instance_answers_for_any_cell(cluster: CellCluster, kafka_bootstrap
         got = stub.GetPlacement(api.GetPlacementRequest(cell=elsewhere, task_id="remote-1"), timeout=10.0)
         assert got.placement == answer.placement
         state = stub.GetClusterState(api.GetClusterStateRequest(cell=elsewhere), timeout=10.0)
-        assert state.instance == "b" and state.running_tasks + state.pending_tasks >= 0
+        assert state.instance == "b"
         assert state.devices == DEVICES_PER_CELL
         listed = {o.shard: o.instance for o in state.shards}
         assert listed == owners
@@ -151,4 +151,5 @@ def test_any_instance_answers_for_any_cell(cluster: CellCluster, kafka_bootstrap
     reader.wait_for(["remote-1"], timeout_s=30.0)
     assert len(reader.by_task["remote-1"]) == 1
     reader.close()
-    assert second.alive() and first.alive()
+    assert first.alive()
+    assert second.alive()
