@@ -10,6 +10,7 @@ run without gaps, and decisions in the moved cells resume within a bounded pause
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -37,7 +38,7 @@ PAUSE_BOUND_S = SESSION_TIMEOUT_S + 40.0
 
 
 @pytest.fixture
-def cluster(kafka_bootstrap: str, tmp_path: Path) -> CellCluster:
+def cluster(kafka_bootstrap: str, tmp_path: Path) -> Iterator[CellCluster]:
     cells = CellCluster(kafka_bootstrap, tmp_path, PARTITIONS, session_timeout_ms=int(SESSION_TIMEOUT_S * 1000))
     yield cells
     cells.stop_all()
