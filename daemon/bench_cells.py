@@ -66,7 +66,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str | Call
 
 def pick_cells(count: int, partitions: int) -> list[str]:
     """``count`` cell names (``cell-NN``), each on a partition of its own."""
-    from daemon.cellbus import shard_of
+    from daemon.cells_plan import shard_of
 
     if count > partitions:
         raise ValueError(f"{count} cells need at least as many partitions, not {partitions}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -40,11 +39,6 @@ from daemon.kafka_bus import ClientConfig, KafkaBus, KafkaPublisher, KafkaSource
 from daemon.kafkalog import KafkaLog
 
 log = structlog.get_logger(__name__)
-
-
-def shard_of(cell: str, partitions: int) -> int:
-    """The partition of key ``cell`` under librdkafka's default partitioner (CRC-32 of the key)."""
-    return zlib.crc32(cell.encode()) % partitions
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ from daemon.cellbus import (
     ClaimBoard,
     PartitionBus,
     ensure_cell_topics,
-    shard_of,
 )
+from daemon.cells_plan import shard_of
 from daemon.config import Settings
 from daemon.kafka_bus import KafkaBus, KafkaPublisher
 from daemon.sdnotify import SystemdNotifier, WatchdogPinger

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("sim.agent", "simulated telemetry agent and job submitter publishing to Kafka"),
     "demo": ("sim.demo", "start Kafka, the daemon and an agent, and show placements arriving"),
     "broker": ("sim.kafka_local", "fetch, start or stop a local single-node Kafka broker"),
+    "cells": ("daemon.cells_plan", "which partition each cell lands on with several instances (cells plan)"),
     "bench": ("daemon.bench", "benchmarks that print JSON (latency, ...)"),
     "eval": ("sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),
     "train": ("export.train_cli", "train the GNN in the simulator: imitation, then RL (needs the export extra)"),

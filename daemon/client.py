@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50051", help="daemon gRPC address (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--cell", default="", help="the cell (default: the daemon's own; any instance forwards)")
     tls = parser.add_argument_group("TLS (the daemon's grpc.tls settings)")
     tls.add_argument("--tls", action="store_true", help="connect with TLS; implied by the other --tls-* options")
     tls.add_argument("--tls-ca", type=Path, help="CA bundle to verify the daemon with (default: the system's roots)")
@@ -117,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(stub: api_grpc.SchedulerStub, args: argparse.Namespace, out: TextIO) -> int:
     if args.watch:
-        watch(stub, args.from_sequence, args.count, args.json, out)
+        watch(stub, args.from_sequence, args.count, args.json, out, args.cell)
         return 0
     if args.explain:
-        request = api.ExplainRequest(top_k=max(1, args.top))
+        request = api.ExplainRequest(top_k=max(1, args.top), cell=args.cell)
         if args.get:
             request.task_id = args.get
         else:
@@ -128,16 +129,19 @@ def _run(stub: api_grpc.SchedulerStub, args: argparse.Namespace, out: TextIO) ->
         print_explanation(stub.Explain(request, timeout=args.timeout), args.json, out)
         return 0
     if args.get:
-        got = stub.GetPlacement(api.GetPlacementRequest(task_id=args.get), timeout=args.timeout)
+        got = stub.GetPlacement(api.GetPlacementRequest(task_id=args.get, cell=args.cell), timeout=args.timeout)
         print_outcome(got.placement if got.HasField("placement") else got.pending, args.json, out)
         return 0
     if args.score:
         scored = stub.ScoreDevices(
-            api.ScoreDevicesRequest(task=task_from_args(args), device_ids=args.score), timeout=args.timeout
+            api.ScoreDevicesRequest(task=task_from_args(args), device_ids=args.score, cell=args.cell),
+            timeout=args.timeout,
         )
         print_scores(scored, args.json, out)
         return 0
-    placed = stub.Place(api.PlaceRequest(task=task_from_args(args), dry_run=args.dry_run), timeout=args.timeout)
+    placed = stub.Place(
+        api.PlaceRequest(task=task_from_args(args), dry_run=args.dry_run, cell=args.cell), timeout=args.timeout
+    )
     print_outcome(placed.placement if placed.HasField("placement") else placed.pending, args.json, out)
     return 0
 
@@ -202,17 +206,19 @@ def print_explanation(reply: api.ExplainResponse, as_json: bool, out: TextIO) ->
         print("\n".join(_table(("DEVICE", "CONSTRAINT"), [(e.device_id, e.reason) for e in reply.excluded])), file=out)
 
 
-def stream_placements(stub: api_grpc.SchedulerStub, from_sequence: int) -> Iterator[ev.Placement]:
+def stream_placements(stub: api_grpc.SchedulerStub, from_sequence: int, cell: str = "") -> Iterator[ev.Placement]:
     """Placements from ``from_sequence`` on, as the daemon makes them (blocks between them)."""
-    yield from stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=from_sequence))
+    yield from stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=from_sequence, cell=cell))
 
 
-def watch(stub: api_grpc.SchedulerStub, from_sequence: int, count: int, as_json: bool, out: TextIO) -> int:
+def watch(
+    stub: api_grpc.SchedulerStub, from_sequence: int, count: int, as_json: bool, out: TextIO, cell: str = ""
+) -> int:
     """Print placements as they arrive; stops after ``count`` (0: never). Returns how many were printed."""
     printed = 0
     if not as_json:
         print(PLACEMENT_HEADER, file=out, flush=True)
-    for placement in stream_placements(stub, from_sequence):
+    for placement in stream_placements(stub, from_sequence, cell):
         print(to_json(placement) if as_json else placement_row(placement), file=out, flush=True)
         printed += 1
         if count and printed >= count:

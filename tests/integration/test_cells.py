@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from daemon.bench_cells import (
     CellCluster,
@@ -25,7 +26,9 @@ from daemon.bench_cells import (
     shards_by_owner,
     small_task,
 )
-from daemon.cellbus import shard_of
+from daemon.cellbus import ensure_cell_topics
+from daemon.cells_plan import shard_of
+from daemon.config import KafkaSettings
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
@@ -154,3 +157,27 @@ def test_any_instance_answers_for_any_cell(cluster: CellCluster, kafka_bootstrap
     reader.close()
     assert first.alive()
     assert second.alive()
+
+
+def test_a_cell_lands_where_hlb_expects_it(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """librdkafka's default partitioner puts key ``cell`` on ``shard_of(cell)``: the contract that
+    lets any instance route a request without asking the broker."""
+    cluster = CellCluster(kafka_bootstrap, tmp_path, PARTITIONS)
+    ensure_cell_topics(KafkaSettings(bootstrap_servers=kafka_bootstrap), [cluster.topics["tasks"]], [], PARTITIONS)
+    landed: dict[str, int] = {}
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})  # the default partitioner, as kcat's
+    cells = [f"rack-{i}-{'x' * (i % 7)}" for i in range(64)]
+    for cell in cells:
+        producer.produce(cluster.topics["tasks"], key=cell.encode(), value=b"")
+    assert producer.flush(30) == 0
+    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "landing", "enable.auto.commit": False})
+    reader.assign([TopicPartition(cluster.topics["tasks"], p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+    deadline = time.monotonic() + 30.0
+    while len(landed) < len(cells) and time.monotonic() < deadline:
+        for message in reader.consume(100, 0.5):
+            if message.error() is None:
+                landed[(message.key() or b"").decode()] = message.partition() or 0
+    reader.close()
+    assert sorted(landed) == sorted(cells)
+    assert landed == {cell: shard_of(cell, PARTITIONS) for cell in landed}
+    assert len(set(landed.values())) == PARTITIONS
