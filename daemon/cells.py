@@ -183,6 +183,8 @@ class CellHost:
             self.partitions,
         )
         await asyncio.to_thread(KafkaBus(s.kafka).ensure_topics, [topics.dlq])
+        if s.metrics.listen:
+            log.warning("metrics.listen is not served with cells.enabled yet", listen=s.metrics.listen)
         self._announcer = KafkaPublisher(s.kafka)
         self.board = ClaimBoard(s.kafka, s.cells.topic, self.partitions)
         self.board.start()

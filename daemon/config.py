@@ -93,6 +93,12 @@ class KafkaSettings(_Section):
         return value
 
 
+def _empty_or_host_port(value: str) -> str:
+    if value and not _is_host_port(value):
+        raise ValueError(f"expected host:port or empty, got {value!r}")
+    return value
+
+
 def _is_host_port(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit()
@@ -144,12 +150,7 @@ class MetricsSettings(_Section):
     # How often consumer lag is read from the broker (committed offsets against high watermarks).
     lag_interval_s: float = Field(10.0, gt=0, le=3600)
 
-    @field_validator("listen")
-    @classmethod
-    def _empty_or_host_port(cls, value: str) -> str:
-        if value and not _is_host_port(value):
-            raise ValueError(f"expected host:port or empty, got {value!r}")
-        return value
+    _listen = field_validator("listen")(_empty_or_host_port)
 
 
 class ObjectiveWeightsSettings(_Section):
@@ -248,12 +249,7 @@ class CellsSettings(_Section):
     # How often decisions made by ingest are committed (the API's commit before they answer).
     commit_interval_s: float = Field(0.05, gt=0, le=10)
 
-    @field_validator("advertise")
-    @classmethod
-    def _empty_or_host_port(cls, value: str) -> str:
-        if value and not _is_host_port(value):
-            raise ValueError(f"expected host:port or empty, got {value!r}")
-        return value
+    _advertise = field_validator("advertise")(_empty_or_host_port)
 
 
 class LogSettings(_Section):

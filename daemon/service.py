@@ -928,6 +928,7 @@ async def _serve_cells(settings: Settings) -> int:
     loop.add_signal_handler(
         signal.SIGHUP, lambda: log.warning("reload is not supported with cells.enabled; restart the instance")
     )
+    loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("the state dump is not written with cells.enabled"))
     try:
         await host.run(stop)
     except ConfigError as exc:

@@ -123,3 +123,14 @@ def test_tunables_override_hlb_defaults_while_fixed_keys_and_static_membership_r
         assert default.config["fetch.queue.backoff.ms"] == 10  # librdkafka's 1 s idled a catching-up ingest
     finally:
         default.close()
+
+
+def test_cells_need_kafka_and_a_static_instance_id() -> None:
+    with pytest.raises(ConfigError, match="group_instance_id"):
+        load_settings(None, cells={"enabled": True})
+    with pytest.raises(ConfigError, match="bus: kafka"):
+        load_settings(None, bus="memory", cells={"enabled": True}, kafka={"group_instance_id": "i1"})
+    with pytest.raises(ConfigError, match=r"cells\.advertise"):
+        load_settings(None, cells={"advertise": "no-port"})
+    settings = load_settings(None, cells={"enabled": True, "partitions": 12}, kafka={"group_instance_id": "i1"})
+    assert settings.cells.partitions == 12
