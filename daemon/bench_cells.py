@@ -18,7 +18,6 @@ failover test in ``tests/integration/test_cells.py`` drives.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -27,7 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,16 +398,3 @@ def run(args: argparse.Namespace) -> int:
                 f"  {r['all_partitions_served_s']:>14}"
             )
     return 0
-
-
-def shards_by_owner(owners: dict[int, str]) -> dict[str, list[int]]:
-    by_owner: dict[str, list[int]] = {}
-    for shard, owner in sorted(owners.items()):
-        by_owner.setdefault(owner, []).append(shard)
-    return by_owner
-
-
-def largest_gap_s(times_ms: Sequence[int]) -> float:
-    """The longest time between consecutive decisions (seconds)."""
-    ordered = sorted(times_ms)
-    return max((b - a for a, b in itertools.pairwise(ordered)), default=0) / 1000.0

@@ -146,8 +146,6 @@ class TransactionalPublisher:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._open: list[tuple[str, bytes | None, bytes | None, tuple[tuple[str, bytes], ...]]] = []
-        self.committed = 0  # records committed so far
-        self.appended = 0  # records handed to publish so far
         try:
             self._producer.init_transactions(timeout_s)
         except KafkaException as exc:
@@ -161,7 +159,6 @@ class TransactionalPublisher:
             if not self._open:
                 self._producer.begin_transaction()
             self._open.append(record)
-            self.appended += 1
             self._produce(record)
 
     def _produce(self, record: tuple[str, bytes | None, bytes | None, tuple[tuple[str, bytes], ...]]) -> None:
@@ -174,9 +171,9 @@ class TransactionalPublisher:
                 self._producer.poll(0.1)
         self._producer.poll(0)
 
-    def commit(self) -> int:
-        """Commit the open transaction (a no-op when none is open); returns the records committed so
-        far. Raises ``FencedError`` when another instance owns the transactional id now."""
+    def commit(self) -> None:
+        """Commit the open transaction (a no-op when none is open). Raises ``FencedError`` when
+        another instance owns the transactional id now."""
         with self._lock:
             while self._open:
                 try:
@@ -195,9 +192,7 @@ class TransactionalPublisher:
                     if error.retriable():
                         continue
                     raise
-                self.committed += len(self._open)
                 self._open = []
-            return self.committed
 
     def flush(self, timeout_s: float) -> int:
         try:
@@ -362,7 +357,6 @@ class ClaimBoard(threading.Thread):
             logger=KafkaLog(),
         )
         self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
-        self.changed = threading.Condition(self._lock)
 
     def claims(self) -> dict[int, Claim]:
         with self._lock:
@@ -371,11 +365,6 @@ class ClaimBoard(threading.Thread):
     def get(self, shard: int) -> Claim | None:
         with self._lock:
             return self._claims.get(shard)
-
-    def wait_for(self, predicate: Callable[[dict[int, Claim]], bool], timeout_s: float) -> bool:
-        """Wait until ``predicate`` holds for the claims; False when ``timeout_s`` passed first."""
-        with self.changed:
-            return self.changed.wait_for(lambda: predicate(self._claims), timeout_s)
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -395,10 +384,9 @@ class ClaimBoard(threading.Thread):
                 except (ValueError, KeyError, TypeError) as exc:
                     log.warning("unreadable claim skipped", offset=message.offset(), error=str(exc))
             if updates:
-                with self.changed:
+                with self._lock:
                     for claim in updates:
                         self._claims[claim.shard] = claim
-                    self.changed.notify_all()
 
     def stop(self) -> None:
         self._stop_event.set()

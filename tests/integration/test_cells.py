@@ -9,8 +9,9 @@ run without gaps, and decisions in the moved cells resume within a bounded pause
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -21,9 +22,7 @@ from daemon.bench_cells import (
     CellCluster,
     CellLoad,
     LedgerReader,
-    largest_gap_s,
     pick_cells,
-    shards_by_owner,
     small_task,
 )
 from daemon.cellbus import ensure_cell_topics
@@ -38,6 +37,19 @@ SESSION_TIMEOUT_S = 6.0
 # Generous: the group waits the session timeout, then the new owner fences the old producer,
 # reads the ledger back and replays its inputs on a shared 2-core machine.
 PAUSE_BOUND_S = SESSION_TIMEOUT_S + 40.0
+
+
+def shards_by_owner(owners: dict[int, str]) -> dict[str, list[int]]:
+    by_owner: dict[str, list[int]] = {}
+    for shard, owner in sorted(owners.items()):
+        by_owner.setdefault(owner, []).append(shard)
+    return by_owner
+
+
+def largest_gap_s(times_ms: Sequence[int]) -> float:
+    """The longest time between consecutive decisions (seconds)."""
+    ordered = sorted(times_ms)
+    return max((b - a for a, b in itertools.pairwise(ordered)), default=0) / 1000.0
 
 
 @pytest.fixture
