@@ -194,6 +194,9 @@ class Ingestor:
         clock: Clock = time.time,
     ) -> None:
         self.source = source
+        # Where the source knows its consumer's positions, they move past transaction markers that
+        # no record shows, so that a replay can tell it has caught up (``PositionedSource``).
+        self._positioned = source if isinstance(source, PositionedSource) else None
         self.publisher = publisher
         self.scheduler = scheduler
         self.lock = lock
@@ -226,13 +229,16 @@ class Ingestor:
         """Consume, apply and commit one batch; returns the number of records in it."""
         batch = self.source.next_batch(max_events, timeout_s)
         if not batch:
-            self._advance_past_markers()
+            if self._positioned is not None:
+                with self.lock:
+                    self._advance_past_markers(self._positioned)
             self._refresh_lag()
             return 0
         with self.lock:
             self.apply_batch(batch)
             placed = self.scheduler.schedule_pending()
-            self._advance_past_markers()
+            if self._positioned is not None:
+                self._advance_past_markers(self._positioned)
         self.source.commit(batch)
         self.stats.batches += 1
         self._refresh_lag()
@@ -240,14 +246,11 @@ class Ingestor:
             log.info("placed", count=len(placed), sequence=placed[-1].sequence)
         return len(batch)
 
-    def _advance_past_markers(self) -> None:
-        """Take the source's own positions where it has them (``PositionedSource``): they move past
-        transaction markers, which no record shows, so a replay can tell that it has caught up."""
-        if isinstance(self.source, PositionedSource):
-            ahead = self.source.positions()
-            with self.lock:
-                current = self.positions
-                self.positions = {**current, **{k: v for k, v in ahead.items() if v > current.get(k, 0)}}
+    def _advance_past_markers(self, source: PositionedSource) -> None:
+        """Move ``positions`` up to the source's own (the caller holds the lock)."""
+        for partition, offset in source.positions().items():
+            if offset > self.positions.get(partition, 0):
+                self.positions[partition] = offset
 
     def apply_batch(self, batch: Sequence[RawEvent]) -> None:
         """Apply every record of ``batch`` in order (the caller holds the lock)."""
