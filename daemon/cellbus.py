@@ -35,7 +35,7 @@ from confluent_kafka.admin import AdminClient
 from daemon.bus import Offsets, RawEvent
 from daemon.config import KafkaSettings
 from daemon.errors import BrokerError, ConfigError
-from daemon.kafka_bus import ClientConfig, KafkaBus, KafkaPublisher, KafkaSource, _client_config, _raw, _watermarks
+from daemon.kafka_bus import ClientConfig, KafkaBus, KafkaPublisher, KafkaSource, _client_config
 from daemon.kafkalog import KafkaLog
 
 log = structlog.get_logger(__name__)
@@ -210,46 +210,6 @@ class FencedError(Exception):
     """Another instance took over the partition: this one must stop deciding for it."""
 
 
-def read_partition(settings: KafkaSettings, topic: str, shard: int, timeout_s: float = 60.0) -> list[RawEvent]:
-    """Every committed record of ``topic``'s partition ``shard`` present now, in order.
-
-    Reads ``read_committed`` up to the end the broker reports (past the markers of transactions),
-    so records of an aborted or fenced transaction are never returned.
-    """
-    consumer = Consumer(
-        {
-            **_client_config(settings),
-            "group.id": "hlb-reader",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-        },
-        logger=KafkaLog(),
-    )
-    try:
-        partition = TopicPartition(topic, shard)
-        low, high = _watermarks(consumer, partition, timeout_s=30.0)
-        if high <= low:
-            return []
-        consumer.assign([TopicPartition(topic, shard, OFFSET_BEGINNING)])
-        records: list[RawEvent] = []
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for message in consumer.consume(1000, 0.5):
-                error = message.error()
-                if error is None:
-                    records.append(_raw(message))
-                elif error.code() != KafkaError._PARTITION_EOF:
-                    raise KafkaException(error)
-            (position,) = consumer.position([partition])
-            if position.offset >= high:
-                return records
-            if time.monotonic() > deadline:
-                raise BrokerError(f"{topic}[{shard}]: not read to offset {high} in {timeout_s:.0f} s")
-    finally:
-        consumer.close()
-
-
 class PartitionBus:
     """The bus seam of one shard: inputs and the ledger of partition ``shard`` only; topics are
     set up by the instance (``ensure_cell_topics``)."""
@@ -268,7 +228,7 @@ class PartitionBus:
         return KafkaPublisher(self.settings)
 
     def read_all(self, topic: str) -> list[RawEvent]:
-        return read_partition(self.settings, topic, self.shard)
+        return KafkaBus(self.settings).read_all(topic, [self.shard], timeout_s=60.0)
 
 
 # What the group tells the instance: the partitions of the cells topic it was given or lost.

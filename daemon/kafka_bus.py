@@ -159,14 +159,23 @@ class KafkaBus:
     def publisher(self) -> KafkaPublisher:
         return KafkaPublisher(self.settings)
 
-    def read_all(self, topic: str) -> list[RawEvent]:
-        """Every record of ``topic`` up to its high watermarks now, read without a consumer group."""
+    def read_all(
+        self, topic: str, partitions: Sequence[int] | None = None, timeout_s: float | None = None
+    ) -> list[RawEvent]:
+        """Every committed record of ``topic`` (of ``partitions`` only, where named) up to its high
+        watermarks now, read without a consumer group.
+
+        A partition is done when the consumer's position reaches its high watermark: the position
+        moves past transaction markers too, which no record shows. ``timeout_s``: raise
+        ``BrokerError`` when not done by then (None: wait as long as it takes).
+        """
         consumer = Consumer(
             {
                 **_client_config(self.settings),
                 "group.id": "hlb-reader",
                 "enable.auto.commit": False,
-                "enable.partition.eof": False,
+                "enable.partition.eof": True,
+                "isolation.level": "read_committed",
             }
         )
         try:
@@ -175,21 +184,30 @@ class KafkaBus:
                 if metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                     return []
                 raise KafkaException(metadata.error)
+            wanted = [p for p in metadata.partitions if partitions is None or p in partitions]
             ends: dict[int, int] = {}
-            for partition in metadata.partitions:
+            for partition in wanted:
                 low, high = _watermarks(consumer, TopicPartition(topic, partition), timeout_s=30.0)
                 if high > low:
                     ends[partition] = high
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
             records: list[RawEvent] = []
-            while ends:
-                for message in consumer.consume(1000, 1.0):
-                    if message.error() is not None:
-                        raise KafkaException(message.error())
-                    record = _raw(message)
-                    records.append(record)
-                    if record.offset + 1 >= ends.get(record.partition, 0):
-                        ends.pop(record.partition, None)
+            left = dict(ends)
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while left:
+                for message in consumer.consume(1000, 0.5):
+                    error = message.error()
+                    if error is None:
+                        record = _raw(message)
+                        if record.offset < ends[record.partition]:
+                            records.append(record)
+                    elif error.code() != KafkaError._PARTITION_EOF:
+                        raise KafkaException(error)
+                for position in consumer.position([TopicPartition(topic, p) for p in left]):
+                    if position.offset >= left[position.partition]:
+                        del left[position.partition]
+                if left and deadline is not None and time.monotonic() > deadline:
+                    raise BrokerError(f"{topic}: partitions {sorted(left)} not read to their end in {timeout_s:.0f} s")
             return records
         finally:
             consumer.close()
