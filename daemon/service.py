@@ -889,55 +889,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: Settings, config_path: Path | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     if settings.cells.enabled:
-        return await _serve_cells(settings)
-    stop = asyncio.Event()
-    daemon = Daemon(settings, make_bus(settings), config_path=config_path)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
-    # SIGUSR1 writes the canonical state dump, for operators and the fault-injection tests.
-    loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, daemon.dump_state))
+        from daemon.cells import CellHost
+
+        run = CellHost(settings).run
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: log.warning("reload is not supported with cells.enabled; restart the instance")
+        )
+        loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("the state dump is not written with cells.enabled"))
+    else:
+        daemon = Daemon(settings, make_bus(settings), config_path=config_path)
+        run = daemon.run
+        loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+        # SIGUSR1 writes the canonical state dump, for operators and the fault-injection tests.
+        loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, daemon.dump_state))
     try:
-        await daemon.run(stop)
-    except ConfigError as exc:
-        log.error("invalid configuration", error=str(exc))
-        return EX_CONFIG
-    except BrokerError as exc:
-        log.error("daemon failed", error=str(exc))
-        return 1
-    except OSError as exc:
-        log.error("daemon failed", error=str(exc))
-        return 1
-    except Exception:
-        log.exception("daemon failed")
-        return 1
-    return 0
-
-
-async def _serve_cells(settings: Settings) -> int:
-    """``hlb serve`` as one of several instances sharing the cells (``daemon.cells``)."""
-    from daemon.cells import CellHost
-
-    stop = asyncio.Event()
-    host = CellHost(settings)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(
-        signal.SIGHUP, lambda: log.warning("reload is not supported with cells.enabled; restart the instance")
-    )
-    loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("the state dump is not written with cells.enabled"))
-    try:
-        await host.run(stop)
+        await run(stop)
     except ConfigError as exc:
         log.error("invalid configuration", error=str(exc))
         return EX_CONFIG
     except (BrokerError, OSError) as exc:
-        log.error("instance failed", error=str(exc))
+        log.error("daemon failed", error=str(exc))
         return 1
     except Exception:
-        log.exception("instance failed")
+        log.exception("daemon failed")
         return 1
     return 0
