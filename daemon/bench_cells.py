@@ -239,13 +239,9 @@ class CellLoad:
         )
 
     def send(self, topic: str, key: str, value: bytes) -> None:
-        while True:
-            try:
-                self.producer.produce(topic, value=value, key=key.encode())
-                break
-            except BufferError:
-                self.producer.poll(0.05)
-        self.producer.poll(0)
+        from daemon.kafka_bus import produce
+
+        produce(self.producer, topic, key.encode(), value)
 
     def inventory(self, cell: str, devices: int) -> None:
         for event in cell_inventory(cell, devices):

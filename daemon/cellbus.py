@@ -35,7 +35,7 @@ from confluent_kafka.admin import AdminClient
 from daemon.bus import Offsets, RawEvent
 from daemon.config import KafkaSettings
 from daemon.errors import BrokerError, ConfigError
-from daemon.kafka_bus import ClientConfig, KafkaBus, KafkaPublisher, KafkaSource, _client_config
+from daemon.kafka_bus import ClientConfig, KafkaBus, KafkaPublisher, KafkaSource, _client_config, produce
 from daemon.kafkalog import KafkaLog
 
 log = structlog.get_logger(__name__)
@@ -163,13 +163,7 @@ class TransactionalPublisher:
 
     def _produce(self, record: tuple[str, bytes | None, bytes | None, tuple[tuple[str, bytes], ...]]) -> None:
         topic, key, value, headers = record
-        while True:
-            try:
-                self._producer.produce(topic, value=value, key=key, headers=list(headers))
-                break
-            except BufferError:
-                self._producer.poll(0.1)
-        self._producer.poll(0)
+        produce(self._producer, topic, key, value, headers)
 
     def commit(self) -> None:
         """Commit the open transaction (a no-op when none is open). Raises ``FencedError`` when

@@ -348,17 +348,24 @@ class KafkaPublisher:
     def publish(
         self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> None:
-        while True:
-            try:
-                self._producer.produce(topic, value=value, key=key, headers=list(headers), on_delivery=_delivered)
-                break
-            except BufferError:  # local queue full: let librdkafka send some, then retry
-                self._producer.poll(0.1)
-        self._producer.poll(0)
+        produce(self._producer, topic, key, value, headers)
 
     def flush(self, timeout_s: float) -> int:
         remaining: int = self._producer.flush(timeout_s)
         return remaining
+
+
+def produce(
+    producer: Producer, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+) -> None:
+    """Queue one record, waiting while librdkafka's local queue is full; failures are logged on delivery."""
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, headers=list(headers), on_delivery=_delivered)
+            break
+        except BufferError:  # local queue full: let librdkafka send some, then retry
+            producer.poll(0.1)
+    producer.poll(0)
 
 
 def _delivered(error: KafkaError | None, message: Message) -> None:
