@@ -194,6 +194,13 @@ class ModelSettings(_Section):
     # Two-stage ranking: the scorer ranks the best `shortlist` feasible devices by hetero-greedy's
     # estimated finish (its physical prior), more for a gang; 0: every feasible device.
     shortlist: int = Field(64, ge=0, le=1_000_000)
+    # Leave a one-device task queued for a busy device where it would finish sooner (the device's
+    # expected free time, from the run time estimates of the tasks placed there, plus its run time
+    # there) when the scorer ranks that device above the free one it could take now.
+    wait_for_faster: bool = True
+    # Queue order within a priority while the GNN decides: shortest estimated run time first (on
+    # the fastest device model the task may use, times its gang), or arrival order.
+    queue_order: Literal["shortest-first", "arrival"] = "shortest-first"
     refresh: ModelRefreshSettings = ModelRefreshSettings()
 
     @field_validator("providers")

@@ -592,11 +592,17 @@ def pair_features(
     rows: Rows,
     profile: SpeedProfile | DeviceProfiles | None = None,
     occupancy: Occupancy | None = None,
+    wait_s: NDArray[np.float64] | None = None,
 ) -> Matrix:
     """Features of (task, candidate device) pairs for the scorer. ``occupancy``: the rows' tasks and
     reservations to assume instead of their own (a row may appear more than once, each time with
-    its own). Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
+    its own). ``wait_s``: the rows are busy and described as they will be once free, in that many
+    seconds: no tasks, nothing reserved or in use, and ``finish_s`` counts the wait.
+    Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
     d = graph.devices
+    if wait_s is not None:
+        none = np.zeros(len(rows))
+        occupancy = Occupancy(np.zeros(len(rows), dtype=np.int32), none, none)
     occupancy = occupancy if occupancy is not None else Occupancy.of(graph, rows)
     speed, profiled = estimated_speed(spec, graph, rows, profile)
     runtime = np.where(speed > 0, spec.work_ref_s / np.where(speed > 0, speed, 1.0), 1.0e9)
@@ -610,7 +616,7 @@ def pair_features(
         _, inverse, counts = np.unique(d.host[rows], return_inverse=True, return_counts=True)
         same_host = np.minimum(counts[inverse], gang) / gang
     memory = d.memory_gb[rows]
-    free = np.maximum(graph.free_memory_gb(rows, occupancy), 0.0)
+    free = memory if wait_s is not None else np.maximum(graph.free_memory_gb(rows, occupancy), 0.0)
     fit = np.where(free > 0, np.minimum(spec.memory_per_device_gb / np.where(free > 0, free, 1.0), 1.0), 1.0)
     after = np.where(
         memory > 0, (occupancy.reserved_gb + spec.memory_per_device_gb) / np.where(memory > 0, memory, 1.0), 1.0
@@ -627,10 +633,10 @@ def pair_features(
             occupancy.n_tasks,
             fit,
             np.minimum(after, 1.0),
-            graph.load(rows, occupancy),
+            graph.load(rows, occupancy) if wait_s is None else np.zeros(len(rows)),
             np.isin(d.model[rows], preferred_index),
             profiled,
-            runtime / device_share(graph, rows, occupancy),
+            runtime / device_share(graph, rows, occupancy) if wait_s is None else wait_s + runtime,
         ]
     ).astype(np.float64)
     return normalize(raw.reshape(len(rows), len(PAIR_FEATURES)), PAIR_FEATURES)

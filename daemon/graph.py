@@ -159,6 +159,9 @@ class DeviceTable(Table):
         "placed_gb": (np.float64, 0.0),  # the part of reserved_gb whose tasks have not started yet
         "n_tasks": (np.int32, 0),  # tasks placed or running here
         "metrics_ms": (np.int64, 0),  # event time of the newest metrics
+        # When a task slot is expected to be free again (Unix ms, from the run time estimate of the
+        # tasks hlb placed here); 0: free, or no task here has an end to expect (a service).
+        "free_at_ms": (np.int64, 0),
     }
     kind: NDArray[np.int8]
     model: NDArray[np.int32]
@@ -176,6 +179,7 @@ class DeviceTable(Table):
     placed_gb: NDArray[np.float64]
     n_tasks: NDArray[np.int32]
     metrics_ms: NDArray[np.int64]
+    free_at_ms: NDArray[np.int64]
 
 
 class HostTable(Table):
@@ -431,6 +435,24 @@ class InfraGraph:
         ok = (self.devices.health[rows] != ev.HEALTH_FAILED) & self.room(spec, rows)
         feasible: Rows = rows[ok]
         return feasible
+
+    def busy_rows(self, spec: ev.TaskSpec) -> Rows:
+        """Device rows that would pass every hard constraint for ``spec`` once the tasks on them
+        end, but lack a free slot or the free memory now, and have an expected end
+        (``free_at_ms``), ascending. Shapes: -> [B]."""
+        groups = self._candidate_groups(spec)
+        if not groups:
+            return np.empty(0, dtype=np.int64)
+        rows = np.concatenate([self._rows_of_group(g) for g in groups])
+        d = self.devices
+        rows = rows[(d.free_at_ms[rows] > 0) & (d.health[rows] != ev.HEALTH_FAILED)]
+        busy: Rows = np.sort(rows[(d.memory_gb[rows] >= spec.memory_per_device_gb) & ~self.room(spec, rows)])
+        return busy
+
+    def group_representatives(self, spec: ev.TaskSpec) -> Rows:
+        """One live row of each (kind, model) group ``spec`` may run on (its allow-lists). -> [G]."""
+        reps: Rows = np.array([min(self._groups[g]) for g in self._candidate_groups(spec)], dtype=np.int64)
+        return reps
 
     def room(self, spec: ev.TaskSpec, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.bool_]:
         """Whether each row has the free memory and a free task slot for ``spec``: the hard

@@ -78,6 +78,27 @@ class BatchChooser(Protocol):
         """The batch bound ``rows``; ``own``: to the task this chooser answered last."""
 
 
+@dataclass(frozen=True)
+class Wait:
+    """A policy's choice to leave a task queued for a busy device where it would finish sooner than
+    on the free device it could take now: ``row`` is expected free in ``wait_s``, the task would run
+    ``runtime_s`` there; ``free_finish_s`` is the estimated finish on the free device it declines."""
+
+    row: int
+    device_id: str
+    wait_s: float
+    runtime_s: float
+    free_finish_s: float
+
+    @property
+    def reason(self) -> str:
+        """Why the task is pending, in words (it starts with "waiting for", as a dependency's does)."""
+        return (
+            f"waiting for device {self.device_id}: expected free in {self.wait_s:,.0f} s, where it would finish"
+            f" in {self.wait_s + self.runtime_s:,.0f} s against {self.free_finish_s:,.0f} s on a device free now"
+        )
+
+
 class Policy:
     """Ranks feasible devices for a task. Subclasses implement :meth:`score`.
 
@@ -94,6 +115,12 @@ class Policy:
     # reserved memory only make a device look worse): a batch may then treat a score computed
     # before the binding as an upper bound and rescore lazily.
     binding_lowers_scores = False
+
+    @property
+    def waits(self) -> bool:
+        """True when the policy may leave a task queued for a busy device (:meth:`wait_for`); the
+        scheduler then keeps the expected end of every placed task (``free_at_ms``) for it."""
+        return False
 
     @property
     def degraded(self) -> str:
@@ -131,6 +158,14 @@ class Policy:
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         """The task was bound to ``rows``."""
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        """A busy device ``spec`` should wait for instead of taking ``gang`` (free now), or None to
+        take it. ``queued_s``: seconds of run time of other tasks already waiting for a row. Only a
+        policy that can wait overrides this (the GNN's); the baselines take what fits now."""
+        return None
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         """Queue order within a priority, higher first. Shapes: [len(tasks)]; None: arrival order."""
@@ -452,6 +487,7 @@ __all__ = [
     "Policy",
     "RandomPolicy",
     "RoundRobin",
+    "Wait",
     "choose_gang",
     "make_policy",
 ]

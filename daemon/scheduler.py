@@ -33,7 +33,8 @@ from daemon.graph import (
     check_task_specs,
 )
 from daemon.ledger import PlacementLedger
-from daemon.policy import BatchChooser, Policy
+from daemon.policy import BatchChooser, Policy, Wait
+from daemon.profiles import NEVER_S, default_profiles
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
@@ -223,6 +224,13 @@ class Scheduler:
         self._seen = (graph.version, graph.metrics_version)
         self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
         self._order_version = -1
+        # For a policy that may wait for a busy device (Policy.waits): when each placed task is
+        # expected to end (Unix ms, from the device profiles' run time estimate), and which row each
+        # waiting task waits for with how many seconds of run time (other tasks queue behind it).
+        self.profiles = default_profiles()
+        self._expected_end: dict[str, int] = {}
+        self._waiting: dict[str, Wait] = {}
+        self._queued_s: dict[int, float] = {}
 
     @property
     def policy(self) -> Policy:
@@ -267,6 +275,7 @@ class Scheduler:
         if kind == "started":
             if task.state == TaskState.PLACED:
                 self.graph.mark_running(task)  # its memory now shows in reported use instead
+                self._expect_end(task)  # from its start, which may come later than its placement
                 self._dirty = True
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
@@ -276,6 +285,8 @@ class Scheduler:
         else:
             final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
             self.graph.release(task, final)
+            if self._expected_end.pop(task_id, None) is not None:
+                self._update_free_at(task.device_rows)
             self._dirty = True
 
     def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False) -> Task:
@@ -493,6 +504,44 @@ class Scheduler:
     def _dequeue(self, task_id: str) -> None:
         if self._pending.pop(task_id, None) is not None:
             self._order = None
+        self._stop_waiting(task_id)
+
+    # -- waiting for a busy device (a policy that may wait) ------------------------------------
+
+    def _start_waiting(self, task_id: str, wait: Wait) -> None:
+        self._waiting[task_id] = wait
+        self._queued_s[wait.row] = self._queued_s.get(wait.row, 0.0) + wait.runtime_s
+
+    def _stop_waiting(self, task_id: str) -> None:
+        wait = self._waiting.pop(task_id, None)
+        if wait is None:
+            return
+        left = self._queued_s.get(wait.row, 0.0) - wait.runtime_s
+        if left > 1e-9:
+            self._queued_s[wait.row] = left
+        else:
+            self._queued_s.pop(wait.row, None)
+
+    def _expect_end(self, task: Task) -> None:
+        """Record when ``task`` (bound now, or started now) should end on its devices: its run time
+        estimate on the slowest of them from now. A service (latency SLO) or a task without work
+        has no end to expect, and a device holding only such tasks never attracts a waiting task."""
+        spec = task.spec
+        if not self.policy.waits or spec.work_ref_s <= 0 or spec.latency_slo_ms > 0 or not task.device_rows:
+            return
+        rows = np.asarray(task.device_rows, dtype=np.int64)
+        runtime = float(self.profiles.runtime_s(self.graph, rows, spec).max())
+        if runtime >= NEVER_S:
+            return
+        self._expected_end[spec.id] = int((self.clock() + runtime) * 1000.0)
+        self._update_free_at(task.device_rows)
+
+    def _update_free_at(self, rows: Sequence[int]) -> None:
+        """Each row's ``free_at_ms``: the earliest expected end among its tasks (0: none expected)."""
+        d, ends = self.graph.devices, self._expected_end
+        for row in rows:
+            known = [ends[t] for t in self.graph.tasks_on_device(row) if t in ends]
+            d.free_at_ms[row] = min(known) if known else 0
 
     def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
         return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))
@@ -502,6 +551,8 @@ class Scheduler:
 
         ``cache``: a batch's feasible rows and scores by shape, told about the binding made here.
         """
+        if not dry_run:
+            self._stop_waiting(task.spec.id)  # decided afresh: an earlier wait no longer holds a device
         waiting_for = self._unfinished_dependency(task)
         if waiting_for is not None:
             task.pending_reason = waiting_for
@@ -515,6 +566,13 @@ class Scheduler:
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
+        if self.policy.waits:
+            wait = self.policy.wait_for(task.spec, self.graph, gang, int(self.clock() * 1000.0), self._queued_s)
+            if wait is not None:
+                task.pending_reason = wait.reason
+                if not dry_run:
+                    self._start_waiting(task.spec.id, wait)
+                return None
         rows: list[int] = gang.tolist()
         placement = ev.Placement(
             task_id=task.spec.id,
@@ -529,6 +587,7 @@ class Scheduler:
             return placement
         self._dequeue(task.spec.id)
         self.graph.bind(task, rows)
+        self._expect_end(task)
         self.policy.placed(task.spec, self.graph, gang)
         if cache is not None:
             cache.bound(task.device_rows)

@@ -154,8 +154,10 @@ def _restore_table(table: Table, arrays: Arrays, name: str) -> None:
     table.ids = ids
     table.index = {i: row for row, i in enumerate(ids) if i is not None and alive[row]}
     table._free = [int(r) for r in arrays[f"{name}.free"]]
-    for column, (dtype, _) in table.COLUMNS.items():
-        values = arrays[f"{name}.col.{column}"]
+    for column, (dtype, default) in table.COLUMNS.items():
+        key = f"{name}.col.{column}"
+        # A column added since the snapshot was written starts at its default in every row.
+        values = arrays[key] if key in arrays else np.full(alive.shape, default, dtype=dtype)
         if values.shape != alive.shape or values.dtype != np.dtype(dtype):
             raise SnapshotError(f"{name}.{column}: shape {values.shape} {values.dtype}, expected {alive.shape} {dtype}")
         setattr(table, column, values.copy())

@@ -152,6 +152,22 @@ def test_a_replayed_batch_changes_nothing() -> None:
     assert comparable(ingestor.scheduler) == before
 
 
+def test_a_snapshot_from_before_a_column_was_added_restores_it_at_its_default() -> None:
+    bus = MemoryBus()
+    for topic, value in history():
+        bus.publish(topic, b"c", value)
+    ingestor = make(bus)
+    drain(ingestor, batch_size=4)
+    arrays = snap.state_arrays(ingestor.scheduler, ingestor.positions)
+    del arrays["devices.col.free_at_ms"]
+    state = snap.restore_state(snap.decode(snap.encode(arrays)))
+    d = state.graph.devices
+    assert d.free_at_ms.dtype == np.int64
+    assert d.free_at_ms.shape == d.alive.shape
+    assert not d.free_at_ms.any()
+    assert len(d) == 6
+
+
 def _valid_snapshot() -> bytes:
     bus = MemoryBus()
     for topic, value in history():

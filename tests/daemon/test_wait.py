@@ -1,0 +1,190 @@
+"""Waiting for a faster busy device, and shortest-first queue order: what the GNN policy may do and
+the baselines never do (``model.wait_for_faster``, ``model.queue_order``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.config import ModelRefreshSettings, ModelSettings
+from daemon.gnn_policy import GnnPolicy
+from daemon.graph import InfraGraph, TaskState
+from daemon.ledger import PlacementLedger
+from daemon.policy import Policy, make_policy
+from daemon.profiles import default_profiles
+from daemon.scheduler import Scheduler
+from hlb.v1 import events_pb2 as ev
+
+FAST, SLOW = "A100-SXM4-80GB", "V100-SXM2-32GB"
+T0 = 1_000_000.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def gnn(wait_for_faster: bool = True, queue_order: str = "shortest-first") -> GnnPolicy:
+    """The shipped model, re-encoding before each decision (as in a simulation)."""
+    settings = ModelSettings(
+        providers=("CPUExecutionProvider",),
+        watch=False,
+        wait_for_faster=wait_for_faster,
+        queue_order=queue_order,
+        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
+    )
+    return GnnPolicy(settings, mode="sync")
+
+
+def runtime_s(model: str, work_ref_s: float) -> float:
+    graph = InfraGraph()
+    graph.apply_telemetry(upsert(model))
+    spec = ev.TaskSpec(id="probe", workload_class="resnet50", work_ref_s=work_ref_s, memory_per_device_gb=4)
+    return float(default_profiles().runtime_s(graph, np.array([0]), spec)[0])
+
+
+def upsert(model: str) -> ev.TelemetryEvent:
+    device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
+    return ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device)
+
+
+def make_scheduler(policy: Policy, clock: Clock) -> Scheduler:
+    scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "c", clock=clock)
+    for model in (FAST, SLOW):
+        scheduler.apply_telemetry(upsert(model))
+    if isinstance(policy, GnnPolicy):
+        policy.clock_ms = lambda: clock() * 1000.0
+    return scheduler
+
+
+def submit(scheduler: Scheduler, task_id: str, work_ref_s: float, **fields: object) -> None:
+    spec = ev.TaskSpec(id=task_id, workload_class="resnet50", work_ref_s=work_ref_s, memory_per_device_gb=4, **fields)  # type: ignore[arg-type]
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", submitted=spec))
+
+
+def finish(scheduler: Scheduler, task_id: str) -> None:
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id=task_id)))
+
+
+def device_of(scheduler: Scheduler, task_id: str) -> str:
+    placement = scheduler.ledger.get(task_id)
+    return placement.device_ids[0] if placement is not None else ""
+
+
+def busy_fast_device(scheduler: Scheduler, ends_in_s: float) -> None:
+    """A task on the fast device that is expected to end ``ends_in_s`` from now."""
+    submit(scheduler, "busy", work_ref_s=ends_in_s * 3600.0 / runtime_s(FAST, 3600.0))
+    scheduler.schedule_pending()
+    assert device_of(scheduler, "busy") == FAST
+    expected = scheduler.graph.devices.free_at_ms[scheduler.graph.devices.index[FAST]]
+    assert expected == pytest.approx((T0 + ends_in_s) * 1000.0, abs=2)
+
+
+def test_a_task_waits_for_the_faster_busy_device_and_takes_it_once_free() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    submit(scheduler, "x", work_ref_s=3600.0)  # 1,000 + 1,470 s on the fast one against 3,600 s on the free one
+    assert scheduler.schedule_pending() == []
+    reason = scheduler.lookup("x").pending
+    assert reason is not None
+    assert reason.reason.startswith(f"waiting for device {FAST}: expected free in 1,000 s")
+    clock.t += 900.0
+    finish(scheduler, "busy")
+    placed = scheduler.schedule_pending()
+    assert [p.task_id for p in placed] == ["x"]
+    assert device_of(scheduler, "x") == FAST
+
+
+def test_tasks_waiting_for_one_device_queue_behind_each_other() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    submit(scheduler, "x", work_ref_s=3600.0)
+    submit(scheduler, "y", work_ref_s=3600.0)  # behind x: 1,000 + 2 x 1,470 s > 3,600 s on the free one
+    placed = scheduler.schedule_pending()
+    assert [p.task_id for p in placed] == ["y"]
+    assert device_of(scheduler, "y") == SLOW
+    assert scheduler.lookup("x").pending is not None
+    # x cancelled: what it held on the fast device is no longer counted for the next task.
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", cancelled=ev.EntityRef(id="x")))
+    assert scheduler._queued_s == {}
+
+
+def test_a_device_overdue_by_longer_than_the_gain_is_not_waited_for() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    clock.t += 1000.0 + 2200.0  # overdue by 2,200 s: counted as 2,200 s more, 3,670 s > 3,600 s
+    submit(scheduler, "x", work_ref_s=3600.0)
+    placed = scheduler.schedule_pending()
+    assert [p.task_id for p in placed] == ["x"]
+    assert device_of(scheduler, "x") == SLOW
+
+
+@pytest.mark.parametrize("policy", ["hetero-greedy", "heft", "least-loaded", "gnn-no-wait"])
+def test_the_baselines_and_the_gnn_without_waiting_take_the_free_device(policy: str) -> None:
+    clock = Clock()
+    chosen = gnn(wait_for_faster=False) if policy == "gnn-no-wait" else make_policy(policy)
+    scheduler = make_scheduler(chosen, clock)
+    submit(scheduler, "busy", work_ref_s=2448.0)
+    scheduler.schedule_pending()
+    busy_device = device_of(scheduler, "busy")
+    submit(scheduler, "x", work_ref_s=3600.0)
+    placed = scheduler.schedule_pending()
+    assert [p.task_id for p in placed] == ["x"]
+    assert device_of(scheduler, "x") not in ("", busy_device)
+
+
+def test_a_dry_run_tells_of_the_wait_and_holds_nothing() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    spec = ev.TaskSpec(id="x", workload_class="resnet50", work_ref_s=3600.0, memory_per_device_gb=4)
+    decision = scheduler.place(spec, dry_run=True)
+    assert decision.pending is not None
+    assert decision.pending.reason.startswith("waiting for device")
+    assert scheduler._queued_s == {}
+    assert "x" not in scheduler.graph.tasks
+
+
+def test_a_service_never_waits() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    submit(scheduler, "svc", work_ref_s=3600.0, latency_slo_ms=50)
+    placed = scheduler.schedule_pending()
+    assert [p.task_id for p in placed] == ["svc"]
+    assert device_of(scheduler, "svc") == SLOW
+    # A service's end is not expected: the device it holds attracts no waiting task.
+    assert scheduler.graph.devices.free_at_ms[scheduler.graph.devices.index[SLOW]] == 0
+
+
+def test_queue_order_is_shortest_first_within_a_priority() -> None:
+    clock = Clock()
+    policy = gnn(wait_for_faster=False)
+    scheduler = make_scheduler(policy, clock)
+    submit(scheduler, "warm-up", work_ref_s=1.0)
+    scheduler.schedule_pending()  # loads the model; both devices busy from here on with the next two
+    submit(scheduler, "filler", work_ref_s=99_999.0)
+    scheduler.schedule_pending()
+    for task_id, work, priority in [("long", 7200.0, 0), ("short", 600.0, 0), ("urgent", 99_000.0, 1)]:
+        submit(scheduler, task_id, work_ref_s=work, priority=priority)
+    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "short", "long"]
+    arrival = gnn(wait_for_faster=False, queue_order="arrival")
+    arrival._cache = policy.cache
+    scheduler.policy = arrival
+    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short"]
+
+
+def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    finish(scheduler, "busy")
+    assert scheduler.graph.tasks["busy"].state == TaskState.FINISHED
+    assert scheduler.graph.devices.free_at_ms[scheduler.graph.devices.index[FAST]] == 0
+    assert scheduler._expected_end == {}
