@@ -321,11 +321,13 @@ class GnnPolicy(Policy):
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         """Shortest first within a priority (``model.queue_order``): minus the task's estimated run
-        time on the fastest device model it may use, times its gang. Arrival order while the
-        fallback decides."""
+        time on the fastest device model it may use, times its gang; a service (latency SLO) ahead
+        of all of them. Arrival order while the fallback decides."""
         if self.settings.queue_order != "shortest-first" or self._cache is None or not tasks:
             return None
-        return np.array([-self._fastest_runtime_s(t.spec, graph) * t.gang_size for t in tasks])
+        return np.array(
+            [0.0 if t.spec.latency_slo_ms > 0 else -self._fastest_runtime_s(t.spec, graph) * t.gang_size for t in tasks]
+        )
 
     def _fastest_runtime_s(self, spec: ev.TaskSpec, graph: InfraGraph) -> float:
         """``spec``'s estimated run time on the fastest device model it may use (``NEVER_S``: none),

@@ -173,11 +173,12 @@ def test_queue_order_is_shortest_first_within_a_priority() -> None:
     scheduler.schedule_pending()
     for task_id, work, priority in [("long", 7200.0, 0), ("short", 600.0, 0), ("urgent", 99_000.0, 1)]:
         submit(scheduler, task_id, work_ref_s=work, priority=priority)
-    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "short", "long"]
+    submit(scheduler, "service", work_ref_s=86_400.0, latency_slo_ms=50)  # latency-bound: ahead of batch work
+    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "service", "short", "long"]
     arrival = gnn(wait_for_faster=False, queue_order="arrival")
     arrival._cache = policy.cache
     scheduler.policy = arrival
-    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short"]
+    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short", "service"]
 
 
 def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
