@@ -51,7 +51,16 @@ TABLE_METRICS = (
     "jct_gap",
 )
 SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
-LEARNED_POLICIES = ("gnn",)  # the daemon's GNN, run from its ONNX files as hlb serve runs them
+# The daemon's GNN, run from its ONNX files as hlb serve runs them: ``gnn`` with its default
+# settings, and variants that turn off waiting for a faster device and/or shortest-first queue
+# order (model.wait_for_faster, model.queue_order), to measure what each contributes.
+GNN_VARIANTS: dict[str, tuple[bool, str]] = {
+    "gnn": (True, "shortest-first"),
+    "gnn-no-wait": (False, "shortest-first"),
+    "gnn-fifo": (True, "arrival"),
+    "gnn-no-wait-fifo": (False, "arrival"),
+}
+LEARNED_POLICIES = tuple(GNN_VARIANTS)
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,8 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Polic
     """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
 
     ``gnn`` is the daemon's :class:`daemon.gnn_policy.GnnPolicy` over the ONNX files in ``model``
-    (the shipped model when None), re-encoding whenever the graph changed; it loads them on its
+    (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
+    whenever the graph changed; it loads them on its
     first decision, and a decision it would leave to hetero-greedy's fallback is a RuntimeError
     (:func:`_refuse_fallback`), so an evaluation never reports the fallback as the GNN.
     :func:`check_gnn_model` tells before any run whether the files load.
@@ -81,28 +91,30 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Polic
         from sim.lookahead import LookaheadPolicy
 
         return LookaheadPolicy()
-    if name == "gnn":
-        return _gnn_policy(model)
+    if name in GNN_VARIANTS:
+        return _gnn_policy(model, *GNN_VARIANTS[name])
     if name not in POLICY_NAMES:
         names = ", ".join((*POLICY_NAMES, *LEARNED_POLICIES, *SIM_POLICIES))
         raise ValueError(f"unknown policy {name!r}: one of {names}")
     return make_policy(name, seed=seed)
 
 
-def _gnn_settings(model: str | None) -> Any:
+def _gnn_settings(model: str | None, wait: bool = True, order: str = "shortest-first") -> Any:
     from daemon.config import ModelRefreshSettings, ModelSettings
 
     return ModelSettings(
         path=Path(model) if model else None,
         watch=False,
+        wait_for_faster=wait,
+        queue_order=order,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
     )
 
 
-def _gnn_policy(model: str | None) -> Policy:
+def _gnn_policy(model: str | None, wait: bool, order: str) -> Policy:
     from daemon.gnn_policy import GnnPolicy
 
-    return GnnPolicy(_gnn_settings(model), mode="sync", on_fallback=_refuse_fallback)
+    return GnnPolicy(_gnn_settings(model, wait, order), mode="sync", on_fallback=_refuse_fallback)
 
 
 def check_gnn_model(model: str | None) -> None:
@@ -437,7 +449,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     model = str(args.model) if args.model else None
     for policy in policies:
         make_sim_policy(policy, model=model)
-    if "gnn" in policies:
+    if any(p in GNN_VARIANTS for p in policies):
         check_gnn_model(model)
     seeds = _seeds(args.seeds)
     if not seeds or not policies:
@@ -452,7 +464,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         max_time_s=args.max_time_h * 3600.0,
     )
     return [
-        RunSpec(cluster, workload, load, args.jobs, policy, seed, config, model if policy == "gnn" else None)
+        RunSpec(cluster, workload, load, args.jobs, policy, seed, config, model if policy in GNN_VARIANTS else None)
         for workload in workloads
         for load in (loads if workload in WORKLOADS else [0.0])
         for seed in seeds

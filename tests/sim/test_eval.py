@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from daemon.cli import main
-from sim.eval import confidence_interval
+from sim.eval import confidence_interval, make_sim_policy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -77,3 +77,21 @@ def test_bad_arguments_are_clear_errors(
     assert main(["eval", "--jobs", "2", "--seeds", "1", "--out", str(tmp_path / "x"), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "wait", "order"),
+    [
+        ("gnn", True, "shortest-first"),
+        ("gnn-no-wait", False, "shortest-first"),
+        ("gnn-fifo", True, "arrival"),
+        ("gnn-no-wait-fifo", False, "arrival"),
+    ],
+)
+def test_the_gnn_variants_run_the_shipped_model_with_their_settings(name: str, wait: bool, order: str) -> None:
+    from daemon.gnn_policy import GnnPolicy
+
+    policy = make_sim_policy(name)
+    assert isinstance(policy, GnnPolicy)
+    assert (policy.settings.wait_for_faster, policy.settings.queue_order) == (wait, order)
+    assert policy.mode == "sync"
