@@ -44,8 +44,8 @@ from daemon.config import ModelSettings
 from daemon.graph import InfraGraph, Occupancy, Rows, Task
 from daemon.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
 from daemon.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, Wait, choose_gang
-from daemon.profiles import NEVER_S
 from daemon.shortlist import ShortlistBatch, shortlist
+from daemon.waiting import ShortestFirst, wait_options
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -56,10 +56,6 @@ FileSignature = tuple[tuple[int, int, int], ...] | None
 FallbackCounter = Callable[[str], None]
 
 WARM_UP_CANDIDATES = 8
-# Busy devices the scorer compares with the free one a task could take now (the best by estimated
-# finish, wait included).
-WAIT_CANDIDATES = 8
-MAX_FASTEST_SHAPES = 4096
 
 
 @dataclass(frozen=True)
@@ -152,8 +148,7 @@ class GnnPolicy(Policy):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._task_x: tuple[ev.TaskSpec, int, feat.Matrix] | None = None
-        self._fastest: dict[tuple[object, ...], float] = {}
-        self._fastest_version = (0, -1)
+        self._shortest = ShortestFirst(self.fallback.profiles)
         # Unix ms that date task features (waiting time, deadline slack); a simulation's clock in one.
         self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
         self.refreshes = 0
@@ -268,86 +263,34 @@ class GnnPolicy(Policy):
     def wait_for(
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        """A busy device to wait for instead of the free one in ``gang``: the scorer ranks the free
-        device beside the ``WAIT_CANDIDATES`` busy ones with the earliest estimated finish that
-        beat the free device's (expected free time, the run time of tasks already waiting for it,
-        then its own run time), each described as it will be once free; a busy one ranked first
-        is waited for. One-device tasks with work to do only; an overdue device counts as free in
-        as long as it is overdue (its end is less certain the longer it overruns)."""
+        """A busy device to wait for instead of the free one in ``gang``: the scorer ranks the
+        options of :func:`daemon.waiting.wait_options`, and a busy device ranked first is waited for."""
         cache = self._cache
-        if cache is None or len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0:
+        if cache is None:
             return None
-        profiles = self.fallback.profiles
-        free_finish = float((profiles.runtime_s(graph, gang, spec) / feat.device_share(graph, gang))[0])
-        if free_finish <= self._fastest_runtime_s(spec, graph):  # no device could finish it sooner
+        options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._shortest)
+        if options is None:
             return None
-        busy = graph.busy_rows(spec)
-        if not len(busy):
-            return None
-        runtime = profiles.runtime_s(graph, busy, spec)
-        wait_s = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
-        if queued_s:
-            wait_s += np.array([queued_s.get(r, 0.0) for r in busy.tolist()])
-        finish = wait_s + runtime
-        better = np.flatnonzero(finish < free_finish)
-        if not len(better):
-            return None
-        top = better[np.argsort(finish[better], kind="stable")[:WAIT_CANDIDATES]]
-        rows = np.concatenate([gang, busy[top]])
-        positions = cache.positions_of(graph, rows)
+        positions = cache.positions_of(graph, options.rows)
         if positions is None:
             return None
         try:
-            pair = np.vstack(
-                [
-                    feat.pair_features(spec, graph, gang, profiles),
-                    feat.pair_features(spec, graph, busy[top], profiles, wait_s=wait_s[top]),
-                ]
-            )
             scores = cache.model.score(
-                self._task_features(spec), cache.device_emb[positions], pair, cache.context, self._weights
+                self._task_features(spec), cache.device_emb[positions], options.pair, cache.context, self._weights
             )
-            if scores.shape != (len(rows),) or not np.isfinite(scores).all():
+            if scores.shape != (len(options.rows),) or not np.isfinite(scores).all():
                 raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
         except Exception as error:  # onnxruntime raises its own untyped errors
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
             return None
-        best = int(np.argmax(scores))
-        if best == 0:
-            return None
-        i = int(top[best - 1])
-        row = int(busy[i])
-        return Wait(row, graph.devices.ids[row] or "", float(wait_s[i]), float(runtime[i]), free_finish)
+        return options.chosen(graph, int(np.argmax(scores)))
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        """Shortest first within a priority (``model.queue_order``): minus the task's estimated run
-        time on the fastest device model it may use, times its gang; a service (latency SLO) ahead
-        of all of them. Arrival order while the fallback decides."""
+        """Shortest first within a priority (``model.queue_order``, :class:`daemon.waiting.ShortestFirst`);
+        arrival order while the fallback decides."""
         if self.settings.queue_order != "shortest-first" or self._cache is None or not tasks:
             return None
-        return np.array(
-            [0.0 if t.spec.latency_slo_ms > 0 else -self._fastest_runtime_s(t.spec, graph) * t.gang_size for t in tasks]
-        )
-
-    def _fastest_runtime_s(self, spec: ev.TaskSpec, graph: InfraGraph) -> float:
-        """``spec``'s estimated run time on the fastest device model it may use (``NEVER_S``: none),
-        kept per task shape until the inventory changes."""
-        key = (
-            spec.workload_class,
-            spec.kind,
-            spec.num_devices,
-            spec.work_ref_s,
-            tuple(spec.allowed_kinds),
-            tuple(spec.allowed_models),
-        )
-        if self._fastest_version != (id(graph), graph.version) or len(self._fastest) > MAX_FASTEST_SHAPES:
-            self._fastest_version, self._fastest = (id(graph), graph.version), {}
-        known = self._fastest.get(key)
-        if known is None:
-            reps = graph.group_representatives(spec)
-            known = float(self.fallback.profiles.runtime_s(graph, reps, spec).min()) if len(reps) else NEVER_S
-            self._fastest[key] = known
-        return known
+        return self._shortest.ranks(graph, tasks)
 
     def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
         """Task features besides the shape: priority, waiting time and deadline, latency SLO."""

@@ -231,6 +231,7 @@ class Scheduler:
         self._expected_end: dict[str, int] = {}
         self._waiting: dict[str, Wait] = {}
         self._queued_s: dict[int, float] = {}
+        self.waits_decided = 0  # decisions to wait for a busy device, dry runs aside
 
     @property
     def policy(self) -> Policy:
@@ -509,6 +510,7 @@ class Scheduler:
     # -- waiting for a busy device (a policy that may wait) ------------------------------------
 
     def _start_waiting(self, task_id: str, wait: Wait) -> None:
+        self.waits_decided += 1
         self._waiting[task_id] = wait
         self._queued_s[wait.row] = self._queued_s.get(wait.row, 0.0) + wait.runtime_s
 

@@ -35,7 +35,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,9 @@ from torch import Tensor
 
 from daemon import features as feat
 from daemon.graph import InfraGraph, Rows, Task
-from daemon.policy import ObjectiveWeights, Policy, choose_gang, make_policy
+from daemon.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
 from daemon.profiles import DeviceProfiles, default_profiles
+from daemon.waiting import ShortestFirst, wait_options
 from export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
@@ -105,13 +106,18 @@ class TrainConfig:
     hidden: int = 32
     rounds: int = 2
     seed: int = 0
+    # The daemon's rules the student decides by in REINFORCE and validation (model.wait_for_faster,
+    # model.queue_order); DAgger follows the teacher, which neither waits nor reorders.
+    wait_for_faster: bool = True
+    queue_order: str = "shortest-first"
 
     def describe(self) -> str:
         stages = "; ".join(s.label() for s in self.stages)
+        rules = f"wait_for_faster {str(self.wait_for_faster).lower()}, queue_order {self.queue_order}"
         return (
             f"hlb train: DAgger x{self.dagger_iterations} from lookahead(k={self.teacher_k}, "
             f"{self.teacher_horizon_s / 3600:g} h), then REINFORCE x{self.rl_iterations}; families "
-            f"{', '.join(TRAIN_FAMILIES)}; seeds >= {TRAIN_SEED_BASE}; curriculum: {stages}; seed {self.seed}"
+            f"{', '.join(TRAIN_FAMILIES)}; seeds >= {TRAIN_SEED_BASE}; curriculum: {stages}; {rules}; seed {self.seed}"
         )
 
 
@@ -157,11 +163,14 @@ class Decision:
 
 
 class TorchGnnPolicy(Policy):
-    """The torch model as a daemon policy, for training: the same inputs the exported model reads.
+    """The torch model as a daemon policy, for training: the same inputs the exported model reads,
+    and the daemon's rules (:mod:`daemon.waiting`) when ``wait_for_faster`` and ``queue_order``
+    say so, as ``model.wait_for_faster`` and ``model.queue_order`` do for the daemon's GNN.
 
     The encoder runs once per graph state (inventory, metrics, bindings, task set and time); the
-    scorer once per decision over the feasible rows. ``temperature`` > 0 samples gangs (RL);
-    ``record`` receives every decision made with at least two candidates.
+    scorer once per decision over the feasible rows, and once more over the wait options of a task
+    that could wait. ``temperature`` > 0 samples gangs and waits (RL); ``record`` receives every
+    decision made with at least two candidates (a wait decision's candidates are its options).
     """
 
     name = "gnn"
@@ -173,11 +182,16 @@ class TorchGnnPolicy(Policy):
         profiles: DeviceProfiles | None = None,
         temperature: float = 0.0,
         rng: np.random.Generator | None = None,
+        wait_for_faster: bool = False,
+        queue_order: str = "arrival",
     ) -> None:
         self.model = model
+        self.wait_for_faster = wait_for_faster
+        self.queue_order = queue_order
         w = weights or ObjectiveWeights()
         self.weights = np.array([w.completion_time, w.utilization, w.energy], dtype=np.float32)
         self.profiles = profiles or default_profiles()
+        self._shortest = ShortestFirst(self.profiles)
         self.temperature = temperature
         self.rng = rng or np.random.default_rng(0)
         self.record: Callable[[Decision], None] | None = None
@@ -238,6 +252,41 @@ class TorchGnnPolicy(Policy):
         if self.record is not None and len(feasible) >= 2:  # the gang in the order it was drawn
             self.record(self.decision(spec, graph, feasible, at[np.argsort(-drawn[at], kind="stable")]))
         return rows, float(scores[at].mean())
+
+    @property
+    def waits(self) -> bool:
+        return self.wait_for_faster
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._shortest)
+        if options is None:
+            return None
+        feeds, inputs, emb, context = self.encoded(graph)
+        positions = inputs.device_positions(options.rows)
+        task_x = feat.task_features(spec, now_ms=int(self.clock_ms()))
+        with torch.no_grad():
+            scores = self.model.scorer(
+                torch.from_numpy(task_x),
+                emb[torch.from_numpy(positions)],
+                torch.from_numpy(options.pair),
+                context,
+                torch.from_numpy(self.weights),
+            ).numpy()
+        drawn = scores
+        if self.temperature > 0:
+            drawn = scores / self.temperature + self.rng.gumbel(size=len(scores))
+        index = int(np.argmax(drawn))
+        if self.record is not None:
+            chosen = np.array([index], dtype=np.int64)
+            self.record(Decision(feeds, positions, task_x, options.pair, chosen, self.sim_time_s()))
+        return options.chosen(graph, index)
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        if self.queue_order != "shortest-first" or not tasks:
+            return None
+        return self._shortest.ranks(graph, tasks)
 
     def decision(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, chosen: NDArray[np.int64]) -> Decision:
         feeds, inputs, _, _ = self.encoded(graph)
@@ -392,7 +441,13 @@ class Trainer:
 
     def student(self, temperature: float = 0.0, seed: int = 0) -> TorchGnnPolicy:
         self.model.eval()
-        return TorchGnnPolicy(self.model, temperature=temperature, rng=np.random.default_rng(seed))
+        return TorchGnnPolicy(
+            self.model,
+            temperature=temperature,
+            rng=np.random.default_rng(seed),
+            wait_for_faster=self.config.wait_for_faster,
+            queue_order=self.config.queue_order,
+        )
 
     # phases
 

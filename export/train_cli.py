@@ -35,6 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of the initialisation and the sampling")
     parser.add_argument("--validation-seeds", type=int, help="validation runs per stage after each epoch")
     parser.add_argument("--temperature", type=float, help="of the sampled gangs during REINFORCE")
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="the student never waits for a faster busy device (as model.wait_for_faster: false)",
+    )
+    parser.add_argument(
+        "--queue-order",
+        choices=("shortest-first", "arrival"),
+        help="the student's queue order (as model.queue_order; default shortest-first)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
 
@@ -65,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         print("hlb train: --validation-seeds and --temperature must be > 0", file=sys.stderr)
         return 2
     config = replace(config, **overrides)
+    if args.no_wait:
+        config = replace(config, wait_for_faster=False)
+    if args.queue_order:
+        config = replace(config, queue_order=args.queue_order)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     trainer = train.Trainer(config, args.out, lambda line: print(line, flush=True), progress=not args.no_progress)

@@ -1,0 +1,134 @@
+"""What a learned policy needs to wait for a faster busy device and to order the queue shortest first.
+
+The GNN in the daemon (:class:`daemon.gnn_policy.GnnPolicy`) and the torch model it is trained as
+(``export.train.TorchGnnPolicy``) decide by the same rules, so what training optimizes is what the
+daemon runs:
+
+- **Waiting** (``model.wait_for_faster``): a one-device task that could take a free device now is
+  compared with the busy devices where it would finish sooner, counting the wait: the device's
+  expected free time (``InfraGraph.devices.free_at_ms``, kept by the scheduler from the run time
+  estimates of the tasks placed there), the run time of the tasks already waiting for it, then its
+  own run time there. :func:`wait_options` gives the free device and the best ``WAIT_CANDIDATES``
+  such busy ones, each described as it will be once free; the policy's scorer ranks them, and a
+  busy one ranked first is waited for. A device that overran its expected end counts as free in
+  as long as it has overrun, so the longer it overruns the less it attracts.
+- **Queue order** (``model.queue_order``): :class:`ShortestFirst` ranks a task by its estimated run
+  time on the fastest device model it may use, times its gang (shortest first), with a service
+  (latency SLO) ahead of batch work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from daemon import features as feat
+from daemon.graph import InfraGraph, Rows, Task
+from daemon.policy import Wait
+from daemon.profiles import NEVER_S, DeviceProfiles
+from hlb.v1 import events_pb2 as ev
+
+# Busy devices compared with the free one (the best by estimated finish, wait included).
+WAIT_CANDIDATES = 8
+MAX_SHAPES = 4096
+
+
+class ShortestFirst:
+    """Estimated run times on the fastest device model a task may use, kept per task shape until
+    the inventory changes; queue ranks from them."""
+
+    def __init__(self, profiles: DeviceProfiles) -> None:
+        self.profiles = profiles
+        self._known: dict[tuple[object, ...], float] = {}
+        self._graph_version = (0, -1)
+
+    def runtime_s(self, spec: ev.TaskSpec, graph: InfraGraph) -> float:
+        """``spec``'s estimated run time on the fastest model it may use; ``NEVER_S`` when none."""
+        key = (
+            spec.workload_class,
+            spec.kind,
+            spec.num_devices,
+            spec.work_ref_s,
+            tuple(spec.allowed_kinds),
+            tuple(spec.allowed_models),
+        )
+        if self._graph_version != (id(graph), graph.version) or len(self._known) > MAX_SHAPES:
+            self._graph_version, self._known = (id(graph), graph.version), {}
+        known = self._known.get(key)
+        if known is None:
+            reps = graph.group_representatives(spec)
+            known = float(self.profiles.runtime_s(graph, reps, spec).min()) if len(reps) else NEVER_S
+            self._known[key] = known
+        return known
+
+    def ranks(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64]:
+        """Higher first: 0 for a service, else minus the fastest run time times the gang. [T] -> [T]."""
+        return np.array(
+            [0.0 if t.spec.latency_slo_ms > 0 else -self.runtime_s(t.spec, graph) * t.gang_size for t in tasks]
+        )
+
+
+@dataclass(frozen=True)
+class WaitOptions:
+    """The free device a task could take now (``rows[0]``) and the busy ones it could wait for
+    (``rows[1:]``), with the scorer's pair features of each [1 + B, PAIR]; per busy row, the
+    estimated wait and run time (s) [B]; the estimated finish on the free device (s)."""
+
+    rows: Rows
+    pair: feat.Matrix
+    wait_s: NDArray[np.float64]
+    runtime_s: NDArray[np.float64]
+    free_finish_s: float
+
+    def chosen(self, graph: InfraGraph, index: int) -> Wait | None:
+        """The wait that choosing ``rows[index]`` means; None for the free device (index 0)."""
+        if index == 0:
+            return None
+        row = int(self.rows[index])
+        i = index - 1
+        return Wait(
+            row, graph.devices.ids[row] or "", float(self.wait_s[i]), float(self.runtime_s[i]), self.free_finish_s
+        )
+
+
+def wait_options(
+    spec: ev.TaskSpec,
+    graph: InfraGraph,
+    gang: Rows,
+    now_ms: int,
+    queued_s: Mapping[int, float],
+    profiles: DeviceProfiles,
+    fastest: ShortestFirst,
+) -> WaitOptions | None:
+    """The options of a one-device task (with work, not a service) that could take ``gang`` now;
+    None when no busy device would finish it sooner, so there is nothing to decide."""
+    if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0:
+        return None
+    free_finish = float((profiles.runtime_s(graph, gang, spec) / feat.device_share(graph, gang))[0])
+    if free_finish <= fastest.runtime_s(spec, graph):  # no device could finish it sooner
+        return None
+    busy = graph.busy_rows(spec)
+    if not len(busy):
+        return None
+    runtime = profiles.runtime_s(graph, busy, spec)
+    wait_s = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
+    if queued_s:
+        wait_s += np.array([queued_s.get(r, 0.0) for r in busy.tolist()])
+    finish = wait_s + runtime
+    better = np.flatnonzero(finish < free_finish)
+    if not len(better):
+        return None
+    top = better[np.argsort(finish[better], kind="stable")[:WAIT_CANDIDATES]]
+    pair = np.vstack(
+        [
+            feat.pair_features(spec, graph, gang, profiles),
+            feat.pair_features(spec, graph, busy[top], profiles, wait_s=wait_s[top]),
+        ]
+    )
+    return WaitOptions(np.concatenate([gang, busy[top]]), pair, wait_s[top], runtime[top], free_finish)
+
+
+__all__ = ["WAIT_CANDIDATES", "ShortestFirst", "WaitOptions", "wait_options"]
