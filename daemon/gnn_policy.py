@@ -45,7 +45,7 @@ from daemon.graph import InfraGraph, Occupancy, Rows, Task
 from daemon.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
 from daemon.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, Wait, choose_gang
 from daemon.shortlist import ShortlistBatch, shortlist
-from daemon.waiting import ShortestFirst, wait_options
+from daemon.waiting import RunTimes, wait_options
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -148,7 +148,7 @@ class GnnPolicy(Policy):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._task_x: tuple[ev.TaskSpec, int, feat.Matrix] | None = None
-        self._shortest = ShortestFirst(self.fallback.profiles)
+        self._runtimes = RunTimes(self.fallback.profiles)
         # Unix ms that date task features (waiting time, deadline slack); a simulation's clock in one.
         self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
         self.refreshes = 0
@@ -268,7 +268,7 @@ class GnnPolicy(Policy):
         cache = self._cache
         if cache is None:
             return None
-        options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._shortest)
+        options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._runtimes)
         if options is None:
             return None
         positions = cache.positions_of(graph, options.rows)
@@ -286,11 +286,11 @@ class GnnPolicy(Policy):
         return options.chosen(graph, int(np.argmax(scores)))
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        """Shortest first within a priority (``model.queue_order``, :class:`daemon.waiting.ShortestFirst`);
+        """Shortest first within a priority (``model.queue_order``, :meth:`daemon.waiting.RunTimes.ranks`);
         arrival order while the fallback decides."""
         if self.settings.queue_order != "shortest-first" or self._cache is None or not tasks:
             return None
-        return self._shortest.ranks(graph, tasks)
+        return self._runtimes.ranks(graph, tasks)
 
     def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
         """Task features besides the shape: priority, waiting time and deadline, latency SLO."""

@@ -436,11 +436,15 @@ class InfraGraph:
         feasible: Rows = rows[ok]
         return feasible
 
-    def busy_rows(self, spec: ev.TaskSpec) -> Rows:
+    def busy_rows(self, spec: ev.TaskSpec, faster_models: NDArray[np.int64] | None = None) -> Rows:
         """Device rows that would pass every hard constraint for ``spec`` once the tasks on them
         end, but lack a free slot or the free memory now, and have an expected end
-        (``free_at_ms``), ascending. Shapes: -> [B]."""
+        (``free_at_ms``), ascending; only those of ``faster_models`` (model indices) when given.
+        Shapes: -> [B]."""
         groups = self._candidate_groups(spec)
+        if faster_models is not None:
+            faster = set(faster_models.tolist())
+            groups = [g for g in groups if g[1] in faster]
         if not groups:
             return np.empty(0, dtype=np.int64)
         rows = np.concatenate([self._rows_of_group(g) for g in groups])

@@ -35,6 +35,7 @@ from daemon.graph import (
 from daemon.ledger import PlacementLedger
 from daemon.policy import BatchChooser, Policy, Wait
 from daemon.profiles import NEVER_S, default_profiles
+from daemon.waiting import RunTimes
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
@@ -227,7 +228,7 @@ class Scheduler:
         # For a policy that may wait for a busy device (Policy.waits): when each placed task is
         # expected to end (Unix ms, from the device profiles' run time estimate), and which row each
         # waiting task waits for with how many seconds of run time (other tasks queue behind it).
-        self.profiles = default_profiles()
+        self._runtimes = RunTimes(default_profiles())
         self._expected_end: dict[str, int] = {}
         self._waiting: dict[str, Wait] = {}
         self._queued_s: dict[int, float] = {}
@@ -526,13 +527,16 @@ class Scheduler:
 
     def _expect_end(self, task: Task) -> None:
         """Record when ``task`` (bound now, or started now) should end on its devices: its run time
-        estimate on the slowest of them from now. A service (latency SLO) or a task without work
-        has no end to expect, and a device holding only such tasks never attracts a waiting task."""
+        estimate on the slowest of them from now. Only on exclusive devices (a task waits for one
+        only there) and for a policy that waits. A service (latency SLO) or a task without work has
+        no end to expect, and a device holding only such tasks never attracts a waiting task."""
         spec = task.spec
-        if not self.policy.waits or spec.work_ref_s <= 0 or spec.latency_slo_ms > 0 or not task.device_rows:
+        if not self.policy.waits or self.graph.max_tasks_per_device != 1:
+            return
+        if spec.work_ref_s <= 0 or spec.latency_slo_ms > 0 or not task.device_rows:
             return
         rows = np.asarray(task.device_rows, dtype=np.int64)
-        runtime = float(self.profiles.runtime_s(self.graph, rows, spec).max())
+        runtime = float(self._runtimes.of_rows(spec, self.graph, rows).max())
         if runtime >= NEVER_S:
             return
         self._expected_end[spec.id] = int((self.clock() + runtime) * 1000.0)

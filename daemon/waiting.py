@@ -12,7 +12,7 @@ daemon runs:
   such busy ones, each described as it will be once free; the policy's scorer ranks them, and a
   busy one ranked first is waited for. A device that overran its expected end counts as free in
   as long as it has overrun, so the longer it overruns the less it attracts.
-- **Queue order** (``model.queue_order``): :class:`ShortestFirst` ranks a task by its estimated run
+- **Queue order** (``model.queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use, times its gang (shortest first), with a service
   (latency SLO) ahead of batch work.
 """
@@ -36,17 +36,19 @@ WAIT_CANDIDATES = 8
 MAX_SHAPES = 4096
 
 
-class ShortestFirst:
-    """Estimated run times on the fastest device model a task may use, kept per task shape until
-    the inventory changes; queue ranks from them."""
+class RunTimes:
+    """A task shape's estimated run time on each device model (the device profiles' estimate on one
+    device of each (kind, model) group the task may use; ``NEVER_S`` on the others), kept per shape
+    until the inventory changes; the queue ranks of shortest-first order from them."""
 
     def __init__(self, profiles: DeviceProfiles) -> None:
         self.profiles = profiles
-        self._known: dict[tuple[object, ...], float] = {}
+        self._known: dict[tuple[object, ...], NDArray[np.float64]] = {}
         self._graph_version = (0, -1)
 
-    def runtime_s(self, spec: ev.TaskSpec, graph: InfraGraph) -> float:
-        """``spec``'s estimated run time on the fastest model it may use; ``NEVER_S`` when none."""
+    def by_model(self, spec: ev.TaskSpec, graph: InfraGraph) -> NDArray[np.float64]:
+        """Run time (s) per model index [len(graph.model_names) + 1]; the last entry is for
+        devices without a model (index -1)."""
         key = (
             spec.workload_class,
             spec.kind,
@@ -57,17 +59,31 @@ class ShortestFirst:
         )
         if self._graph_version != (id(graph), graph.version) or len(self._known) > MAX_SHAPES:
             self._graph_version, self._known = (id(graph), graph.version), {}
-        known = self._known.get(key)
-        if known is None:
+        table = self._known.get(key)
+        if table is None:
+            table = np.full(len(graph.model_names) + 1, NEVER_S)
             reps = graph.group_representatives(spec)
-            known = float(self.profiles.runtime_s(graph, reps, spec).min()) if len(reps) else NEVER_S
-            self._known[key] = known
-        return known
+            if len(reps):
+                runtimes = self.profiles.runtime_s(graph, reps, spec)
+                for model, runtime in zip(graph.devices.model[reps].tolist(), runtimes.tolist(), strict=True):
+                    table[model] = min(table[model], runtime)
+            self._known[key] = table
+        return table
+
+    def of_rows(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+        """Run time (s) on each of ``rows`` (devices the task may use). [N] -> [N]."""
+        runtimes: NDArray[np.float64] = self.by_model(spec, graph)[graph.devices.model[rows]]
+        return runtimes
+
+    def fastest(self, spec: ev.TaskSpec, graph: InfraGraph) -> float:
+        """Run time (s) on the fastest model the task may use; ``NEVER_S`` when none."""
+        return float(self.by_model(spec, graph).min())
 
     def ranks(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64]:
-        """Higher first: 0 for a service, else minus the fastest run time times the gang. [T] -> [T]."""
+        """Shortest first, higher first: 0 for a service, else minus the fastest run time times the
+        gang. [T] -> [T]."""
         return np.array(
-            [0.0 if t.spec.latency_slo_ms > 0 else -self.runtime_s(t.spec, graph) * t.gang_size for t in tasks]
+            [0.0 if t.spec.latency_slo_ms > 0 else -self.fastest(t.spec, graph) * t.gang_size for t in tasks]
         )
 
 
@@ -101,19 +117,21 @@ def wait_options(
     now_ms: int,
     queued_s: Mapping[int, float],
     profiles: DeviceProfiles,
-    fastest: ShortestFirst,
+    runtimes: RunTimes,
 ) -> WaitOptions | None:
-    """The options of a one-device task (with work, not a service) that could take ``gang`` now;
-    None when no busy device would finish it sooner, so there is nothing to decide."""
-    if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0:
+    """The options of a one-device task (with work, not a service) that could take ``gang`` now,
+    on exclusive devices (``max_tasks_per_device`` 1: with shared ones a task starts at once on a
+    share instead); None when no busy device would finish it sooner, so there is nothing to decide."""
+    if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0 or graph.max_tasks_per_device != 1:
         return None
-    free_finish = float((profiles.runtime_s(graph, gang, spec) / feat.device_share(graph, gang))[0])
-    if free_finish <= fastest.runtime_s(spec, graph):  # no device could finish it sooner
+    by_model = runtimes.by_model(spec, graph)
+    free_finish = float(by_model[graph.devices.model[gang[0]]] / feat.device_share(graph, gang)[0])
+    if free_finish <= by_model.min():  # no device could finish it sooner
         return None
-    busy = graph.busy_rows(spec)
+    busy = graph.busy_rows(spec, faster_models=np.flatnonzero(by_model[:-1] < free_finish))
     if not len(busy):
         return None
-    runtime = profiles.runtime_s(graph, busy, spec)
+    runtime = runtimes.of_rows(spec, graph, busy)
     wait_s = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
     if queued_s:
         wait_s += np.array([queued_s.get(r, 0.0) for r in busy.tolist()])
@@ -131,4 +149,4 @@ def wait_options(
     return WaitOptions(np.concatenate([gang, busy[top]]), pair, wait_s[top], runtime[top], free_finish)
 
 
-__all__ = ["WAIT_CANDIDATES", "ShortestFirst", "WaitOptions", "wait_options"]
+__all__ = ["WAIT_CANDIDATES", "RunTimes", "WaitOptions", "wait_options"]

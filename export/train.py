@@ -49,7 +49,7 @@ from daemon import features as feat
 from daemon.graph import InfraGraph, Rows, Task
 from daemon.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
 from daemon.profiles import DeviceProfiles, default_profiles
-from daemon.waiting import ShortestFirst, wait_options
+from daemon.waiting import RunTimes, wait_options
 from export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
@@ -191,7 +191,7 @@ class TorchGnnPolicy(Policy):
         w = weights or ObjectiveWeights()
         self.weights = np.array([w.completion_time, w.utilization, w.energy], dtype=np.float32)
         self.profiles = profiles or default_profiles()
-        self._shortest = ShortestFirst(self.profiles)
+        self._runtimes = RunTimes(self.profiles)
         self.temperature = temperature
         self.rng = rng or np.random.default_rng(0)
         self.record: Callable[[Decision], None] | None = None
@@ -260,7 +260,7 @@ class TorchGnnPolicy(Policy):
     def wait_for(
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._shortest)
+        options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._runtimes)
         if options is None:
             return None
         feeds, inputs, emb, context = self.encoded(graph)
@@ -286,7 +286,7 @@ class TorchGnnPolicy(Policy):
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         if self.queue_order != "shortest-first" or not tasks:
             return None
-        return self._shortest.ranks(graph, tasks)
+        return self._runtimes.ranks(graph, tasks)
 
     def decision(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, chosen: NDArray[np.int64]) -> Decision:
         feeds, inputs, _, _ = self.encoded(graph)
