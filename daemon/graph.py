@@ -12,12 +12,13 @@ and filled in when the upsert comes. Pure: no I/O, no clock; callers pass event 
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import numpy as np
 from numpy.typing import NDArray
@@ -127,6 +128,15 @@ class Table:
             getattr(self, name)[row] = default
         self._free.append(row)
         return row
+
+    def copy(self) -> Self:
+        """An independent copy of the rows (columns, ids, id map and free list)."""
+        twin = copy.copy(self)
+        twin.ids, twin.index, twin._free = list(self.ids), dict(self.index), list(self._free)
+        twin.alive = self.alive.copy()
+        for name in self.COLUMNS:
+            setattr(twin, name, getattr(self, name).copy())
+        return twin
 
     def nbytes(self) -> int:
         """Bytes held by the numpy columns (not the id strings)."""
@@ -405,6 +415,16 @@ class InfraGraph:
         self.metrics_version = 0
         self.changes = 0
         self._arrivals = 0
+
+    def tables_copy(self) -> InfraGraph:
+        """A graph to read while this one changes (the GNN's encoder inputs, built outside the
+        daemon's lock): its tables are copies, everything else is shared, ``tasks`` included,
+        which it must only look up in (a task's spec never changes, nor its devices once bound).
+        Copying is a few memory copies, not a pass over the rows. Not for changing."""
+        twin = copy.copy(self)
+        twin.devices, twin.hosts, twin.switches = self.devices.copy(), self.hosts.copy(), self.switches.copy()
+        twin.links, twin.task_table = self.links.copy(), self.task_table.copy()
+        return twin
 
     # -- lookups ---------------------------------------------------------------------------
 
