@@ -210,7 +210,7 @@ def normalize(raw: NDArray[np.float64], features: tuple[Feature, ...]) -> Matrix
     if raw.shape[1] != len(features):
         raise ValueError(f"{raw.shape[1]} columns for {len(features)} features")
     scales, log1p, symlog = _transforms(features)
-    out = np.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0) / scales
+    out = np.where(np.isfinite(raw), raw, 0.0) / scales  # nan_to_num's values at half its cost
     if len(log1p):
         out[:, log1p] = np.log1p(np.maximum(out[:, log1p], 0.0))
     if len(symlog):
