@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Occupancy, Rows, TaskState
+from daemon.graph import DEVICE_NODE, HOST_NODE, SWITCH_NODE, InfraGraph, Occupancy, Rows, TaskState, TaskTable
 from daemon.profiles import DeviceProfiles
 from hlb.v1 import events_pb2 as ev
 
@@ -210,7 +210,7 @@ def normalize(raw: NDArray[np.float64], features: tuple[Feature, ...]) -> Matrix
     if raw.shape[1] != len(features):
         raise ValueError(f"{raw.shape[1]} columns for {len(features)} features")
     scales, log1p, symlog = _transforms(features)
-    out = np.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0) / scales
+    out = np.where(np.isfinite(raw), raw, 0.0) / scales  # nan_to_num's values at half its cost
     if len(log1p):
         out[:, log1p] = np.log1p(np.maximum(out[:, log1p], 0.0))
     if len(symlog):
@@ -449,6 +449,46 @@ def task_matrix(specs: list[ev.TaskSpec], states: list[TaskState], now_ms: int =
     return normalize(raw, TASK_FEATURES)
 
 
+def task_table_matrix(table: TaskTable, rows: Rows, now_ms: int = 0) -> Matrix:
+    """Task features of live task-table ``rows``, the values :func:`task_matrix` computes from the
+    specs, read from the table's columns instead (the encoder reads every live task on each refresh).
+
+    Shapes: rows [T] -> [T, len(TASK_FEATURES)].
+    """
+    gang = table.gang[rows].astype(np.float64)
+    memory = table.memory_per_device_gb[rows]
+    submit, deadline = table.submit_time_ms[rows], table.deadline_ms[rows]
+    state, kind = table.state[rows], table.kind[rows]
+    if now_ms:
+        waiting = np.where(submit != 0, np.maximum(0.0, (now_ms - submit) / 1000.0), 0.0)
+        slack = np.where(deadline != 0, (deadline - now_ms) / 1000.0, 0.0)
+    else:
+        waiting = slack = np.zeros(len(rows))
+    raw = np.column_stack(
+        [
+            table.work_ref_s[rows],
+            gang,
+            memory,
+            gang * memory,
+            table.priority[rows],
+            waiting,
+            state == TaskState.PENDING,
+            state == TaskState.PLACED,
+            state == TaskState.RUNNING,
+            kind == ev.TASK_KIND_TRAINING,
+            kind == ev.TASK_KIND_INFERENCE,
+            kind == ev.TASK_KIND_BATCH_STAGE,
+            table.n_dependencies[rows],
+            table.dependency_gb[rows],
+            deadline > 0,
+            slack,
+            table.latency_slo_ms[rows],
+            table.restricted[rows],
+        ]
+    ).astype(np.float64)
+    return normalize(raw.reshape(len(rows), len(TASK_FEATURES)), TASK_FEATURES)
+
+
 def task_features(spec: ev.TaskSpec, state: TaskState = TaskState.PENDING, now_ms: int = 0) -> Matrix:
     """Features of one task, as the scorer reads them. Shapes: -> [len(TASK_FEATURES)]."""
     row: Matrix = task_matrix([spec], [state], now_ms)[0]
@@ -458,8 +498,9 @@ def task_features(spec: ev.TaskSpec, state: TaskState = TaskState.PENDING, now_m
 def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
     """The encoder's inputs for the whole graph: every live device, host, switch and live task.
 
-    Vectorized over devices, hosts and switches; one pass in Python over the live tasks (their
-    dependencies and device lists live in the specs).
+    Vectorized over devices, hosts, switches and tasks (the task table's columns); Python visits
+    only the tasks with dependencies and those holding more than one device (their lists live in
+    the specs and ``Task.device_rows``). Runs under the daemon's lock: its cost is a pause for requests.
     """
     d, h, s = graph.devices, graph.hosts, graph.switches
     device_rows, host_rows, switch_rows = d.live_rows(), h.live_rows(), s.live_rows()
@@ -468,36 +509,19 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
     host_pos = _positions(host_rows, h.capacity)
     switch_pos = _positions(switch_rows, s.capacity)
 
-    tasks = sorted((t for t in graph.tasks.values() if t.row >= 0), key=lambda t: t.row)
-    task_rows = np.array([t.row for t in tasks], dtype=np.int64)
-    task_ids = [t.spec.id for t in tasks]
-    task_pos = {task_id: i for i, task_id in enumerate(task_ids)}
-    n_task = len(tasks)
+    t = graph.task_table
+    task_rows = t.live_rows()
+    task_ids = [t.ids[row] or "" for row in task_rows.tolist()]
+    task_pos = _positions(task_rows, t.capacity)
+    n_task = len(task_rows)
 
     dev_host = host_pos[d.host[device_rows]]  # [D] host positions
     racks = h.rack[host_rows]
     host_switch = np.where(racks >= 0, switch_pos[np.maximum(racks, 0)], -1)
     with_rack = np.flatnonzero(host_switch >= 0)
 
-    holder_task: list[int] = []
-    holder_device: list[int] = []
-    parent_of: list[int] = []
-    child_of: list[int] = []
-    for i, task in enumerate(tasks):
-        if task.state.holds_devices:
-            for row, device_id in zip(task.device_rows, task.device_ids, strict=True):
-                if 0 <= row < d.capacity and d.ids[row] == device_id:
-                    holder_task.append(i)
-                    holder_device.append(int(device_pos[row]))
-        for dep in task.spec.dependencies:
-            parent = task_pos.get(dep.task_id)
-            if parent is not None:
-                parent_of.append(parent)
-                child_of.append(i)
-    held_t = np.array(holder_task, dtype=np.int64)
-    held_d = np.array(holder_device, dtype=np.int64)
-    parents = np.array(parent_of, dtype=np.int64)
-    children = np.array(child_of, dtype=np.int64)
+    held_t, held_d = _holders(graph, task_rows, task_ids, device_pos)
+    parents, children = _dependency_edges(graph, task_rows, task_ids, task_pos)
     all_dev = np.arange(n_dev, dtype=np.int64)
     rack_hosts = np.arange(n_host, dtype=np.int64)[with_rack]
 
@@ -515,7 +539,7 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
         device_x=device_matrix(graph, device_rows),
         host_x=_host_matrix(graph, host_rows, device_rows),
         switch_x=_switch_matrix(graph, switch_rows),
-        task_x=task_matrix([t.spec for t in tasks], [t.state for t in tasks], now_ms),
+        task_x=task_table_matrix(t, task_rows, now_ms),
         device_rows=device_rows,
         host_rows=host_rows,
         switch_rows=switch_rows,
@@ -523,6 +547,42 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
         task_ids=task_ids,
         lists=lists,
     )
+
+
+def _holders(graph: InfraGraph, task_rows: Rows, task_ids: list[str], device_pos: Index) -> tuple[Index, Index]:
+    """Edges task position -> device position of the placed and running tasks, in task order (a
+    gang's devices in its order). Shapes: -> [E], [E]."""
+    t, d = graph.task_table, graph.devices
+    state, held = t.state[task_rows], t.held[task_rows]
+    holding = (state == TaskState.PLACED) | (state == TaskState.RUNNING)
+    one = np.flatnonzero(holding & (held == 1))  # its device is live: a device holding tasks cannot be removed
+    tasks, devices = [one], [device_pos[t.held_device[task_rows[one]]]]
+    for i in np.flatnonzero(holding & (held > 1)).tolist():
+        task = graph.tasks[task_ids[i]]
+        rows = [
+            r
+            for r, dev in zip(task.device_rows, task.device_ids, strict=True)
+            if 0 <= r < d.capacity and d.ids[r] == dev
+        ]
+        tasks.append(np.full(len(rows), i, dtype=np.int64))
+        devices.append(device_pos[np.array(rows, dtype=np.int64)])
+    task_of, device_of = np.concatenate(tasks).astype(np.int64), np.concatenate(devices).astype(np.int64)
+    order = np.argsort(task_of, kind="stable")
+    return task_of[order], device_of[order]
+
+
+def _dependency_edges(graph: InfraGraph, task_rows: Rows, task_ids: list[str], task_pos: Index) -> tuple[Index, Index]:
+    """Edges parent -> child (task positions) between live tasks, in child order. Shapes: -> [E], [E]."""
+    t = graph.task_table
+    parents: list[int] = []
+    children: list[int] = []
+    for i in np.flatnonzero(t.n_dependencies[task_rows] > 0).tolist():
+        for dep in graph.tasks[task_ids[i]].spec.dependencies:
+            row = t.index.get(dep.task_id)
+            if row is not None:
+                parents.append(int(task_pos[row]))
+                children.append(i)
+    return np.array(parents, dtype=np.int64), np.array(children, dtype=np.int64)
 
 
 def estimated_speed(

@@ -11,8 +11,9 @@ Refresh modes (``model.refresh.mode``):
 
 - ``background`` (the daemon): a thread re-encodes when ``min_changed_rows`` device rows changed
   since the last refresh (``InfraGraph.changes``), at once when the inventory changed, and after
-  ``staleness_s`` when anything changed. It reads the graph under the lock (numpy copies, a few ms
-  at 10,000 devices) and runs the encoder outside it, so requests never wait for the encoder. A
+  ``staleness_s`` when anything changed. It copies the graph's tables under the lock (memory
+  copies, under a millisecond at 1,000 devices and 12,000 tasks), then builds the encoder's inputs
+  from the copies and runs the encoder outside it, so requests never wait for either. A
   request naming a device the cache does not know yet (added since the refresh) is decided by the
   fallback and wakes the thread.
 - ``sync`` (the simulator, ``hlb eval``): :meth:`GnnPolicy.refresh_if_changed` runs before each
@@ -469,9 +470,10 @@ class GnnPolicy(Policy):
         lock = self._lock if graph is self._graph and self._lock is not None else None
         if lock is not None:
             with lock:
-                inputs, marks = self._read(graph)
+                tables, now_ms, marks = self._read(graph)
         else:
-            inputs, marks = self._read(graph)
+            tables, now_ms, marks = self._read(graph)
+        inputs = feat.encoder_inputs(tables, now_ms)
         device_emb, context = model.encode(inputs)
         n = len(inputs.device_rows)
         if device_emb.ndim != 2 or device_emb.shape[0] != n or context.ndim != 1:
@@ -495,9 +497,12 @@ class GnnPolicy(Policy):
             built_at=self._monotonic(),
         )
 
-    def _read(self, graph: InfraGraph) -> tuple[feat.EncoderInputs, tuple[int, int, int, tuple[str | None, ...]]]:
-        inputs = feat.encoder_inputs(graph, int(self.clock_ms()))
-        return inputs, (graph.version, graph.changes, graph.devices.capacity, tuple(graph.devices.ids))
+    def _read(self, graph: InfraGraph) -> tuple[InfraGraph, int, tuple[int, int, int, tuple[str | None, ...]]]:
+        """What the encoder reads, taken at one moment (under the lock): copies of the graph's
+        tables, from which its inputs are built once the lock is released, the time (Unix ms) and
+        the marks that date the cache."""
+        marks = (graph.version, graph.changes, graph.devices.capacity, tuple(graph.devices.ids))
+        return graph.tables_copy(), int(self.clock_ms()), marks
 
     def _warm_up_scorer(self, cache: EmbeddingCache, graph: InfraGraph) -> None:
         """One scorer run on real cached devices (a zero embedding when the graph has none)."""

@@ -12,12 +12,13 @@ and filled in when the upsert comes. Pure: no I/O, no clock; callers pass event 
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import numpy as np
 from numpy.typing import NDArray
@@ -74,6 +75,9 @@ class Table:
     """
 
     COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {}
+    # Columns a snapshot may lack (written before they existed); restoring one leaves them at
+    # their defaults for the owner to fill.
+    LATER_COLUMNS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, capacity: int = 16) -> None:
         self.ids: list[str | None] = [None] * capacity
@@ -125,6 +129,15 @@ class Table:
         self._free.append(row)
         return row
 
+    def copy(self) -> Self:
+        """An independent copy of the rows (columns, ids, id map and free list)."""
+        twin = copy.copy(self)
+        twin.ids, twin.index, twin._free = list(self.ids), dict(self.index), list(self._free)
+        twin.alive = self.alive.copy()
+        for name in self.COLUMNS:
+            setattr(twin, name, getattr(self, name).copy())
+        return twin
+
     def nbytes(self) -> int:
         """Bytes held by the numpy columns (not the id strings)."""
         arrays = [self.alive, *(getattr(self, name) for name in self.COLUMNS)]
@@ -163,6 +176,7 @@ class DeviceTable(Table):
         # tasks hlb placed here); 0: free, or no task here has an end to expect (a service).
         "free_at_ms": (np.int64, 0),
     }
+    LATER_COLUMNS: ClassVar[frozenset[str]] = frozenset({"free_at_ms"})  # 0 until the next placement there
     kind: NDArray[np.int8]
     model: NDArray[np.int32]
     host: NDArray[np.int32]
@@ -230,7 +244,13 @@ class LinkTable(Table):
 
 
 class TaskTable(Table):
-    """Numeric columns of the tasks that are not final (pending, placed, running), for features."""
+    """Numeric columns of the tasks that are not final (pending, placed, running), for features:
+    the encoder reads every live task on each refresh, so none of it is read from the specs then.
+
+    ``held`` counts the devices a placed or running task holds and ``held_device`` is the row of
+    the first (-1 while it holds none); a task holding more (a gang) lists them in
+    ``Task.device_rows``.
+    """
 
     COLUMNS: ClassVar[dict[str, tuple[type[np.generic], float]]] = {
         "state": (np.int8, TaskState.PENDING),
@@ -241,7 +261,18 @@ class TaskTable(Table):
         "priority": (np.int32, 0),
         "arrival": (np.int64, 0),
         "submit_time_ms": (np.int64, 0),
+        "n_dependencies": (np.int32, 0),
+        "dependency_gb": (np.float64, 0.0),  # summed over the dependencies
+        "deadline_ms": (np.int64, 0),
+        "latency_slo_ms": (np.float64, 0.0),
+        "restricted": (np.bool_, False),  # allowed kinds or models named
+        "held": (np.int32, 0),
+        "held_device": (np.int64, -1),
     }
+    # Restoring a snapshot without them fills them from the tasks (``InfraGraph.describe_tasks``).
+    LATER_COLUMNS: ClassVar[frozenset[str]] = frozenset(
+        {"n_dependencies", "dependency_gb", "deadline_ms", "latency_slo_ms", "restricted", "held", "held_device"}
+    )
     state: NDArray[np.int8]
     kind: NDArray[np.int8]
     gang: NDArray[np.int32]
@@ -250,6 +281,39 @@ class TaskTable(Table):
     priority: NDArray[np.int32]
     arrival: NDArray[np.int64]
     submit_time_ms: NDArray[np.int64]
+    n_dependencies: NDArray[np.int32]
+    dependency_gb: NDArray[np.float64]
+    deadline_ms: NDArray[np.int64]
+    latency_slo_ms: NDArray[np.float64]
+    restricted: NDArray[np.bool_]
+    held: NDArray[np.int32]
+    held_device: NDArray[np.int64]
+
+    def describe(self, row: int, spec: ev.TaskSpec, arrival: int) -> None:
+        """Fill the columns of ``row``, a fresh one (its columns at their defaults), from the spec
+        (the state and held devices are set apart). Columns that most specs leave at their default
+        are set only when the spec names a value: a batch adds a thousand tasks in one lock hold."""
+        self.kind[row] = spec.kind
+        self.gang[row] = max(1, spec.num_devices)
+        self.memory_per_device_gb[row] = spec.memory_per_device_gb
+        self.work_ref_s[row] = spec.work_ref_s
+        self.priority[row] = spec.priority
+        self.arrival[row] = arrival
+        self.submit_time_ms[row] = spec.submit_time_ms
+        if spec.dependencies:
+            self.n_dependencies[row] = len(spec.dependencies)
+            self.dependency_gb[row] = float(sum(dep.transfer_gb for dep in spec.dependencies))
+        if spec.deadline_ms:
+            self.deadline_ms[row] = spec.deadline_ms
+        if spec.latency_slo_ms:
+            self.latency_slo_ms[row] = spec.latency_slo_ms
+        if spec.allowed_kinds or spec.allowed_models:
+            self.restricted[row] = True
+
+    def hold(self, row: int, device_rows: Sequence[int]) -> None:
+        """``row``'s task now holds ``device_rows`` (empty: none)."""
+        self.held[row] = len(device_rows)
+        self.held_device[row] = device_rows[0] if device_rows else -1
 
 
 @dataclass
@@ -362,6 +426,16 @@ class InfraGraph:
         self.metrics_version = 0
         self.changes = 0
         self._arrivals = 0
+
+    def tables_copy(self) -> InfraGraph:
+        """A graph to read while this one changes (the GNN's encoder inputs, built outside the
+        daemon's lock): its tables are copies, everything else is shared, ``tasks`` included,
+        which it must only look up in (a task's spec never changes, nor its devices once bound).
+        Copying is a few memory copies, not a pass over the rows. Not for changing."""
+        twin = copy.copy(self)
+        twin.devices, twin.hosts, twin.switches = self.devices.copy(), self.hosts.copy(), self.switches.copy()
+        twin.links, twin.task_table = self.links.copy(), self.task_table.copy()
+        return twin
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -821,17 +895,27 @@ class InfraGraph:
         self._check_no_cycle(spec)
         self._arrivals += 1
         task = Task(spec=spec, cell=cell, arrival=self._arrivals)
-        t = self.task_table
-        task.row = row = t.add(spec.id)
-        t.kind[row] = spec.kind
-        t.gang[row] = task.gang_size
-        t.memory_per_device_gb[row] = spec.memory_per_device_gb
-        t.work_ref_s[row] = spec.work_ref_s
-        t.priority[row] = spec.priority
-        t.arrival[row] = task.arrival
-        t.submit_time_ms[row] = spec.submit_time_ms
+        task.row = self.task_table.add(spec.id)
+        self.task_table.describe(task.row, spec, task.arrival)
         self.tasks[spec.id] = task
         return task
+
+    def describe_tasks(self) -> None:
+        """Fill the task table's columns of every live task from the tasks (a restored snapshot
+        written before some columns existed); a device row counts only while it holds that device."""
+        t, ids = self.task_table, self.devices.ids
+        for task in self.tasks.values():
+            if task.row < 0:
+                continue
+            t.describe(task.row, task.spec, task.arrival)
+            t.state[task.row] = task.state
+            if task.state.holds_devices:
+                held = [
+                    r
+                    for r, d in zip(task.device_rows, task.device_ids, strict=True)
+                    if 0 <= r < len(ids) and ids[r] == d
+                ]
+                t.hold(task.row, held)
 
     def _check_no_cycle(self, spec: ev.TaskSpec) -> None:
         """Refuse a task that closes a dependency cycle: a known task it (transitively) needs needs it."""
@@ -861,6 +945,8 @@ class InfraGraph:
             on_device.setdefault(row, set()).add(task_id)
         task.device_rows = tuple(int(r) for r in rows)
         task.device_ids = tuple(self.device_ids_of(task.device_rows))
+        if task.row >= 0:
+            self.task_table.hold(task.row, task.device_rows)
         self._set_state(task, TaskState.PLACED)
         self.changes += len(rows)
 

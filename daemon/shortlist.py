@@ -155,16 +155,15 @@ class ShortlistBatch:
         such row, or its k-th best still ranks above the best row outside it."""
         if self.outside is None:
             return True
-        size = int(self.in_shortlist.sum())
-        if size < self.k:
+        if np.count_nonzero(self.in_shortlist) < self.k:
             return False
         values = np.where(self.in_shortlist, self.ranked, np.inf)
         worst_prior = float(values.min())
-        worst = int(np.flatnonzero(values == worst_prior)[-1])
         outside_prior, outside_row = self.outside
-        return worst_prior > outside_prior or (
-            worst_prior == outside_prior and int(self.window_rows[worst]) < outside_row
-        )
+        if worst_prior != outside_prior:
+            return worst_prior > outside_prior
+        worst = len(values) - 1 - int(values[::-1].argmin())  # the last of the worst: the highest row
+        return int(self.window_rows[worst]) < outside_row
 
     def _build(self) -> None:
         """Draw the window from the graph as it is now and score its rows' next levels."""

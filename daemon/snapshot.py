@@ -145,7 +145,9 @@ def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
     return arrays
 
 
-def _restore_table(table: Table, arrays: Arrays, name: str) -> None:
+def _restore_table(table: Table, arrays: Arrays, name: str) -> bool:
+    """Restore ``table``'s rows; False when the snapshot lacks some of its ``LATER_COLUMNS`` (left
+    at their defaults, for the caller to fill)."""
     alive = arrays[f"{name}.alive"].astype(np.bool_)
     ids = _unpack_str(arrays, f"{name}.ids")
     if len(ids) != len(alive):
@@ -154,15 +156,20 @@ def _restore_table(table: Table, arrays: Arrays, name: str) -> None:
     table.ids = ids
     table.index = {i: row for row, i in enumerate(ids) if i is not None and alive[row]}
     table._free = [int(r) for r in arrays[f"{name}.free"]]
+    complete = True
     for column, (dtype, default) in table.COLUMNS.items():
         key = f"{name}.col.{column}"
-        # A column added since the snapshot was written starts at its default in every row.
-        values = arrays[key] if key in arrays else np.full(alive.shape, default, dtype=dtype)
+        if key not in arrays and column in table.LATER_COLUMNS:
+            setattr(table, column, np.full(len(alive), default, dtype=dtype))
+            complete = False
+            continue
+        values = arrays[key]
         if values.shape != alive.shape or values.dtype != np.dtype(dtype):
             raise SnapshotError(f"{name}.{column}: shape {values.shape} {values.dtype}, expected {alive.shape} {dtype}")
         setattr(table, column, values.copy())
     if len(table.index) + len(table._free) != len(alive) or any(alive[r] for r in table._free):
         raise SnapshotError(f"{name}: free list and live rows do not partition the table")
+    return complete
 
 
 def restore_state(arrays: Arrays) -> Snapshot:
@@ -177,8 +184,9 @@ def restore_state(arrays: Arrays) -> Snapshot:
 
 def _restore(arrays: Arrays) -> Snapshot:
     graph = InfraGraph()
+    complete = True
     for name in TABLES:
-        _restore_table(getattr(graph, name), arrays, name)
+        complete = _restore_table(getattr(graph, name), arrays, name) and complete
     graph.model_names = _unpack_str_required(arrays, "model_names")
     graph._model_index = {m: i for i, m in enumerate(graph.model_names)}
     (graph.newest_telemetry_ms, graph.version, graph.metrics_version, graph.changes, graph._arrivals) = (
@@ -218,6 +226,8 @@ def _restore(arrays: Arrays) -> Snapshot:
             for device_row, device_id in zip(task.device_rows, task.device_ids, strict=True):
                 if d.ids[device_row] == device_id:
                     graph._tasks_on_device.setdefault(device_row, set()).add(spec.id)
+    if not complete:
+        graph.describe_tasks()
     topics = _unpack_str_required(arrays, "offsets.topic")
     pairs = arrays["offsets.partition_next"]
     offsets = {(t, int(p)): int(o) for t, (p, o) in zip(topics, pairs, strict=True)}

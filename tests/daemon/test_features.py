@@ -119,6 +119,45 @@ def test_tasks_link_to_their_devices_and_to_live_dependencies_only() -> None:
     assert inputs.task_x[b, pending] == 1.0
 
 
+def test_the_encoder_reads_the_task_table_as_the_specs_say() -> None:
+    graph = small_graph()
+    specs = [
+        ev.TaskSpec(id="plain", memory_per_device_gb=1.0, work_ref_s=60.0, submit_time_ms=9_000),
+        ev.TaskSpec(id="gang", num_devices=2, memory_per_device_gb=2.0, kind=ev.TASK_KIND_TRAINING, priority=-3),
+        ev.TaskSpec(
+            id="late", deadline_ms=4_000, latency_slo_ms=25.0, allowed_kinds=[GPU], kind=ev.TASK_KIND_INFERENCE
+        ),
+        ev.TaskSpec(
+            id="child",
+            deadline_ms=-1,
+            allowed_models=["m"],
+            dependencies=[
+                ev.Dependency(task_id="plain", transfer_gb=1.5),
+                ev.Dependency(task_id="gang", transfer_gb=0.25),
+            ],
+        ),
+    ]
+    for spec in specs:
+        graph.add_task(spec, "c0")
+    d = graph.devices.index
+    graph.bind(graph.tasks["gang"], [d["d2"], d["d0"]])
+    graph.bind(graph.tasks["plain"], [d["d0"]])
+    graph.mark_running(graph.tasks["plain"])
+    for now_ms in (0, 10_000):
+        inputs = feat.encoder_inputs(graph, now_ms)
+        tasks = [graph.tasks[task_id] for task_id in inputs.task_ids]
+        expected = feat.task_matrix([t.spec for t in tasks], [t.state for t in tasks], now_ms)
+        np.testing.assert_array_equal(inputs.task_x, expected)
+    device_ids = [graph.devices.ids[r] for r in inputs.device_rows]
+    gang, plain, child = (inputs.task_ids.index(t) for t in ("gang", "plain", "child"))
+    assert [device_ids[i] for i in real_neighbours(inputs.lists["task_device"], gang)] == ["d2", "d0"]
+    assert real_neighbours(inputs.lists["device_task"], device_ids.index("d0")) == [plain, gang]  # task order
+    assert real_neighbours(inputs.lists["task_parent"], child) == [plain, gang]
+    graph.release(graph.tasks["gang"], TaskState.FINISHED)
+    inputs = feat.encoder_inputs(graph)
+    assert real_neighbours(inputs.lists["device_task"], device_ids.index("d0")) == [inputs.task_ids.index("plain")]
+
+
 def test_positions_follow_live_rows_after_a_row_is_reused() -> None:
     graph = small_graph()
     graph.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id="d1")))

@@ -110,6 +110,25 @@ def test_metrics_batches_apply_vectorized_with_event_time_and_keep_health_when_u
     assert list(graph.feasible_rows(ev.TaskSpec(id="t", memory_per_device_gb=30))) == [0, 2]
 
 
+def test_a_tables_copy_keeps_the_moment_it_was_taken() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(upsert("d0", "h0"))
+    first = graph.add_task(ev.TaskSpec(id="first", memory_per_device_gb=4), "c")
+    copy = graph.tables_copy()
+    graph.bind(first, [0])
+    graph.add_task(ev.TaskSpec(id="second", memory_per_device_gb=2), "c")
+    graph.apply_telemetry(upsert("d1", "h0"))
+    assert copy.devices.reserved_gb[0] == 0.0
+    assert graph.devices.reserved_gb[0] == 4.0
+    assert list(copy.devices.live_rows()) == [0]
+    assert "d1" not in copy.devices
+    assert copy.task_table.state[first.row] == TaskState.PENDING
+    assert copy.task_table.held[first.row] == 0
+    assert len(copy.task_table) == 1
+    assert len(graph.task_table) == 2
+    assert copy.tasks is graph.tasks  # shared, for lookups only
+
+
 def test_finished_tasks_leave_the_task_table_and_free_their_devices() -> None:
     graph = InfraGraph()
     graph.apply_telemetry(upsert("d0", "h0"))

@@ -104,6 +104,23 @@ def test_a_round_trip_restores_the_same_state() -> None:
     assert fresh.queue_position("huge") == 1
 
 
+def test_a_snapshot_from_before_the_task_feature_columns_fills_them_from_the_tasks() -> None:
+    bus = MemoryBus()
+    for topic, value in history():
+        bus.publish(topic, b"c", value)
+    ingestor = make(bus)
+    drain(ingestor, batch_size=4)
+    scheduler = ingestor.scheduler
+    arrays = snap.state_arrays(scheduler, {})
+    for column in scheduler.graph.task_table.LATER_COLUMNS:
+        del arrays[f"task_table.col.{column}"]
+    state = snap.restore_state(arrays)
+    fresh = Scheduler(InfraGraph(), LeastLoaded(), scheduler.ledger, "c", clock=lambda: 5.0)
+    snap.install(state, fresh)
+    assert comparable(fresh) == comparable(scheduler)
+    assert int(fresh.graph.task_table.held.sum()) > 0  # some tasks hold devices: the columns say which
+
+
 def test_restart_from_a_snapshot_and_replay_equals_an_uninterrupted_run() -> None:
     # One record per batch: the scheduler then decides at the same moments in every run.
     events = history()
