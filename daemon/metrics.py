@@ -71,6 +71,7 @@ class StateSample:
     consumer_lag: Mapping[tuple[str, int], int] = field(default_factory=dict)
     degraded: str = ""  # why the configured policy cannot decide now (a fallback does); empty when it can
     model_provider: str = ""  # onnxruntime execution provider the GNN runs on; empty without one
+    waiting_for_device: int = 0  # queued tasks the policy holds for a busy, faster device
 
 
 StateProvider = Callable[[], StateSample]
@@ -152,6 +153,11 @@ class _StateCollector(Collector):
             ("hlb_devices", "Devices in the graph.", s.devices),
             ("hlb_hosts", "Hosts in the graph.", s.hosts),
             ("hlb_pending_tasks", "Tasks waiting in the queue.", s.pending_tasks),
+            (
+                "hlb_tasks_waiting_for_device",
+                "Queued tasks the policy holds for a busy device where they would finish sooner.",
+                s.waiting_for_device,
+            ),
             ("hlb_running_tasks", "Tasks placed or running, holding devices.", s.running_tasks),
             ("hlb_ledger_sequence", "Sequence number of the newest placement in the ledger.", s.last_sequence),
             ("hlb_graph_staleness_seconds", "Age of the newest applied telemetry; -1 before any.", s.staleness_s),

@@ -429,6 +429,11 @@ class Scheduler:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    @property
+    def waiting_count(self) -> int:
+        """Queued tasks the policy holds for a busy device where they would finish sooner."""
+        return len(self._waiting)
+
     def score_devices(self, spec: ev.TaskSpec, device_ids: Sequence[str]) -> list[api.DeviceScore]:
         """The policy's scores for ``spec`` over the caller's devices, in their order. A device that
         breaks a hard constraint (or is unknown) is flagged infeasible with the constraint's name."""

@@ -363,11 +363,13 @@ class Daemon:
             stats = self._ingestor.stats if self._ingestor is not None else IngestStats()
             applied, rejected = stats.applied, dict(stats.rejected)
             policy = self.scheduler.policy
+            waiting = self.scheduler.waiting_count
         return StateSample(
             serving=self.serving,
             devices=state.devices,
             hosts=state.hosts,
             pending_tasks=state.pending_tasks,
+            waiting_for_device=waiting,
             running_tasks=state.running_tasks,
             last_sequence=state.last_sequence,
             staleness_s=state.staleness_ms / 1000 if state.staleness_ms >= 0 else -1.0,

@@ -115,6 +115,7 @@ def test_the_endpoint_follows_ingest_placements_and_rejections(running: Backgrou
     assert value(after, "hlb_placements_total", policy="least-loaded") == 1.0
     assert value(after, "hlb_ledger_sequence") == 1.0
     assert value(after, "hlb_pending_tasks") == 1.0
+    assert value(after, "hlb_tasks_waiting_for_device") == 0.0  # least-loaded never holds a task back
     assert value(after, "hlb_running_tasks") == 1.0
     assert value(after, "hlb_rpc_requests_total", rpc="Place", code="OK") == 2.0
     assert value(after, "hlb_rpc_requests_total", rpc="Place", code="INVALID_ARGUMENT") == 1.0

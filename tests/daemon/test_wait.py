@@ -89,6 +89,7 @@ def test_a_task_waits_for_the_faster_busy_device_and_takes_it_once_free() -> Non
     busy_fast_device(scheduler, ends_in_s=1000.0)
     submit(scheduler, "x", work_ref_s=3600.0)  # 1,000 + 1,470 s on the fast one against 3,600 s on the free one
     assert scheduler.schedule_pending() == []
+    assert scheduler.waiting_count == 1
     reason = scheduler.lookup("x").pending
     assert reason is not None
     assert reason.reason.startswith(f"waiting for device {FAST}: expected free in 1,000 s")
@@ -97,6 +98,7 @@ def test_a_task_waits_for_the_faster_busy_device_and_takes_it_once_free() -> Non
     placed = scheduler.schedule_pending()
     assert [p.task_id for p in placed] == ["x"]
     assert device_of(scheduler, "x") == FAST
+    assert scheduler.waiting_count == 0
 
 
 def test_tasks_waiting_for_one_device_queue_behind_each_other() -> None:
