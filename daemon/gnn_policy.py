@@ -262,10 +262,10 @@ class GnnPolicy(Policy):
         return self.settings.wait_for_faster and self._cache is not None
 
     def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        """A busy device to wait for instead of the free one in ``gang``: the scorer ranks the
-        options of :func:`daemon.waiting.wait_options`, and a busy device ranked first is waited for."""
+        """A busy device to wait for instead of the free one in ``gang`` (scored ``score``): the
+        best of :func:`daemon.waiting.wait_options` by the scorer, when it scores above ``score``."""
         cache = self._cache
         if cache is None:
             return None
@@ -284,7 +284,8 @@ class GnnPolicy(Policy):
         except Exception as error:  # onnxruntime raises its own untyped errors
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
             return None
-        return options.chosen(graph, int(np.argmax(scores)))
+        best = int(np.argmax(scores))
+        return options.chosen(graph, best) if float(scores[best]) > score else None
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         """Shortest first within a priority (``model.queue_order``, :meth:`daemon.waiting.RunTimes.ranks`);

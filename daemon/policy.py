@@ -160,11 +160,12 @@ class Policy:
         """The task was bound to ``rows``."""
 
     def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        """A busy device ``spec`` should wait for instead of taking ``gang`` (free now), or None to
-        take it. ``queued_s``: seconds of run time of other tasks already waiting for a row. Only a
-        policy that can wait overrides this (the GNN's); the baselines take what fits now."""
+        """A busy device ``spec`` should wait for instead of taking ``gang`` (free now, scored
+        ``score``), or None to take it. ``queued_s``: seconds of run time of other tasks already
+        waiting for a row. Only a policy that can wait overrides this (the GNN's); the baselines
+        take what fits now."""
         return None
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:

@@ -578,7 +578,8 @@ class Scheduler:
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
         if self.policy.waits:
-            wait = self.policy.wait_for(task.spec, self.graph, gang, int(self.clock() * 1000.0), self._queued_s)
+            now_ms = int(self.clock() * 1000.0)
+            wait = self.policy.wait_for(task.spec, self.graph, gang, score, now_ms, self._queued_s)
             if wait is not None:
                 task.pending_reason = wait.reason
                 if not dry_run:

@@ -8,9 +8,9 @@ daemon runs:
   compared with the busy devices where it would finish sooner, counting the wait: the device's
   expected free time (``InfraGraph.devices.free_at_ms``, kept by the scheduler from the run time
   estimates of the tasks placed there), the run time of the tasks already waiting for it, then its
-  own run time there. :func:`wait_options` gives the free device and the best ``WAIT_CANDIDATES``
-  such busy ones, each described as it will be once free; the policy's scorer ranks them, and a
-  busy one ranked first is waited for. A device that overran its expected end counts as free in
+  own run time there. :func:`wait_options` gives the best ``WAIT_CANDIDATES`` such busy ones,
+  each described as it will be once free; the policy's scorer scores them, and the task waits for
+  the best of them when that scores above the free device. A device that overran its expected end counts as free in
   as long as it has overrun, so the longer it overruns the less it attracts.
 - **Queue order** (``model.queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use, times its gang (shortest first), with a service
@@ -89,25 +89,22 @@ class RunTimes:
 
 @dataclass(frozen=True)
 class WaitOptions:
-    """The free device a task could take now (``rows[0]``) and the busy ones it could wait for
-    (``rows[1:]``), with the scorer's pair features of each [1 + B, PAIR]; per busy row, the
-    estimated wait and run time (s) [B]; the estimated finish on the free device (s)."""
+    """The busy devices (``rows`` [B]) a task could wait for instead of the free one it could take
+    now (``free_row``), with the scorer's pair features of each as it will be once free [B, PAIR],
+    the estimated wait and run time of each (s) [B], and the estimated finish on the free one (s)."""
 
+    free_row: int
     rows: Rows
     pair: feat.Matrix
     wait_s: NDArray[np.float64]
     runtime_s: NDArray[np.float64]
     free_finish_s: float
 
-    def chosen(self, graph: InfraGraph, index: int) -> Wait | None:
-        """The wait that choosing ``rows[index]`` means; None for the free device (index 0)."""
-        if index == 0:
-            return None
+    def chosen(self, graph: InfraGraph, index: int) -> Wait:
+        """The wait for ``rows[index]``."""
         row = int(self.rows[index])
-        i = index - 1
-        return Wait(
-            row, graph.devices.ids[row] or "", float(self.wait_s[i]), float(self.runtime_s[i]), self.free_finish_s
-        )
+        device_id = graph.devices.ids[row] or ""
+        return Wait(row, device_id, float(self.wait_s[index]), float(self.runtime_s[index]), self.free_finish_s)
 
 
 def wait_options(
@@ -121,7 +118,8 @@ def wait_options(
 ) -> WaitOptions | None:
     """The options of a one-device task (with work, not a service) that could take ``gang`` now,
     on exclusive devices (``max_tasks_per_device`` 1: with shared ones a task starts at once on a
-    share instead); None when no busy device would finish it sooner, so there is nothing to decide."""
+    share instead); None when no busy device would finish it sooner, so there is nothing to decide.
+    The policy compares its score of each option with the free device's, which it has already."""
     if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0 or graph.max_tasks_per_device != 1:
         return None
     by_model = runtimes.by_model(spec, graph)
@@ -140,13 +138,9 @@ def wait_options(
     if not len(better):
         return None
     top = better[np.argsort(finish[better], kind="stable")[:WAIT_CANDIDATES]]
-    pair = np.vstack(
-        [
-            feat.pair_features(spec, graph, gang, profiles),
-            feat.pair_features(spec, graph, busy[top], profiles, wait_s=wait_s[top]),
-        ]
-    )
-    return WaitOptions(np.concatenate([gang, busy[top]]), pair, wait_s[top], runtime[top], free_finish)
+    rows = busy[top]
+    pair = feat.pair_features(spec, graph, rows, profiles, wait_s=wait_s[top])
+    return WaitOptions(int(gang[0]), rows, pair, wait_s[top], runtime[top], free_finish)
 
 
 __all__ = ["WAIT_CANDIDATES", "RunTimes", "WaitOptions", "wait_options"]

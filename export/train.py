@@ -258,8 +258,11 @@ class TorchGnnPolicy(Policy):
         return self.wait_for_faster
 
     def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, now_ms: int, queued_s: Mapping[int, float]
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
+        """As the daemon's GNN decides (:meth:`daemon.gnn_policy.GnnPolicy.wait_for`); sampled
+        among the free device and the options with ``temperature`` > 0, and recorded as a decision
+        over those candidates (the free one first)."""
         options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._runtimes)
         if options is None:
             return None
@@ -274,14 +277,17 @@ class TorchGnnPolicy(Policy):
                 context,
                 torch.from_numpy(self.weights),
             ).numpy()
-        drawn = scores
+        drawn = np.concatenate([[score], scores])  # candidate 0: the free device
         if self.temperature > 0:
-            drawn = scores / self.temperature + self.rng.gumbel(size=len(scores))
+            drawn = drawn / self.temperature + self.rng.gumbel(size=len(drawn))
         index = int(np.argmax(drawn))
         if self.record is not None:
+            free = np.array([options.free_row], dtype=np.int64)
+            pair = np.vstack([feat.pair_features(spec, graph, free, self.profiles), options.pair])
+            rows = np.concatenate([free, options.rows])
             chosen = np.array([index], dtype=np.int64)
-            self.record(Decision(feeds, positions, task_x, options.pair, chosen, self.sim_time_s()))
-        return options.chosen(graph, index)
+            self.record(Decision(feeds, inputs.device_positions(rows), task_x, pair, chosen, self.sim_time_s()))
+        return options.chosen(graph, index - 1) if index > 0 else None
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         if self.queue_order != "shortest-first" or not tasks:
