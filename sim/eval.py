@@ -75,9 +75,10 @@ class RunSpec:
     seed: int
     config: SimConfig
     model: str | None = None  # the GNN's folder (encoder.onnx, scorer.onnx); None: the shipped one
+    refresh_rows: int = 1  # the GNN re-encodes once this many device rows changed (or the inventory)
 
 
-def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Policy:
+def make_sim_policy(name: str, seed: int = 0, model: str | None = None, refresh_rows: int = 1) -> Policy:
     """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
 
     ``gnn`` is the daemon's :class:`daemon.gnn_policy.GnnPolicy` over the ONNX files in ``model``
@@ -92,14 +93,14 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None) -> Polic
 
         return LookaheadPolicy()
     if name in GNN_VARIANTS:
-        return _gnn_policy(model, *GNN_VARIANTS[name])
+        return _gnn_policy(model, *GNN_VARIANTS[name], refresh_rows)
     if name not in POLICY_NAMES:
         names = ", ".join((*POLICY_NAMES, *LEARNED_POLICIES, *SIM_POLICIES))
         raise ValueError(f"unknown policy {name!r}: one of {names}")
     return make_policy(name, seed=seed)
 
 
-def _gnn_settings(model: str | None, wait: bool = True, order: str = "shortest-first") -> Any:
+def _gnn_settings(model: str | None, wait: bool = True, order: str = "shortest-first", refresh_rows: int = 1) -> Any:
     from daemon.config import ModelRefreshSettings, ModelSettings
 
     return ModelSettings(
@@ -107,14 +108,15 @@ def _gnn_settings(model: str | None, wait: bool = True, order: str = "shortest-f
         watch=False,
         wait_for_faster=wait,
         queue_order=order,
-        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
+        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=refresh_rows),
     )
 
 
-def _gnn_policy(model: str | None, wait: bool, order: str) -> Policy:
+def _gnn_policy(model: str | None, wait: bool, order: str, refresh_rows: int) -> Policy:
     from daemon.gnn_policy import GnnPolicy
 
-    return GnnPolicy(_gnn_settings(model, wait, order), mode="sync", on_fallback=_refuse_fallback)
+    settings = _gnn_settings(model, wait, order, refresh_rows)
+    return GnnPolicy(settings, mode="sync", on_fallback=_refuse_fallback)
 
 
 def check_gnn_model(model: str | None) -> None:
@@ -147,7 +149,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     catalogue, inventory = _catalogue(), _inventory(spec.cluster)
     tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     started = time.perf_counter()
-    policy = make_sim_policy(spec.policy, spec.seed, spec.model)
+    policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows)
     sim = Simulation(catalogue, inventory, tasks, policy, spec.seed, spec.config)
     result = sim.run()
     metrics = compute_metrics(result)
@@ -339,6 +341,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, help="the GNN's folder (encoder.onnx, scorer.onnx) for policy gnn; default: shipped"
     )
+    parser.add_argument(
+        "--refresh-rows",
+        type=int,
+        default=1,
+        help="the GNN re-encodes the graph once this many device rows changed (1: after every change; "
+        "the daemon's model.refresh.min_changed_rows is 256)",
+    )
     parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
     parser.add_argument("--out", type=Path, default=Path("eval-results"), help="output folder")
@@ -452,6 +461,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     if any(p in GNN_VARIANTS for p in policies):
         check_gnn_model(model)
     seeds = _seeds(args.seeds)
+    if args.refresh_rows < 1:
+        raise ValueError("--refresh-rows needs at least 1")
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
     config = SimConfig(
@@ -464,7 +475,17 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         max_time_s=args.max_time_h * 3600.0,
     )
     return [
-        RunSpec(cluster, workload, load, args.jobs, policy, seed, config, model if policy in GNN_VARIANTS else None)
+        RunSpec(
+            cluster,
+            workload,
+            load,
+            args.jobs,
+            policy,
+            seed,
+            config,
+            model if policy in GNN_VARIANTS else None,
+            args.refresh_rows,
+        )
         for workload in workloads
         for load in (loads if workload in WORKLOADS else [0.0])
         for seed in seeds

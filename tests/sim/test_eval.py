@@ -69,6 +69,7 @@ def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
         (["--workload", "no-such-workload"], "unknown workload"),
         (["--cluster", "mixed:x"], "expected NAME:DEVICES"),
         (["--load", "0"], "loads > 0"),
+        (["--refresh-rows", "0"], "--refresh-rows needs at least 1"),
     ],
 )
 def test_bad_arguments_are_clear_errors(
@@ -91,7 +92,8 @@ def test_bad_arguments_are_clear_errors(
 def test_the_gnn_variants_run_the_shipped_model_with_their_settings(name: str, wait: bool, order: str) -> None:
     from daemon.gnn_policy import GnnPolicy
 
-    policy = make_sim_policy(name)
+    policy = make_sim_policy(name, refresh_rows=256)
     assert isinstance(policy, GnnPolicy)
     assert (policy.settings.wait_for_faster, policy.settings.queue_order) == (wait, order)
+    assert policy.settings.refresh.min_changed_rows == 256
     assert policy.mode == "sync"
