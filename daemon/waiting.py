@@ -14,7 +14,7 @@ daemon runs:
   as long as it has overrun, so the longer it overruns the less it attracts.
 - **Queue order** (``model.queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use, times its gang (shortest first), with a service
-  (latency SLO) ahead of batch work.
+  (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
 """
 
 from __future__ import annotations
@@ -80,10 +80,16 @@ class RunTimes:
         return float(self.by_model(spec, graph).min())
 
     def ranks(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64]:
-        """Shortest first, higher first: 0 for a service, else minus the fastest run time times the
-        gang. [T] -> [T]."""
+        """Shortest first, higher first: minus the fastest run time times the gang; 0 for a service
+        and for a task without a run-time estimate (``work_ref_s`` 0), which are never put behind
+        estimated work: the order cannot know where their work belongs. [T] -> [T]."""
         return np.array(
-            [0.0 if t.spec.latency_slo_ms > 0 else -self.fastest(t.spec, graph) * t.gang_size for t in tasks]
+            [
+                0.0
+                if t.spec.latency_slo_ms > 0 or t.spec.work_ref_s <= 0
+                else -self.fastest(t.spec, graph) * t.gang_size
+                for t in tasks
+            ]
         )
 
 

@@ -176,11 +176,15 @@ def test_queue_order_is_shortest_first_within_a_priority() -> None:
     for task_id, work, priority in [("long", 7200.0, 0), ("short", 600.0, 0), ("urgent", 99_000.0, 1)]:
         submit(scheduler, task_id, work_ref_s=work, priority=priority)
     submit(scheduler, "service", work_ref_s=86_400.0, latency_slo_ms=50)  # latency-bound: ahead of batch work
-    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "service", "short", "long"]
+    # Without an estimate (work_ref_s 0) a task is not put behind others: arrival order among them.
+    submit(scheduler, "unknown-pair", work_ref_s=0.0, num_devices=2)
+    submit(scheduler, "unknown", work_ref_s=0.0)
+    queue = ["urgent", "service", "unknown-pair", "unknown", "short", "long"]
+    assert [t.spec.id for t in scheduler._queue()] == queue
     arrival = gnn(wait_for_faster=False, queue_order="arrival")
     arrival._cache = policy.cache
     scheduler.policy = arrival
-    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short", "service"]
+    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short", "service", "unknown-pair", "unknown"]
 
 
 def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
