@@ -218,9 +218,7 @@ class ModelSettings(_Section):
 
 class SchedulerSettings(_Section):
     # "gnn" runs the model of the `model` section, falling back to hetero-greedy while it cannot.
-    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "gnn"] = (
-        "least-loaded"
-    )
+    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "gnn"] = "gnn"
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
     seed: int = Field(0, ge=0, description="seed of the random policy")
     # Tasks one device may hold at once: 1 gives each task its devices to itself (what GPU device

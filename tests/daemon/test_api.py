@@ -205,7 +205,7 @@ def test_score_devices_scores_the_callers_candidates_and_flags_infeasible_ones(r
     small = "rack-002/host-00/dev0"
     request = api.ScoreDevicesRequest(task=spec, device_ids=[tpu, gpu, small, "ghost"])
     reply = running.stub.ScoreDevices(request, timeout=5)
-    assert reply.policy == "least-loaded"  # the configured default
+    assert reply.policy == "gnn"  # the default
     assert [(s.device_id, s.feasible, s.reason) for s in reply.scores] == [
         (tpu, False, "kind"),
         (gpu, True, ""),

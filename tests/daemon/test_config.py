@@ -20,6 +20,8 @@ def test_the_shipped_config_yaml_loads_with_its_documented_defaults() -> None:
     assert settings.kafka.topics.placements == "hlb.placements"
     assert settings.grpc.listen == "127.0.0.1:50051"
     assert settings.model.shortlist == 64
+    assert settings.scheduler.policy == "gnn"
+    assert load_settings(None).scheduler.policy == "gnn"  # the same without a file
 
 
 def test_a_negative_gnn_shortlist_names_its_key(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ def running() -> Iterator[BackgroundDaemon]:
         grpc={"listen": f"127.0.0.1:{free_port()}"},
         metrics={"listen": "127.0.0.1:0", "lag_interval_s": 0.05},
         kafka={"poll_timeout_s": 0.05},
+        scheduler={"policy": "least-loaded"},
     )
     with BackgroundDaemon(settings, clock=lambda: NOW_MS / 1000) as daemon:
         yield daemon

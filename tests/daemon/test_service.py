@@ -288,7 +288,7 @@ def test_reload_applies_reloadable_keys_and_names_the_rest(
 def test_reload_of_an_invalid_config_keeps_the_running_one(
     tmp_path: Path, logging_calls: list[tuple[str, str]]
 ) -> None:
-    path = _write_config(tmp_path / "config.yaml", log={"level": "warning"})
+    path = _write_config(tmp_path / "config.yaml", log={"level": "warning"}, scheduler={"policy": "least-loaded"})
     daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
     _write_config(path, log={"level": "debug"}, kafka={"batch_size": 0, "client_config": {"sasl.password": SECRET}})
     with capture_logs() as logs:
@@ -466,7 +466,7 @@ def test_kafka_secrets_reach_librdkafka_but_no_log_line(tmp_path: Path, kafka_bo
 def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = _write_config(tmp_path / "config.yaml")
+    path = _write_config(tmp_path / "config.yaml", scheduler={"policy": "least-loaded"})
     daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
     before = daemon.scheduler.policy
     built: list[str] = []

@@ -155,7 +155,7 @@ def test_a_client_trusting_the_ca_is_served_over_tls(pki: Pki, tls_daemon: Backg
     with grpc.secure_channel(tls_daemon.target, channel_credentials(pki.ca.cert)) as channel:
         assert health(channel) == health_pb2.HealthCheckResponse.SERVING
         state = api_grpc.SchedulerStub(channel).GetClusterState(api.GetClusterStateRequest(), timeout=5)
-    assert state.policy == "least-loaded"
+    assert state.policy == "gnn"  # the default
 
 
 def test_plaintext_is_refused_on_a_tls_port(tls_daemon: BackgroundDaemon) -> None:
