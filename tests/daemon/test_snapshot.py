@@ -73,12 +73,18 @@ def comparable(scheduler: Scheduler) -> dict[str, bytes]:
     return {k: v.tobytes() + str(v.dtype).encode() for k, v in arrays.items()}
 
 
-def test_a_round_trip_restores_the_same_state() -> None:
+def drained() -> Ingestor:
+    """An ingestor that has applied the whole history, four records per batch."""
     bus = MemoryBus()
     for topic, value in history():
         bus.publish(topic, b"c", value)
     ingestor = make(bus)
     drain(ingestor, batch_size=4)
+    return ingestor
+
+
+def test_a_round_trip_restores_the_same_state() -> None:
+    ingestor = drained()
     scheduler = ingestor.scheduler
     assert scheduler.pending_count == 1
     assert len(scheduler.graph.devices) == 6
@@ -105,12 +111,7 @@ def test_a_round_trip_restores_the_same_state() -> None:
 
 
 def test_a_snapshot_from_before_the_task_feature_columns_fills_them_from_the_tasks() -> None:
-    bus = MemoryBus()
-    for topic, value in history():
-        bus.publish(topic, b"c", value)
-    ingestor = make(bus)
-    drain(ingestor, batch_size=4)
-    scheduler = ingestor.scheduler
+    scheduler = drained().scheduler
     arrays = snap.state_arrays(scheduler, {})
     for column in scheduler.graph.task_table.LATER_COLUMNS:
         del arrays[f"task_table.col.{column}"]
@@ -170,11 +171,7 @@ def test_a_replayed_batch_changes_nothing() -> None:
 
 
 def test_a_snapshot_from_before_a_column_was_added_restores_it_at_its_default() -> None:
-    bus = MemoryBus()
-    for topic, value in history():
-        bus.publish(topic, b"c", value)
-    ingestor = make(bus)
-    drain(ingestor, batch_size=4)
+    ingestor = drained()
     arrays = snap.state_arrays(ingestor.scheduler, ingestor.positions)
     del arrays["devices.col.free_at_ms"]
     state = snap.restore_state(snap.decode(snap.encode(arrays)))
