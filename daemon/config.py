@@ -176,6 +176,9 @@ class ModelRefreshSettings(_Section):
     min_changed_rows: int = Field(256, ge=1, le=10_000_000)
     # Re-encode after this long when anything changed at all, however little.
     staleness_s: float = Field(5.0, gt=0, le=86400)
+    # Background mode: at most one re-encode for changed rows per this long (an inventory change
+    # re-encodes at once), so that a stream of batches is not slowed by one refresh after another.
+    min_interval_s: float = Field(0.5, ge=0, le=3600)
     # How often the refresh thread looks at the graph's change counter and the model files.
     poll_s: float = Field(0.05, gt=0, le=60)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -419,34 +420,35 @@ def task_matrix(specs: list[ev.TaskSpec], states: list[TaskState], now_ms: int =
 
     Shapes: specs, states [T] -> [T, len(TASK_FEATURES)].
     """
-    rows = []
-    for spec, state in zip(specs, states, strict=True):
-        gang = max(1, spec.num_devices)
-        n_deps, dep_gb, has_deadline, slack, slo, restricted, waiting = _spec_columns(spec, now_ms)
-        rows.append(
-            (
-                spec.work_ref_s,
-                gang,
-                spec.memory_per_device_gb,
-                gang * spec.memory_per_device_gb,
-                spec.priority,
-                waiting,
-                state == TaskState.PENDING,
-                state == TaskState.PLACED,
-                state == TaskState.RUNNING,
-                spec.kind == ev.TASK_KIND_TRAINING,
-                spec.kind == ev.TASK_KIND_INFERENCE,
-                spec.kind == ev.TASK_KIND_BATCH_STAGE,
-                n_deps,
-                dep_gb,
-                has_deadline,
-                slack,
-                slo,
-                restricted,
-            )
-        )
+    rows = [_task_row(spec, state, now_ms) for spec, state in zip(specs, states, strict=True)]
     raw = np.array(rows, dtype=np.float64).reshape(len(rows), len(TASK_FEATURES))
     return normalize(raw, TASK_FEATURES)
+
+
+def _task_row(spec: ev.TaskSpec, state: TaskState, now_ms: int) -> tuple[float, ...]:
+    """One task's raw feature values, in ``TASK_FEATURES`` order."""
+    gang = max(1, spec.num_devices)
+    n_deps, dep_gb, has_deadline, slack, slo, restricted, waiting = _spec_columns(spec, now_ms)
+    return (
+        spec.work_ref_s,
+        gang,
+        spec.memory_per_device_gb,
+        gang * spec.memory_per_device_gb,
+        spec.priority,
+        waiting,
+        state == TaskState.PENDING,
+        state == TaskState.PLACED,
+        state == TaskState.RUNNING,
+        spec.kind == ev.TASK_KIND_TRAINING,
+        spec.kind == ev.TASK_KIND_INFERENCE,
+        spec.kind == ev.TASK_KIND_BATCH_STAGE,
+        n_deps,
+        dep_gb,
+        has_deadline,
+        slack,
+        slo,
+        restricted,
+    )
 
 
 def task_table_matrix(table: TaskTable, rows: Rows, now_ms: int = 0) -> Matrix:
@@ -490,8 +492,18 @@ def task_table_matrix(table: TaskTable, rows: Rows, now_ms: int = 0) -> Matrix:
 
 
 def task_features(spec: ev.TaskSpec, state: TaskState = TaskState.PENDING, now_ms: int = 0) -> Matrix:
-    """Features of one task, as the scorer reads them. Shapes: -> [len(TASK_FEATURES)]."""
-    row: Matrix = task_matrix([spec], [state], now_ms)[0]
+    """Features of one task, as the scorer reads them. Shapes: -> [len(TASK_FEATURES)].
+
+    Every decision reads them, and tasks come in few shapes: the normalized row is kept per raw
+    row, so a task like an earlier one costs a tuple, a lookup and a copy, not numpy's per-call
+    overhead of normalizing.
+    """
+    return _normalized_task_row(_task_row(spec, state, now_ms)).copy()
+
+
+@lru_cache(maxsize=4096)
+def _normalized_task_row(raw: tuple[float, ...]) -> Matrix:
+    row: Matrix = normalize(np.array([raw], dtype=np.float64), TASK_FEATURES)[0]
     return row
 
 
@@ -694,7 +706,7 @@ def pair_features(
             fit,
             np.minimum(after, 1.0),
             graph.load(rows, occupancy) if wait_s is None else np.zeros(len(rows)),
-            np.isin(d.model[rows], preferred_index),
+            np.isin(d.model[rows], preferred_index) if preferred_index else np.zeros(len(rows)),
             profiled,
             runtime / device_share(graph, rows, occupancy) if wait_s is None else wait_s + runtime,
         ]

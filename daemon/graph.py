@@ -933,18 +933,19 @@ class InfraGraph:
             seen.add(task_id)
             stack.extend(dep.task_id for dep in upstream.spec.dependencies)
 
-    def bind(self, task: Task, rows: Sequence[int]) -> None:
-        """Reserve the task's memory on each of its devices (rows of live devices)."""
+    def bind(self, task: Task, rows: Sequence[int], device_ids: Sequence[str] | None = None) -> None:
+        """Reserve the task's memory on each of its devices (rows of live devices; ``device_ids``:
+        their ids, when the caller has them already)."""
         d = self.devices
         memory, task_id = task.spec.memory_per_device_gb, task.spec.id
         on_device = self._tasks_on_device
-        for row in rows:
+        task.device_rows = held = tuple(map(int, rows))
+        for row in held:
             d.reserved_gb[row] += memory
             d.placed_gb[row] += memory
             d.n_tasks[row] += 1
             on_device.setdefault(row, set()).add(task_id)
-        task.device_rows = tuple(int(r) for r in rows)
-        task.device_ids = tuple(self.device_ids_of(task.device_rows))
+        task.device_ids = tuple(self.device_ids_of(held) if device_ids is None else device_ids)
         if task.row >= 0:
             self.task_table.hold(task.row, task.device_rows)
         self._set_state(task, TaskState.PLACED)

@@ -72,6 +72,7 @@ def _shape(spec: ev.TaskSpec, policy: Policy) -> ShapeKey | None:
     (its dependencies' placements)."""
     if spec.dependencies:
         return None
+    kinds, models, preferred = spec.allowed_kinds, spec.allowed_models, spec.preferred_models
     return (
         *policy.task_key(spec),
         spec.workload_class,
@@ -79,9 +80,9 @@ def _shape(spec: ev.TaskSpec, policy: Policy) -> ShapeKey | None:
         spec.num_devices,
         spec.memory_per_device_gb,
         spec.work_ref_s,
-        tuple(spec.allowed_kinds),
-        tuple(spec.allowed_models),
-        tuple(spec.preferred_models),
+        tuple(kinds) if kinds else (),  # most specs name none: no copy (a batch asks per task)
+        tuple(models) if models else (),
+        tuple(preferred) if preferred else (),
     )
 
 
@@ -586,11 +587,12 @@ class Scheduler:
                     self._start_waiting(task.spec.id, wait)
                 return None
         rows: list[int] = gang.tolist()
+        device_ids = self.graph.device_ids_of(rows)
         placement = ev.Placement(
             task_id=task.spec.id,
             job_id=task.spec.job_id,
             cell=task.cell,
-            device_ids=self.graph.device_ids_of(rows),
+            device_ids=device_ids,
             policy=self.policy.name,
             score=score,
             decided_at_ms=int(self.clock() * 1000),
@@ -598,7 +600,7 @@ class Scheduler:
         if dry_run:
             return placement
         self._dequeue(task.spec.id)
-        self.graph.bind(task, rows)
+        self.graph.bind(task, rows, device_ids)
         self._expect_end(task)
         self.policy.placed(task.spec, self.graph, gang)
         if cache is not None:

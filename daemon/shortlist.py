@@ -27,6 +27,8 @@ window is drawn again from the graph as it is then.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -41,8 +43,8 @@ Index = NDArray[np.intp]
 PriorScorer = Callable[[Rows, Occupancy | None], Scores]
 LearnedScorer = Callable[[Rows, Occupancy | None], Scores | None]
 
-WINDOW_FACTOR = 2  # a batch scores ahead a window of this many times k rows
-LEVELS = 8  # ... each for the next this many bindings
+WINDOW_FACTOR = 2  # a batch scores ahead a window of (at first) this many times k rows
+LEVELS = 2  # ... each for (at first) the next this many bindings
 
 
 def top_rows(prior: Scores, k: int) -> Index:
@@ -81,6 +83,16 @@ class ShortlistBatch:
     ``prior`` and ``learned`` score rows under an :class:`Occupancy` (None: the graph's own);
     ``learned`` returns None when the model cannot score, and then this chooser steps aside
     (:meth:`choose` returns None) for the rest of the batch.
+
+    The window starts at ``WINDOW_FACTOR * k`` rows, each scored for ``levels`` bindings, and grows
+    where it proved too small: the whole window doubles when the batch's bindings pushed its
+    shortlist below a row outside it (many devices with equal priors: each binding moves one row
+    out), and when a row took every binding it was scored for, the shortlist's rows are scored for
+    twice as many more from the graph as it is then (shared devices taking many tasks). Each decision
+    between draws takes a few heap operations, not a pass over the window: heaps hold the window's
+    rows outside the shortlist by prior (which do not change while outside), and the shortlist's
+    worst prior and best learned score (an entry is checked against the row's current value when it
+    comes to the top, and dropped when stale).
     """
 
     def __init__(
@@ -105,21 +117,23 @@ class ShortlistBatch:
         self.touched = False  # another shape bound a row of the window
         self.failed = False
         self.last: int | None = None  # window index of the last answer
+        self.draws = 0  # scorer runs: windows drawn and rows scored deeper
         self._build()
 
     def choose(self, spec: ev.TaskSpec) -> tuple[Rows, Rows, float] | None:
-        if not self.failed and (self.touched or self.used_up):
+        if not self.failed and self.touched:
             self._build()
         for _ in range(2):
             if self.failed:
                 return None
             if self._shortlist_holds():
-                if not self.in_shortlist.any():  # no row has room: nothing is feasible now
+                if not self.members:  # no row has room: nothing is feasible now
                     self.last = None
                     return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0.0
-                best = int(np.argmax(np.where(self.in_shortlist, self.learned, -np.inf)))  # the first: lowest row
+                best = self._best_learned()
                 self.last = best
-                return self.rows, self.window_rows[best : best + 1], float(self.learned[best])
+                return self.rows, self.window_rows[best : best + 1], self.learned[best]
+            self.window *= 2
             self._build()
         return None  # not reached: a fresh window always holds the shortlist
 
@@ -127,43 +141,117 @@ class ShortlistBatch:
         self.changed.update(rows)
         if own and self.last is not None:
             i = self.last
-            self.level[i] += 1
-            if self.level[i] >= self.levels:
-                self.used_up = True
+            level = self.level[i] + 1
+            if level == self.depth[i]:  # used up: its next levels from the graph now
+                if not self._deepen(i):
+                    self.last = None
+                    return
+                level = 0
+            self.level[i] = level
+            deeper = self.deeper.get(i)
+            if deeper is None:  # the window's tables: [levels, M], flat
+                at = level * len(self.level) + i
+                room, prior, learned = self.room_table[at], self.prior_table[at], self.learned_table[at]
             else:
-                level = self.level[i]
-                self.ranked[i] = self.prior_table[level, i] if self.room_table[level, i] else -np.inf
-                self.learned[i] = self.learned_table[level, i]
-                self._fell(i)
-        elif np.isin(np.asarray(rows), self.window_rows).any():
+                room, prior, learned = deeper[0][level], deeper[1][level], deeper[2][level]
+            self.ranked[i] = prior if room else -math.inf
+            self.learned[i] = learned
+            self._fell(i)
+        elif not self.touched and any(row in self.window_set for row in rows):
             self.touched = True
         self.last = None
+
+    def _deepen(self, i: int) -> bool:
+        """Row ``i`` took every binding its tables were scored for: score it, and with it every row
+        of the shortlist (the rows the next bindings go to), for twice as many bindings, from the
+        graph as it is now (which holds the bindings so far). False when the model cannot score."""
+        rows = [j for j, member in enumerate(self.in_shortlist) if member]
+        if i not in rows:
+            rows.append(i)
+        depth = 2 * self.depth[i]
+        room, prior, learned = self._score_levels(self.window_rows[rows], depth)
+        if learned is None:
+            self.failed = True
+            return False
+        tables = zip(room.T.tolist(), prior.T.tolist(), learned.T.tolist(), strict=True)
+        for j, table in zip(rows, tables, strict=True):  # level 0 is each row's present: read on from 1
+            self.deeper[j] = table
+            self.depth[j] = depth
+            self.level[j] = 0
+        return True
+
+    def _score_levels(self, rows: Rows, levels: int) -> tuple[NDArray[np.bool_], Scores, Scores | None]:
+        """Room, prior and learned score of ``rows`` now and after each of the next ``levels`` - 1
+        bindings of this shape: [levels, len(rows)] each; learned None when the model cannot score."""
+        graph, spec = self.graph, self.spec
+        steps = [Occupancy.of(graph, rows)]
+        for _ in range(levels - 1):
+            steps.append(steps[-1].after(spec.memory_per_device_gb))
+        occupancy = Occupancy.concat(steps)
+        tiled = np.tile(rows, levels)
+        shape = (levels, len(rows))
+        learned = self.learned_of(tiled, occupancy) if len(rows) else np.zeros(0)
+        scored = None if learned is None else np.asarray(learned, dtype=np.float64).reshape(shape)
+        self.draws += 1
+        return graph.room(spec, tiled, occupancy).reshape(shape), self.prior_of(tiled, occupancy).reshape(shape), scored
 
     def _fell(self, i: int) -> None:
         """Row ``i`` of the shortlist lost prior (or room): the best row of the window outside the
         shortlist takes its place when it now ranks higher (the shortlist stays the window's best k)."""
-        ranked = self.ranked
-        outside = np.where(self.in_shortlist, -np.inf, ranked)
-        j = int(np.argmax(outside))  # the first best: the lowest row
-        if outside[j] > ranked[i] or (outside[j] == ranked[i] > -np.inf and j < i):
-            self.in_shortlist[i], self.in_shortlist[j] = False, True
-        elif ranked[i] == -np.inf:  # no room left, and no row to take its place
-            self.in_shortlist[i] = False
+        ranked, outside = self.ranked, self.outside_heap
+        if outside:
+            value, j = -outside[0][0], outside[0][1]  # the first best: the lowest row
+            if value > ranked[i] or (value == ranked[i] and j < i):
+                heapq.heappop(outside)
+                self._leave(i)
+                self._join(j)
+                return
+        self._enter(i)  # still a member: its new values
+        if ranked[i] == -math.inf:  # no room left, and no row to take its place
+            self._leave(i)
+
+    def _join(self, i: int) -> None:
+        self.in_shortlist[i] = True
+        self.members += 1
+        self._enter(i)
+
+    def _enter(self, i: int) -> None:
+        heapq.heappush(self.worst_heap, (self.ranked[i], -i))
+        heapq.heappush(self.learned_heap, (-self.learned[i], i))
+
+    def _leave(self, i: int) -> None:
+        self.in_shortlist[i] = False
+        self.members -= 1
+        if self.ranked[i] > -math.inf:
+            heapq.heappush(self.outside_heap, (-self.ranked[i], i))
+
+    def _best_learned(self) -> int:
+        """The shortlist's row of the highest learned score, the first (lowest row) of equals."""
+        heap, learned, member = self.learned_heap, self.learned, self.in_shortlist
+        while True:
+            value, i = heap[0]
+            if member[i] and -value == learned[i]:
+                return i
+            heapq.heappop(heap)  # left the shortlist, or scored anew since
 
     def _shortlist_holds(self) -> bool:
         """Whether the window's best k are the best k of every feasible row: the window holds every
         such row, or its k-th best still ranks above the best row outside it."""
         if self.outside is None:
             return True
-        if np.count_nonzero(self.in_shortlist) < self.k:
+        if self.members < self.k:
             return False
-        values = np.where(self.in_shortlist, self.ranked, np.inf)
-        worst_prior = float(values.min())
+        heap, ranked, member = self.worst_heap, self.ranked, self.in_shortlist
+        while True:
+            worst_prior, minus = heap[0]
+            if member[-minus] and worst_prior == ranked[-minus]:
+                break
+            heapq.heappop(heap)
         outside_prior, outside_row = self.outside
         if worst_prior != outside_prior:
             return worst_prior > outside_prior
-        worst = len(values) - 1 - int(values[::-1].argmin())  # the last of the worst: the highest row
-        return int(self.window_rows[worst]) < outside_row
+        # the last of the worst (the highest row) against the best outside
+        return int(self.window_rows[-minus]) < outside_row
 
     def _build(self) -> None:
         """Draw the window from the graph as it is now and score its rows' next levels."""
@@ -181,6 +269,7 @@ class ShortlistBatch:
                 self.rows, self.prior = self.rows[keep], self.prior[keep]
         picked = top_rows(self.prior, self.window)
         self.window_rows = self.rows[picked]
+        self.window_set = set(self.window_rows.tolist())
         self.outside: tuple[float, int] | None = None
         if len(picked) < len(self.rows):
             rest = np.ones(len(self.rows), dtype=np.bool_)
@@ -188,26 +277,32 @@ class ShortlistBatch:
             others = np.flatnonzero(rest)
             j = others[int(np.argmax(self.prior[others]))]
             self.outside = (float(self.prior[j]), int(self.rows[j]))
-        n, m = len(self.window_rows), spec.memory_per_device_gb
-        steps = [Occupancy.of(graph, self.window_rows)]
-        for _ in range(self.levels - 1):
-            steps.append(steps[-1].after(m))
-        occupancy = Occupancy.concat(steps)
-        rows = np.tile(self.window_rows, self.levels)
-        learned = self.learned_of(rows, occupancy) if n else np.zeros(0)
+        n = len(self.window_rows)
+        room, prior, learned = self._score_levels(self.window_rows, self.levels)
         if learned is None:
             self.failed = True
-            learned = np.zeros(len(rows))
-        self.room_table = graph.room(spec, rows, occupancy).reshape(self.levels, n)
-        self.prior_table = self.prior_of(rows, occupancy).reshape(self.levels, n)
-        self.learned_table = np.asarray(learned, dtype=np.float64).reshape(self.levels, n)
-        self.level = np.zeros(n, dtype=np.int64)
+            learned = np.zeros((self.levels, n))
+        # Lists: a decision reads single values, which lists give without numpy's per-call cost.
+        self.room_table: list[bool] = room.ravel().tolist()
+        self.prior_table: list[float] = prior.ravel().tolist()
+        self.learned_table: list[float] = learned.ravel().tolist()
+        self.deeper: dict[int, tuple[list[bool], list[float], list[float]]] = {}  # rows scored deeper since
+        self.depth = [self.levels] * n
+        self.level = [0] * n
         # The window's priors now, -inf for a row without room. [M]
-        self.ranked: Scores = np.where(self.room_table[0], self.prior_table[0], -np.inf)
-        self.learned = self.learned_table[0].copy()
-        self.in_shortlist = np.zeros(n, dtype=np.bool_)
-        self.in_shortlist[top_rows(self.ranked, min(self.k, int(self.room_table[0].sum())))] = True
-        self.used_up = False
+        first = np.where(room[0], prior[0], -np.inf)
+        self.ranked: list[float] = first.tolist()
+        self.learned: list[float] = self.learned_table[:n]
+        chosen = top_rows(first, min(self.k, int(room[0].sum())))
+        self.in_shortlist = [False] * n
+        self.members = 0
+        self.worst_heap: list[tuple[float, int]] = []
+        self.learned_heap: list[tuple[float, int]] = []
+        for i in chosen.tolist():
+            self._join(i)
+        ranked = self.ranked
+        self.outside_heap = [(-ranked[i], i) for i in range(n) if not self.in_shortlist[i] and ranked[i] > -math.inf]
+        heapq.heapify(self.outside_heap)
         self.touched = False
         self.last = None
 

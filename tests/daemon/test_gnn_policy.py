@@ -24,6 +24,7 @@ from daemon.ledger import PlacementLedger
 from daemon.policy import HeteroGreedy, ObjectiveWeights, make_policy
 from daemon.profiles import default_profiles
 from daemon.scheduler import Scheduler
+from daemon.shortlist import ShortlistBatch
 from hlb.v1 import events_pb2 as ev
 
 SPEC = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4.0)
@@ -403,7 +404,14 @@ def test_background_refresh_follows_changed_rows_and_the_staleness_budget(model_
         now[0] = 0.0
         live = graph.devices.live_rows()[:10]
         graph.apply_metrics_arrays(live, *(np.zeros(10),) * 4, np.ones(10, dtype=np.int64), ["x"] * 10)
+        assert not policy._due(cache, graph, staleness=True)  # 11 rows changed, but min_interval_s not past
+        assert policy._due(cache, graph, staleness=False)  # a sync caller does not wait for it
+        now[0] = 0.6
         assert policy._due(cache, graph, staleness=True)  # 11 rows changed
+        now[0] = 0.0
+        for event in synthetic_devices(49)[48:49]:  # a device added: at once
+            graph.apply_telemetry(event)
+        assert policy._due(cache, graph, staleness=True)
     finally:
         policy.stop()
 
@@ -419,10 +427,12 @@ def test_weights_reach_the_scorer(model_dir: Path) -> None:
 # -- two-stage ranking -----------------------------------------------------------------------
 
 
-def serving_scheduler(model_dir: Path, devices: int, shortlist: int) -> tuple[Scheduler, GnnPolicy]:
+def serving_scheduler(
+    model_dir: Path, devices: int, shortlist: int, graph: InfraGraph | None = None
+) -> tuple[Scheduler, GnnPolicy]:
     """A scheduler deciding with the GNN as the daemon runs it (background mode, its thread idle),
-    task features dated by a fixed clock."""
-    graph = cluster(devices)
+    task features dated by a fixed clock; on ``graph``, else on a cluster of ``devices`` shared ones."""
+    graph = graph if graph is not None else cluster(devices)
     policy = GnnPolicy(settings(model_dir, shortlist=shortlist, poll_s=60.0), mode="background")
     policy.clock_ms = lambda: 1_000_000.0
     policy.start(graph, threading.RLock())
@@ -524,3 +534,77 @@ def test_a_batch_decides_as_one_place_after_another(model_dir: Path, shortlist: 
     finally:
         batch_policy.stop()
         one_policy.stop()
+
+
+def one_model_cluster(devices: int, max_tasks_per_device: int) -> InfraGraph:
+    """``devices`` A100s, 8 per host: every device has the same prior until it holds a task."""
+    graph = InfraGraph(max_tasks_per_device=max_tasks_per_device)
+    for event in synthetic_devices(devices):
+        device = event.device_upsert
+        if device.id:
+            device.model, device.kind, device.peak_tflops = "A100-SXM4-80GB", ev.DEVICE_KIND_GPU, 312.0
+        graph.apply_telemetry(event)
+    return graph
+
+
+def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_dir: Path) -> None:
+    """Each binding takes a device out; with more tasks than devices some wait for a faster busy
+    device and the last find none free, alike in the batch and one call after another."""
+    batch, batch_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster_exclusive(40))
+    one, one_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster_exclusive(40))
+    try:
+        specs = one_device_tasks(48)
+
+        def outcome(decision: Any) -> tuple[list[str], str]:
+            if decision.placement is not None:
+                return list(decision.placement.device_ids), ""
+            return [], decision.pending.reason
+
+        decided = [outcome(d) for d in batch.place_batch(specs)]
+        assert decided == [outcome(one.place(spec)) for spec in specs]
+        placed = [ids[0] for ids, _ in decided if ids]
+        assert len(placed) == len(set(placed)) >= 20  # one task per device
+        assert len(placed) < 40
+        assert any(reason.startswith("waiting for") for _, reason in decided)
+    finally:
+        batch_policy.stop()
+        one_policy.stop()
+
+
+def cluster_exclusive(devices: int) -> InfraGraph:
+    graph = InfraGraph(max_tasks_per_device=1)
+    for event in synthetic_devices(devices):
+        graph.apply_telemetry(event)
+    return graph
+
+
+@pytest.mark.parametrize("max_tasks_per_device", [0, 1])
+def test_a_batch_over_equal_devices_draws_its_window_a_few_times(model_dir: Path, max_tasks_per_device: int) -> None:
+    """On 256 devices with equal priors every binding moves one device below the rest: the batch
+    chooser widens its window (and scores a busy row deeper) instead of drawing it again and again,
+    and still decides each task as the two-stage ranking would alone."""
+    graph = one_model_cluster(256, max_tasks_per_device)
+    _, policy = serving_scheduler(model_dir, 0, shortlist=4, graph=graph)
+    try:
+        spec = one_device_tasks(1)[0]
+        chooser = policy.batch_chooser(spec, graph)
+        assert isinstance(chooser, ShortlistBatch)
+        for i in range(300):
+            answer = chooser.choose(spec)
+            assert answer is not None
+            _, gang, score = answer
+            expected, expected_score = policy.choose_gang(spec, graph, graph.feasible_rows(spec))
+            assert gang.tolist() == expected.tolist(), i
+            assert score == pytest.approx(expected_score, rel=1e-6, abs=1e-9)
+            if not len(gang):
+                break
+            task = graph.add_task(ev.TaskSpec(id=f"b{i}", work_ref_s=600.0, memory_per_device_gb=9.0), "c")
+            graph.bind(task, gang.tolist())
+            chooser.bound(task.device_rows, own=True)
+        placed = sum(1 for t in graph.tasks.values() if t.device_rows)
+        assert placed == (256 if max_tasks_per_device == 1 else 300)
+        # Windows of 8, 16, ..., 256 rows and a few deeper scorings (drawn afresh every few tasks, it
+        # would take about 50).
+        assert chooser.draws <= 14
+    finally:
+        policy.stop()
