@@ -13,11 +13,11 @@ Refresh modes (``model.refresh.mode``):
   since the last refresh (``InfraGraph.changes``), at once when the inventory changed, and after
   ``staleness_s`` when anything changed; never sooner than ``min_interval_s`` after the last
   refresh but for an inventory change (under a stream of batches, each of which changes a
-  thousand rows, refreshing after every one took the cores from the batches). It copies the graph's tables under the lock (memory
-  copies, under a millisecond at 1,000 devices and 12,000 tasks), then builds the encoder's inputs
-  from the copies and runs the encoder outside it, so requests never wait for either. A
-  request naming a device the cache does not know yet (added since the refresh) is decided by the
-  fallback and wakes the thread.
+  thousand rows, refreshing after every one took the cores from the batches). It copies the
+  graph's tables under the lock (memory copies, under a millisecond at 1,000 devices and 12,000
+  tasks), then builds the encoder's inputs from the copies and runs the encoder outside it, so
+  requests never wait for either. A request naming a device the cache does not know yet (added
+  since the refresh) is decided by the fallback and wakes the thread.
 - ``sync`` (the simulator, ``hlb eval``): :meth:`GnnPolicy.refresh_if_changed` runs before each
   score, in the caller's thread, under the same rules; a new device always re-encodes first.
 

@@ -565,7 +565,7 @@ class Scheduler:
         """
         if not dry_run:
             self._stop_waiting(task.spec.id)  # decided afresh: an earlier wait no longer holds a device
-        waiting_for = self._unfinished_dependency(task)
+        waiting_for = self._unfinished_dependency(task) if task.spec.dependencies else None
         if waiting_for is not None:
             task.pending_reason = waiting_for
             return None
