@@ -578,7 +578,7 @@ class Scheduler:
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
-        if self.policy.waits:
+        if self.policy.waits and self.graph.max_tasks_per_device == 1:  # on shared devices a task never waits
             now_ms = int(self.clock() * 1000.0)
             wait = self.policy.wait_for(task.spec, self.graph, gang, score, now_ms, self._queued_s)
             if wait is not None:
