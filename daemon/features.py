@@ -677,41 +677,47 @@ def pair_features(
         occupancy = Occupancy(np.zeros(len(rows), dtype=np.int32), none, none)
     occupancy = occupancy if occupancy is not None else Occupancy.of(graph, rows)
     speed, profiled = estimated_speed(spec, graph, rows, profile)
-    runtime = np.where(speed > 0, spec.work_ref_s / np.where(speed > 0, speed, 1.0), 1.0e9)
-    energy_kj = runtime * d.peak_power_w[rows] / 1000.0
-    local = local_input_gb(spec, graph, rows)
-    total_in = sum(dep.transfer_gb for dep in spec.dependencies)
+    n, m = len(rows), spec.memory_per_device_gb
+    # Written column by column into one matrix, divisions guarded with ``where=``: a decision
+    # builds this for a shortlist of about 64 rows, where numpy's per-call overhead is the cost.
+    raw = np.zeros((n, len(PAIR_FEATURES)), dtype=np.float64)
+    runtime = np.full(n, 1.0e9)
+    np.divide(spec.work_ref_s, speed, out=runtime, where=speed > 0)
+    raw[:, 0], raw[:, 1] = speed, runtime
+    np.multiply(runtime, d.peak_power_w[rows], out=raw[:, 2])
+    raw[:, 2] /= 1000.0  # kJ
+    if spec.dependencies:
+        local = local_input_gb(spec, graph, rows)
+        total_in = sum(dep.transfer_gb for dep in spec.dependencies)
+        raw[:, 3] = local
+        if total_in > 0:
+            raw[:, 4] = local / total_in
     gang = max(1, spec.num_devices)
     if gang == 1:  # every candidate shares its host with itself
-        same_host = np.ones(len(rows))
+        raw[:, 5] = 1.0
     else:
         _, inverse, counts = np.unique(d.host[rows], return_inverse=True, return_counts=True)
-        same_host = np.minimum(counts[inverse], gang) / gang
+        raw[:, 5] = np.minimum(counts[inverse], gang) / gang
+    raw[:, 6] = occupancy.n_tasks
     memory = d.memory_gb[rows]
     free = memory if wait_s is not None else np.maximum(graph.free_memory_gb(rows, occupancy), 0.0)
-    fit = np.where(free > 0, np.minimum(spec.memory_per_device_gb / np.where(free > 0, free, 1.0), 1.0), 1.0)
-    after = np.where(
-        memory > 0, (occupancy.reserved_gb + spec.memory_per_device_gb) / np.where(memory > 0, memory, 1.0), 1.0
-    )
-    preferred_index = [graph.model_names.index(m) for m in spec.preferred_models if m in graph.model_names]
-    raw = np.column_stack(
-        [
-            speed,
-            runtime,
-            energy_kj,
-            local,
-            local / total_in if total_in > 0 else np.zeros(len(rows)),
-            same_host,
-            occupancy.n_tasks,
-            fit,
-            np.minimum(after, 1.0),
-            graph.load(rows, occupancy) if wait_s is None else np.zeros(len(rows)),
-            np.isin(d.model[rows], preferred_index) if preferred_index else np.zeros(len(rows)),
-            profiled,
-            runtime / device_share(graph, rows, occupancy) if wait_s is None else wait_s + runtime,
-        ]
-    ).astype(np.float64)
-    return normalize(raw.reshape(len(rows), len(PAIR_FEATURES)), PAIR_FEATURES)
+    fit = np.ones(n)
+    np.divide(m, free, out=fit, where=free > 0)
+    np.minimum(fit, 1.0, out=raw[:, 7])
+    after = np.ones(n)
+    np.divide(occupancy.reserved_gb + m, memory, out=after, where=memory > 0)
+    np.minimum(after, 1.0, out=raw[:, 8])
+    if wait_s is None:
+        raw[:, 9] = graph.load(rows, occupancy)
+    preferred_index = [graph.model_names.index(name) for name in spec.preferred_models if name in graph.model_names]
+    if preferred_index:
+        raw[:, 10] = np.isin(d.model[rows], preferred_index)
+    raw[:, 11] = profiled
+    if wait_s is None:
+        np.divide(runtime, device_share(graph, rows, occupancy), out=raw[:, 12])
+    else:
+        np.add(wait_s, runtime, out=raw[:, 12])
+    return normalize(raw, PAIR_FEATURES)
 
 
 def scorer_inputs(
