@@ -427,6 +427,12 @@ class InfraGraph:
         self.changes = 0
         self._arrivals = 0
 
+    @property
+    def exclusive(self) -> bool:
+        """Whether a device holds one task at a time: only then can a task wait for a busy one
+        (with shared devices it starts at once on a share instead)."""
+        return self.max_tasks_per_device == 1
+
     def tables_copy(self) -> InfraGraph:
         """A graph to read while this one changes (the GNN's encoder inputs, built outside the
         daemon's lock): its tables are copies, everything else is shared, ``tasks`` included,

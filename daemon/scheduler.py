@@ -531,13 +531,18 @@ class Scheduler:
         else:
             self._queued_s.pop(wait.row, None)
 
+    @property
+    def _may_wait(self) -> bool:
+        """Whether a task may wait for a busy device: the policy waits, and devices are exclusive."""
+        return self.policy.waits and self.graph.exclusive
+
     def _expect_end(self, task: Task) -> None:
         """Record when ``task`` (bound now, or started now) should end on its devices: its run time
         estimate on the slowest of them from now. Only on exclusive devices (a task waits for one
         only there) and for a policy that waits. A service (latency SLO) or a task without work has
         no end to expect, and a device holding only such tasks never attracts a waiting task."""
         spec = task.spec
-        if not self.policy.waits or self.graph.max_tasks_per_device != 1:
+        if not self._may_wait:
             return
         if spec.work_ref_s <= 0 or spec.latency_slo_ms > 0 or not task.device_rows:
             return
@@ -578,7 +583,7 @@ class Scheduler:
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
-        if self.policy.waits and self.graph.max_tasks_per_device == 1:  # on shared devices a task never waits
+        if self._may_wait:
             now_ms = int(self.clock() * 1000.0)
             wait = self.policy.wait_for(task.spec, self.graph, gang, score, now_ms, self._queued_s)
             if wait is not None:

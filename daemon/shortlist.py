@@ -142,7 +142,7 @@ class ShortlistBatch:
         if own and self.last is not None:
             i = self.last
             level = self.level[i] + 1
-            if level == self.depth[i]:  # used up: its next levels from the graph now
+            if level == self._depth(i):  # used up: its next levels from the graph now
                 if not self._deepen(i):
                     self.last = None
                     return
@@ -168,17 +168,20 @@ class ShortlistBatch:
         rows = [j for j, member in enumerate(self.in_shortlist) if member]
         if i not in rows:
             rows.append(i)
-        depth = 2 * self.depth[i]
-        room, prior, learned = self._score_levels(self.window_rows[rows], depth)
+        room, prior, learned = self._score_levels(self.window_rows[rows], 2 * self._depth(i))
         if learned is None:
             self.failed = True
             return False
         tables = zip(room.T.tolist(), prior.T.tolist(), learned.T.tolist(), strict=True)
         for j, table in zip(rows, tables, strict=True):  # level 0 is each row's present: read on from 1
             self.deeper[j] = table
-            self.depth[j] = depth
             self.level[j] = 0
         return True
+
+    def _depth(self, i: int) -> int:
+        """Bindings row ``i``'s tables were scored for."""
+        deeper = self.deeper.get(i)
+        return self.levels if deeper is None else len(deeper[1])
 
     def _score_levels(self, rows: Rows, levels: int) -> tuple[NDArray[np.bool_], Scores, Scores | None]:
         """Room, prior and learned score of ``rows`` now and after each of the next ``levels`` - 1
@@ -206,9 +209,10 @@ class ShortlistBatch:
                 self._leave(i)
                 self._join(j)
                 return
-        self._enter(i)  # still a member: its new values
         if ranked[i] == -math.inf:  # no room left, and no row to take its place
             self._leave(i)
+        else:
+            self._enter(i)  # still a member: its new values
 
     def _join(self, i: int) -> None:
         self.in_shortlist[i] = True
@@ -287,7 +291,6 @@ class ShortlistBatch:
         self.prior_table: list[float] = prior.ravel().tolist()
         self.learned_table: list[float] = learned.ravel().tolist()
         self.deeper: dict[int, tuple[list[bool], list[float], list[float]]] = {}  # rows scored deeper since
-        self.depth = [self.levels] * n
         self.level = [0] * n
         # The window's priors now, -inf for a row without room. [M]
         first = np.where(room[0], prior[0], -np.inf)

@@ -126,7 +126,7 @@ def wait_options(
     on exclusive devices (``max_tasks_per_device`` 1: with shared ones a task starts at once on a
     share instead); None when no busy device would finish it sooner, so there is nothing to decide.
     The policy compares its score of each option with the free device's, which it has already."""
-    if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0 or graph.max_tasks_per_device != 1:
+    if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0 or not graph.exclusive:
         return None
     by_model = runtimes.by_model(spec, graph)
     free_finish = float(by_model[graph.devices.model[gang[0]]] / feat.device_share(graph, gang)[0])

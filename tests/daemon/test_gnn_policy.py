@@ -31,9 +31,14 @@ SPEC = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_p
 WEIGHTS = np.array([1.0, 0.0, 0.0], dtype=np.float32)
 
 
-def cluster(devices: int = 48) -> InfraGraph:
-    graph = InfraGraph(max_tasks_per_device=0)
+def cluster(devices: int = 48, max_tasks_per_device: int = 0, one_model: bool = False) -> InfraGraph:
+    """The benchmark's synthetic devices, 8 per host, shared unless ``max_tasks_per_device`` says
+    otherwise; ``one_model``: all A100s, so every device has the same prior until it holds a task."""
+    graph = InfraGraph(max_tasks_per_device=max_tasks_per_device)
     for event in synthetic_devices(devices):
+        device = event.device_upsert
+        if one_model and device.id:
+            device.model, device.kind, device.peak_tflops = "A100-SXM4-80GB", ev.DEVICE_KIND_GPU, 312.0
         graph.apply_telemetry(event)
     return graph
 
@@ -536,22 +541,11 @@ def test_a_batch_decides_as_one_place_after_another(model_dir: Path, shortlist: 
         one_policy.stop()
 
 
-def one_model_cluster(devices: int, max_tasks_per_device: int) -> InfraGraph:
-    """``devices`` A100s, 8 per host: every device has the same prior until it holds a task."""
-    graph = InfraGraph(max_tasks_per_device=max_tasks_per_device)
-    for event in synthetic_devices(devices):
-        device = event.device_upsert
-        if device.id:
-            device.model, device.kind, device.peak_tflops = "A100-SXM4-80GB", ev.DEVICE_KIND_GPU, 312.0
-        graph.apply_telemetry(event)
-    return graph
-
-
 def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_dir: Path) -> None:
     """Each binding takes a device out; with more tasks than devices some wait for a faster busy
     device and the last find none free, alike in the batch and one call after another."""
-    batch, batch_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster_exclusive(40))
-    one, one_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster_exclusive(40))
+    batch, batch_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster(40, max_tasks_per_device=1))
+    one, one_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster(40, max_tasks_per_device=1))
     try:
         specs = one_device_tasks(48)
 
@@ -571,19 +565,12 @@ def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_d
         one_policy.stop()
 
 
-def cluster_exclusive(devices: int) -> InfraGraph:
-    graph = InfraGraph(max_tasks_per_device=1)
-    for event in synthetic_devices(devices):
-        graph.apply_telemetry(event)
-    return graph
-
-
 @pytest.mark.parametrize("max_tasks_per_device", [0, 1])
 def test_a_batch_over_equal_devices_draws_its_window_a_few_times(model_dir: Path, max_tasks_per_device: int) -> None:
     """On 256 devices with equal priors every binding moves one device below the rest: the batch
     chooser widens its window (and scores a busy row deeper) instead of drawing it again and again,
     and still decides each task as the two-stage ranking would alone."""
-    graph = one_model_cluster(256, max_tasks_per_device)
+    graph = cluster(256, max_tasks_per_device, one_model=True)
     _, policy = serving_scheduler(model_dir, 0, shortlist=4, graph=graph)
     try:
         spec = one_device_tasks(1)[0]
