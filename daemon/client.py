@@ -66,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="", help="workload class, e.g. resnet50 or resnet50-bs64")
     parser.add_argument("--priority", type=int, default=0)
     parser.add_argument("--after", action="append", default=[], metavar="TASK_ID", help="a dependency (repeatable)")
+    parser.add_argument("--latency-slo-ms", type=float, default=0.0, help="a service's latency SLO, ms (0: none)")
+    parser.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=_label,
+        metavar="KEY=VALUE",
+        help="a label (repeatable); a service's load: request_rate_per_s=N, request_work_ref_ms=N",
+    )
     parser.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
 
 
@@ -87,8 +96,17 @@ def task_from_args(args: argparse.Namespace) -> ev.TaskSpec:
         workload_class=args.workload,
         priority=args.priority,
         dependencies=[ev.Dependency(task_id=t) for t in args.after],
+        latency_slo_ms=args.latency_slo_ms,
+        labels=dict(args.label),
         submit_time_ms=int(time.time() * 1000),
     )
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
 
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:

@@ -204,6 +204,10 @@ class ModelSettings(_Section):
     # Queue order within a priority while the GNN decides: shortest estimated run time first (on
     # the fastest device model the task may use, times its gang), or arrival order.
     queue_order: Literal["shortest-first", "arrival"] = "shortest-first"
+    # Place an inference service that declares its request rate and request work (labels
+    # request_rate_per_s, request_work_ref_ms) on the slowest devices whose estimated request
+    # latency meets its latency_slo_ms, keeping faster ones for work whose finish depends on speed.
+    fit_services: bool = True
     refresh: ModelRefreshSettings = ModelRefreshSettings()
 
     @field_validator("providers")

@@ -48,7 +48,7 @@ from daemon.graph import InfraGraph, Occupancy, Rows, Task
 from daemon.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
 from daemon.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, Wait, choose_gang
 from daemon.shortlist import ShortlistBatch, shortlist
-from daemon.waiting import RunTimes, wait_options
+from daemon.waiting import RunTimes, declared_load, service_wait, slo_fit, wait_options
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -237,7 +237,10 @@ class GnnPolicy(Policy):
 
     def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
         """The best ``model.shortlist`` feasible rows by hetero-greedy's score (more for a gang);
-        all of them while the fallback decides (it ranks by that score anyway)."""
+        all of them while the fallback decides (it ranks by that score anyway). For a service that
+        declares its load, only those :func:`daemon.waiting.slo_fit` keeps (``model.fit_services``)."""
+        if self._fits(spec):
+            feasible = slo_fit(spec, graph, feasible, self.fallback.profiles)
         k = self.settings.shortlist
         if self._cache is None or k <= 0 or len(feasible) <= k:
             return feasible
@@ -256,6 +259,11 @@ class GnnPolicy(Policy):
         rows = self.shortlist(spec, graph, feasible)
         return choose_gang(self, spec, graph, rows, self.score(spec, graph, rows))
 
+    def _fits(self, spec: ev.TaskSpec) -> bool:
+        """Whether ``model.fit_services`` applies to the task (a service that declares its load)
+        while the GNN decides."""
+        return self.settings.fit_services and self._cache is not None and declared_load(spec) is not None
+
     # -- waiting and queue order ---------------------------------------------------------------
 
     @property
@@ -267,10 +275,13 @@ class GnnPolicy(Policy):
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
         """A busy device to wait for instead of the free one in ``gang`` (scored ``score``): the
-        best of :func:`daemon.waiting.wait_options` by the scorer, when it scores above ``score``."""
+        best of :func:`daemon.waiting.wait_options` by the scorer, when it scores above ``score``;
+        for a service with a declared load, :func:`daemon.waiting.service_wait`."""
         cache = self._cache
         if cache is None:
             return None
+        if self._fits(spec):
+            return service_wait(spec, graph, gang, now_ms, self.fallback.profiles)
         options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._runtimes)
         if options is None:
             return None
@@ -297,14 +308,15 @@ class GnnPolicy(Policy):
         return self._runtimes.ranks(graph, tasks)
 
     def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
-        """Task features besides the shape: priority, waiting time and deadline, latency SLO."""
-        return (spec.priority, spec.submit_time_ms, spec.deadline_ms, spec.latency_slo_ms)
+        """Task features besides the shape: priority, waiting time and deadline, latency SLO, and a
+        service's declared load."""
+        return (spec.priority, spec.submit_time_ms, spec.deadline_ms, spec.latency_slo_ms, declared_load(spec))
 
     def batch_chooser(self, spec: ev.TaskSpec, graph: InfraGraph) -> BatchChooser | None:
         """One-device tasks without dependencies, while the model serves in background mode (sync
         mode re-encodes between decisions): a :class:`ShortlistBatch` on the current cache."""
         cache = self._cache
-        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies:
+        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies or self._fits(spec):
             return None
         runtime = self.fallback.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
         fallback = self.fallback

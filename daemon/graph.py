@@ -29,6 +29,12 @@ from hlb.v1 import events_pb2 as ev
 MAX_GANG = 4096
 MAX_MEMORY_GB = 1.0e6
 MAX_ID_CHARS = 256
+# Labels an inference service (latency_slo_ms > 0) may carry so that hlb can estimate its request
+# latency on each device model: requests per second, and one request's work in reference-device
+# milliseconds (as work_ref_s is in seconds). Numbers in (0, 1e9]; checked with the spec.
+REQUEST_RATE_LABEL = "request_rate_per_s"
+REQUEST_WORK_LABEL = "request_work_ref_ms"
+SERVICE_LOAD_LABELS = (REQUEST_RATE_LABEL, REQUEST_WORK_LABEL)
 
 Rows = NDArray[np.int64]
 DEVICE_KINDS = frozenset(ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED}  # what a device may be
@@ -1012,11 +1018,24 @@ def check_task_spec(spec: ev.TaskSpec) -> None:
     for kind in spec.allowed_kinds:
         if kind not in DEVICE_KINDS:
             raise InvalidEventError(f"task {spec.id}: unknown allowed kind {kind}", "out_of_range")
+    for label in SERVICE_LOAD_LABELS:
+        if label in spec.labels:
+            _check_label_number(spec, label)
     for dep in spec.dependencies:
         if dep.task_id == spec.id:
             raise InvalidEventError(f"task {spec.id} depends on itself", "cycle")
         _check_id(dep.task_id, f"task {spec.id} dependency")
         _check_range(dep.transfer_gb, f"task {spec.id} dependency transfer_gb", 0.0, MAX_MEMORY_GB)
+
+
+def _check_label_number(spec: ev.TaskSpec, label: str) -> None:
+    text = spec.labels[label]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0.0 < value <= 1.0e9):
+        raise InvalidEventError(f"task {spec.id}: label {label}={text!r} is not a number in (0, 1e9]", "out_of_range")
 
 
 def check_task_specs(specs: Sequence[ev.TaskSpec]) -> None:
@@ -1044,6 +1063,7 @@ def check_task_specs(specs: Sequence[ev.TaskSpec]) -> None:
             or spec.kind not in kinds
             or len(spec.allowed_kinds)
             or len(spec.dependencies)
+            or (spec.labels and any(label in spec.labels for label in SERVICE_LOAD_LABELS))
         ):
             bad[i] = True
     for index in np.flatnonzero(bad).tolist():

@@ -16,6 +16,7 @@ where its dependencies ran). The objective weights (completion time, utilization
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -89,10 +90,23 @@ class Wait:
     wait_s: float
     runtime_s: float
     free_finish_s: float
+    # A service waiting for a device that meets its latency SLO: the estimated request latency (ms)
+    # on the free device it declines; 0 for a task waiting to finish sooner.
+    free_latency_ms: float = 0.0
 
     @property
     def reason(self) -> str:
         """Why the task is pending, in words (it starts with "waiting for", as a dependency's does)."""
+        if self.free_latency_ms > 0:
+            now = (
+                "a device free now would be saturated"
+                if math.isinf(self.free_latency_ms)
+                else f"estimated {self.free_latency_ms:,.1f} ms on a device free now"
+            )
+            return (
+                f"waiting for device {self.device_id}: expected free in {self.wait_s:,.0f} s, where it would meet"
+                f" its latency SLO ({now})"
+            )
         return (
             f"waiting for device {self.device_id}: expected free in {self.wait_s:,.0f} s, where it would finish"
             f" in {self.wait_s + self.runtime_s:,.0f} s against {self.free_finish_s:,.0f} s on a device free now"

@@ -35,7 +35,7 @@ from daemon.graph import (
 from daemon.ledger import PlacementLedger
 from daemon.policy import BatchChooser, Policy, Wait
 from daemon.profiles import NEVER_S, default_profiles
-from daemon.waiting import RunTimes
+from daemon.waiting import RunTimes, declared_load, service_lifetime_s
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
@@ -539,15 +539,21 @@ class Scheduler:
     def _expect_end(self, task: Task) -> None:
         """Record when ``task`` (bound now, or started now) should end on its devices: its run time
         estimate on the slowest of them from now. Only on exclusive devices (a task waits for one
-        only there) and for a policy that waits. A service (latency SLO) or a task without work has
-        no end to expect, and a device holding only such tasks never attracts a waiting task."""
+        only there) and for a policy that waits. A service lives its lifetime wherever it runs
+        (known from its declared load, :func:`daemon.waiting.service_lifetime_s`). A task without
+        work, or a service without a declared load, has no end to expect, and a device holding only
+        such tasks never attracts a waiting task."""
         spec = task.spec
-        if not self._may_wait:
+        if not self._may_wait or spec.work_ref_s <= 0 or not task.device_rows:
             return
-        if spec.work_ref_s <= 0 or spec.latency_slo_ms > 0 or not task.device_rows:
-            return
-        rows = np.asarray(task.device_rows, dtype=np.int64)
-        runtime = float(self._runtimes.of_rows(spec, self.graph, rows).max())
+        if spec.latency_slo_ms > 0:
+            load = declared_load(spec)
+            if load is None:
+                return
+            runtime = service_lifetime_s(spec, load)
+        else:
+            rows = np.asarray(task.device_rows, dtype=np.int64)
+            runtime = float(self._runtimes.of_rows(spec, self.graph, rows).max())
         if runtime >= NEVER_S:
             return
         self._expected_end[spec.id] = int((self.clock() + runtime) * 1000.0)

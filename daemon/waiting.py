@@ -15,6 +15,13 @@ daemon runs:
 - **Queue order** (``model.queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use, times its gang (shortest first), with a service
   (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
+- **Services where they meet their SLO** (``model.fit_services``): a service that declares its
+  request rate and request work (:data:`daemon.graph.SERVICE_LOAD_LABELS`) lives as long on any
+  device, so speed only matters to it up to its SLO. :func:`slo_fit` keeps, of the devices it could
+  take, those of the slowest speed whose estimated request latency meets the SLO, and leaves the
+  faster ones to work whose finish depends on speed. When none of the free devices meets it but a
+  busy one would, :func:`service_wait` has the service wait for the one expected free soonest
+  (with waiting on); when no device would, it takes a free one as any task does, the fastest first.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from daemon import features as feat
-from daemon.graph import InfraGraph, Rows, Task
+from daemon.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph, Rows, Task
 from daemon.policy import Wait
 from daemon.profiles import NEVER_S, DeviceProfiles
 from hlb.v1 import events_pb2 as ev
@@ -149,4 +156,95 @@ def wait_options(
     return WaitOptions(int(gang[0]), rows, pair, wait_s[top], runtime[top], free_finish)
 
 
-__all__ = ["WAIT_CANDIDATES", "RunTimes", "WaitOptions", "wait_options"]
+def declared_load(spec: ev.TaskSpec) -> tuple[float, float] | None:
+    """A service's declared request rate (1/s) and one request's work (reference-device ms), or None
+    for a task without a latency SLO or without both labels (their values are checked on submit)."""
+    if spec.latency_slo_ms <= 0 or not spec.labels:
+        return None
+    rate, work = spec.labels.get(REQUEST_RATE_LABEL), spec.labels.get(REQUEST_WORK_LABEL)
+    if rate is None or work is None:
+        return None
+    return float(rate), float(work)
+
+
+def request_latency_ms(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profiles: DeviceProfiles, load: tuple[float, float]
+) -> NDArray[np.float64]:
+    """Estimated mean request latency (ms) of a service with ``load`` (rate, request work) on each of
+    ``rows``, on a device of its own: one request takes ``S`` = work / speed, and with requests
+    arriving at random at the rate the device is busy ``rho`` = rate * S, so a request's time in
+    the system is ``S / (1 - rho)`` (M/M/1); infinite where ``rho`` >= 1. [N] -> [N]."""
+    rate_per_s, work_ms = load
+    speed = profiles.device_speedups(graph, rows, spec, 1)
+    service_ms = work_ms / np.maximum(speed, 1e-12)
+    rho = rate_per_s * service_ms / 1000.0
+    latency: NDArray[np.float64] = np.where(rho < 1.0, service_ms / np.maximum(1.0 - rho, 1e-12), np.inf)
+    return latency
+
+
+def service_lifetime_s(spec: ev.TaskSpec, load: tuple[float, float]) -> float:
+    """How long a service with ``load`` lives (s): its total request work (``work_ref_s``) over the
+    work per second of its requests; 0 when it has no work estimate."""
+    rate_per_s, work_ms = load
+    return spec.work_ref_s / (rate_per_s * work_ms / 1000.0) if spec.work_ref_s > 0 else 0.0
+
+
+def service_wait(
+    spec: ev.TaskSpec,
+    graph: InfraGraph,
+    gang: Rows,
+    now_ms: int,
+    profiles: DeviceProfiles,
+) -> Wait | None:
+    """For a one-device service with a declared load on exclusive devices: when the free device in
+    ``gang`` would miss its SLO, the busy device expected free soonest among those that would meet
+    it; None when the free one meets it or no busy one would. The service goes ahead of batch work
+    in the queue, so only the device's own expected free time counts as its wait."""
+    load = declared_load(spec)
+    if load is None or len(gang) != 1 or not graph.exclusive:
+        return None
+    slo = spec.latency_slo_ms
+    free_latency = float(request_latency_ms(spec, graph, gang, profiles, load)[0])
+    if free_latency <= slo:
+        return None
+    busy = graph.busy_rows(spec)
+    if not len(busy):
+        return None
+    busy = busy[request_latency_ms(spec, graph, busy, profiles, load) <= slo]
+    if not len(busy):
+        return None
+    wait_s = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
+    best = int(np.argmin(wait_s))
+    row = int(busy[best])
+    lifetime = service_lifetime_s(spec, load)
+    device_id = graph.devices.ids[row] or ""
+    return Wait(row, device_id, float(wait_s[best]), lifetime, lifetime, free_latency_ms=free_latency)
+
+
+def slo_fit(spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, profiles: DeviceProfiles) -> Rows:
+    """The rows of ``feasible`` a one-device service with a declared load should choose among: those
+    of the slowest speed whose estimated request latency meets its SLO; all of ``feasible`` when
+    none does, for a gang, or for a task that declares no load."""
+    load = declared_load(spec)
+    if load is None or spec.num_devices > 1 or not len(feasible):
+        return feasible
+    meets = request_latency_ms(spec, graph, feasible, profiles, load) <= spec.latency_slo_ms
+    if not meets.any():
+        return feasible
+    speed = profiles.device_speedups(graph, feasible, spec, 1)
+    slowest = speed[meets].min()
+    fitted: Rows = feasible[meets & (speed <= slowest * (1.0 + 1e-9))]
+    return fitted
+
+
+__all__ = [
+    "WAIT_CANDIDATES",
+    "RunTimes",
+    "WaitOptions",
+    "declared_load",
+    "request_latency_ms",
+    "service_lifetime_s",
+    "service_wait",
+    "slo_fit",
+    "wait_options",
+]

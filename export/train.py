@@ -49,7 +49,7 @@ from daemon import features as feat
 from daemon.graph import InfraGraph, Rows, Task
 from daemon.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
 from daemon.profiles import DeviceProfiles, default_profiles
-from daemon.waiting import RunTimes, wait_options
+from daemon.waiting import RunTimes, declared_load, service_wait, slo_fit, wait_options
 from export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
@@ -107,13 +107,18 @@ class TrainConfig:
     rounds: int = 2
     seed: int = 0
     # The daemon's rules the student decides by in REINFORCE and validation (model.wait_for_faster,
-    # model.queue_order); DAgger follows the teacher, which neither waits nor reorders.
+    # model.queue_order, model.fit_services); DAgger follows the teacher, which neither waits nor
+    # reorders.
     wait_for_faster: bool = True
     queue_order: str = "shortest-first"
+    fit_services: bool = True
 
     def describe(self) -> str:
         stages = "; ".join(s.label() for s in self.stages)
-        rules = f"wait_for_faster {str(self.wait_for_faster).lower()}, queue_order {self.queue_order}"
+        rules = (
+            f"wait_for_faster {str(self.wait_for_faster).lower()}, queue_order {self.queue_order}, "
+            f"fit_services {str(self.fit_services).lower()}"
+        )
         return (
             f"hlb train: DAgger x{self.dagger_iterations} from lookahead(k={self.teacher_k}, "
             f"{self.teacher_horizon_s / 3600:g} h), then REINFORCE x{self.rl_iterations}; families "
@@ -164,8 +169,8 @@ class Decision:
 
 class TorchGnnPolicy(Policy):
     """The torch model as a daemon policy, for training: the same inputs the exported model reads,
-    and the daemon's rules (:mod:`daemon.waiting`) when ``wait_for_faster`` and ``queue_order``
-    say so, as ``model.wait_for_faster`` and ``model.queue_order`` do for the daemon's GNN.
+    and the daemon's rules (:mod:`daemon.waiting`) when ``wait_for_faster``, ``queue_order`` and
+    ``fit_services`` say so, as the same ``model.`` settings do for the daemon's GNN.
 
     The encoder runs once per graph state (inventory, metrics, bindings, task set and time); the
     scorer once per decision over the feasible rows, and once more over the wait options of a task
@@ -184,10 +189,12 @@ class TorchGnnPolicy(Policy):
         rng: np.random.Generator | None = None,
         wait_for_faster: bool = False,
         queue_order: str = "arrival",
+        fit_services: bool = False,
     ) -> None:
         self.model = model
         self.wait_for_faster = wait_for_faster
         self.queue_order = queue_order
+        self.fit_services = fit_services
         w = weights or ObjectiveWeights()
         self.weights = np.array([w.completion_time, w.utilization, w.energy], dtype=np.float32)
         self.profiles = profiles or default_profiles()
@@ -243,6 +250,8 @@ class TorchGnnPolicy(Policy):
         gang = max(1, spec.num_devices)
         if len(feasible) < gang:
             return np.empty(0, dtype=np.int64), 0.0
+        if scores is None and self.fit_services:
+            feasible = slo_fit(spec, graph, feasible, self.profiles)
         scores = self.score(spec, graph, feasible) if scores is None else scores
         drawn = scores
         if self.temperature > 0:
@@ -263,6 +272,8 @@ class TorchGnnPolicy(Policy):
         """As the daemon's GNN decides (:meth:`daemon.gnn_policy.GnnPolicy.wait_for`); sampled
         among the free device and the options with ``temperature`` > 0, and recorded as a decision
         over those candidates (the free one first)."""
+        if self.fit_services and declared_load(spec) is not None:
+            return service_wait(spec, graph, gang, now_ms, self.profiles)
         options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._runtimes)
         if options is None:
             return None
@@ -453,6 +464,7 @@ class Trainer:
             rng=np.random.default_rng(seed),
             wait_for_faster=self.config.wait_for_faster,
             queue_order=self.config.queue_order,
+            fit_services=self.config.fit_services,
         )
 
     # phases

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("shortest-first", "arrival"),
         help="the student's queue order (as model.queue_order; default shortest-first)",
     )
+    parser.add_argument(
+        "--no-fit-services",
+        action="store_true",
+        help="the student places services as any task (as model.fit_services: false)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
 
@@ -79,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, wait_for_faster=False)
     if args.queue_order:
         config = replace(config, queue_order=args.queue_order)
+    if args.no_fit_services:
+        config = replace(config, fit_services=False)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     trainer = train.Trainer(config, args.out, lambda line: print(line, flush=True), progress=not args.no_progress)

@@ -6,7 +6,8 @@ and failure draws. Runs go over a process pool. Outputs, in ``--out``:
 
 - ``results.json``: the inputs, every run's metrics, and per (workload, load, policy) the mean and
   the 95% confidence interval (Student's t over seeds) of each metric;
-- ``results.md``: the same summary as Markdown tables (the one printed at the end);
+- ``results.md``: the same summary as Markdown tables (the one printed at the end), and each GNN
+  variant against the best baseline seed by seed (:func:`paired`);
 - ``jct_cdf_<workload>_<load>.png``: JCT distribution per policy (all seeds pooled);
 - ``timeline_<workload>_<load>.png``: utilization and power over time per policy (first seed);
 - ``jct_vs_load_<workload>.png``: mean JCT against load with its interval (with several loads).
@@ -52,13 +53,15 @@ TABLE_METRICS = (
 )
 SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
 # The daemon's GNN, run from its ONNX files as hlb serve runs them: ``gnn`` with its default
-# settings, and variants that turn off waiting for a faster device and/or shortest-first queue
-# order (model.wait_for_faster, model.queue_order), to measure what each contributes.
-GNN_VARIANTS: dict[str, tuple[bool, str]] = {
-    "gnn": (True, "shortest-first"),
-    "gnn-no-wait": (False, "shortest-first"),
-    "gnn-fifo": (True, "arrival"),
-    "gnn-no-wait-fifo": (False, "arrival"),
+# settings, and variants with a rule off (model.wait_for_faster, model.queue_order,
+# model.fit_services), to measure what each contributes: (wait, queue order, fit services).
+GNN_VARIANTS: dict[str, tuple[bool, str, bool]] = {
+    "gnn": (True, "shortest-first", True),
+    "gnn-no-wait": (False, "shortest-first", True),
+    "gnn-fifo": (True, "arrival", True),
+    "gnn-no-wait-fifo": (False, "arrival", True),
+    "gnn-no-fit": (True, "shortest-first", False),
+    "gnn-no-rules": (False, "arrival", False),
 }
 LEARNED_POLICIES = tuple(GNN_VARIANTS)
 
@@ -100,7 +103,9 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None, refresh_
     return make_policy(name, seed=seed)
 
 
-def _gnn_settings(model: str | None, wait: bool = True, order: str = "shortest-first", refresh_rows: int = 1) -> Any:
+def _gnn_settings(
+    model: str | None, wait: bool = True, order: str = "shortest-first", fit: bool = True, refresh_rows: int = 1
+) -> Any:
     from daemon.config import ModelRefreshSettings, ModelSettings
 
     return ModelSettings(
@@ -108,14 +113,15 @@ def _gnn_settings(model: str | None, wait: bool = True, order: str = "shortest-f
         watch=False,
         wait_for_faster=wait,
         queue_order=order,
+        fit_services=fit,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=refresh_rows),
     )
 
 
-def _gnn_policy(model: str | None, wait: bool, order: str, refresh_rows: int) -> Policy:
+def _gnn_policy(model: str | None, wait: bool, order: str, fit: bool, refresh_rows: int) -> Policy:
     from daemon.gnn_policy import GnnPolicy
 
-    settings = _gnn_settings(model, wait, order, refresh_rows)
+    settings = _gnn_settings(model, wait, order, fit, refresh_rows)
     return GnnPolicy(settings, mode="sync", on_fallback=_refuse_fallback)
 
 
@@ -225,6 +231,75 @@ def table_markdown(summary: Sequence[dict[str, Any]], metrics: Sequence[str] = T
             lines.append("| " + " | ".join(cells) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
+
+
+# Compared seed by seed with the best baseline: relative change of these, difference of SLO attainment.
+PAIRED_RATIOS = ("jct_mean_s", "jct_p99_s", "energy_kwh")
+
+
+def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, load) with a GNN variant and a baseline: each GNN variant against the best
+    baseline (lowest mean JCT among the daemon's heuristic policies), seed by seed, which removes
+    the variation between seeds the two share. For each of :data:`PAIRED_RATIOS` the mean and 95%
+    half-width of GNN / baseline - 1 over the seeds both ran; for SLO attainment, of the difference."""
+    out = []
+    for workload, load in dict.fromkeys((r["workload"], r["load"]) for r in runs):
+        here = [r for r in runs if r["workload"] == workload and r["load"] == load]
+        by = {(r["policy"], r["seed"]): r["metrics"] for r in here}
+        policies = list(dict.fromkeys(r["policy"] for r in here))
+        baselines = [p for p in policies if p not in LEARNED_POLICIES and p not in SIM_POLICIES]
+        learned = [p for p in policies if p in LEARNED_POLICIES]
+        if not baselines or not learned:
+            continue
+        mean_jct = {p: float(np.mean([m["jct_mean_s"] for (q, _), m in by.items() if q == p])) for p in baselines}
+        best = min(baselines, key=mean_jct.__getitem__)
+        for policy in learned:
+            seeds = sorted(seed for (p, seed) in by if p == policy and (best, seed) in by)
+            changes = {}
+            for key in PAIRED_RATIOS:
+                mean, half = confidence_interval([by[(policy, s)][key] / by[(best, s)][key] - 1.0 for s in seeds])
+                changes[key] = {"mean": mean, "ci95": half}
+            mean, half = confidence_interval(
+                [by[(policy, s)]["slo_attainment"] - by[(best, s)]["slo_attainment"] for s in seeds]
+            )
+            changes["slo_attainment"] = {"mean": mean, "ci95": half}
+            out.append(
+                {"workload": workload, "load": load, "policy": policy, "baseline": best, "n": len(seeds)}
+                | {"change": changes}
+            )
+    return out
+
+
+def paired_markdown(comparisons: Sequence[dict[str, Any]]) -> str:
+    """:func:`paired` as Markdown tables, one per (workload, load); empty when there is none."""
+    blocks = []
+    for workload, load in dict.fromkeys((c["workload"], c["load"]) for c in comparisons):
+        rows = [c for c in comparisons if c["workload"] == workload and c["load"] == load]
+        lines = [
+            f"### {workload}, {_load_label(load)}: per seed against {rows[0]['baseline']}",
+            "",
+            "| policy | seeds | JCT mean | JCT p99 | energy | SLO attainment (difference) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            change = row["change"]
+            cells = [_percent(change[k]) for k in PAIRED_RATIOS]
+            slo = change["slo_attainment"]
+            cells.append("n/a" if math.isnan(slo["mean"]) else _interval(slo["mean"], slo["ci95"], "{:+.3f}"))
+            lines.append(f"| {row['policy']} | {row['n']} | " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n" if blocks else ""
+
+
+def _percent(stat: dict[str, float]) -> str:
+    return _interval(100.0 * stat["mean"], 100.0 * stat["ci95"], "{:+.1f}", "%")
+
+
+def _interval(mean: float, half: float, form: str, unit: str = "") -> str:
+    """``mean [low, high]`` (the 95% interval), or the mean alone when the interval is undefined."""
+    if math.isnan(half):
+        return form.format(mean) + unit
+    return f"{form.format(mean)}{unit} [{form.format(mean - half)}, {form.format(mean + half)}]"
 
 
 def write_plots(out: Path, runs: Sequence[dict[str, Any]]) -> list[Path]:
@@ -351,6 +426,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
     parser.add_argument("--out", type=Path, default=Path("eval-results"), help="output folder")
+    parser.add_argument(
+        "--rewrite-tables",
+        action="store_true",
+        help="run nothing: rewrite results.md (and the comparisons in results.json) of --out from its results.json",
+    )
     parser.add_argument("--telemetry-interval", type=float, default=TelemetryConfig.interval_s, help="s")
     parser.add_argument("--telemetry-delay", type=float, default=TelemetryConfig.delay_s, help="s")
     parser.add_argument("--utilization-noise", type=float, default=TelemetryConfig.utilization_noise)
@@ -360,6 +440,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
+    if args.rewrite_tables:
+        try:
+            print(rewrite_tables(args.out))
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"hlb eval: --rewrite-tables: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         specs = _specs(args)
     except ValueError as exc:
@@ -403,15 +490,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k not in ("timeline", "jct_s")} for r in runs],
     }
-    (args.out / "results.json").write_text(json.dumps(_plain(document), indent=1, allow_nan=False) + "\n")
-    table = table_markdown(summary)
-    note = (
-        f"Cluster `{specs[0].cluster}`: {inventory.device_count()} devices "
-        + ", ".join(f"{n} {m}" for m, n in models.items())
-        + (f". Modelled (not measured) device profiles: {', '.join(modelled)}." if modelled else ".")
-        + " Mean ± 95% confidence interval (Student's t) over seeds.\n\n"
-    )
-    (args.out / "results.md").write_text("# hlb eval results\n\n" + note + table)
+    table = write_tables(args.out, document)
     plots = write_plots(args.out, runs)
     print(table)
     print(
@@ -419,6 +498,47 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         f"({time.perf_counter() - started:.1f} s)"
     )
     return 0
+
+
+def write_tables(out: Path, document: dict[str, Any]) -> str:
+    """Write ``results.json`` (``document`` with the seed-by-seed comparisons, :func:`paired`) and
+    ``results.md`` into ``out``; returns the Markdown tables."""
+    runs = document["runs"]
+    document = document | {"paired": paired(runs)}
+    (out / "results.json").write_text(json.dumps(_plain(document), indent=1, allow_nan=False) + "\n")
+    table = table_markdown(document["summary"])
+    against = paired_markdown(document["paired"])
+    if against:
+        table += "\n## GNN against the best baseline, seed by seed\n\n" + against
+    cluster = document["cluster"]
+    note = (
+        f"Cluster `{cluster['spec']}`: {cluster['devices']} devices "
+        + ", ".join(f"{n} {m}" for m, n in cluster["models"].items())
+        + (
+            f". Modelled (not measured) device profiles: {', '.join(cluster['modelled'])}."
+            if cluster["modelled"]
+            else "."
+        )
+        + " Mean ± 95% confidence interval (Student's t) over seeds.\n\n"
+    )
+    (out / "results.md").write_text("# hlb eval results\n\n" + note + table)
+    return table
+
+
+def rewrite_tables(out: Path) -> str:
+    """Rewrite the tables of an earlier run from its ``results.json`` (what this version of hlb
+    eval writes: summary and seed-by-seed comparisons); the plots stay as they are."""
+    path = out / "results.json"
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(document, dict) or document.get("format") != "hlb-eval-results/1":
+        raise ValueError(f"{path}: not an hlb eval results file (format hlb-eval-results/1)")
+    for run in document["runs"]:  # results.json writes nan as null
+        run["metrics"] = {k: math.nan if v is None else v for k, v in run["metrics"].items()}
+    document["summary"] = summarize(document["runs"])
+    return write_tables(out, document)
 
 
 def _plain(value: Any) -> Any:

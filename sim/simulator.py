@@ -53,7 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from daemon.graph import InfraGraph
+from daemon.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph
 from daemon.ledger import PlacementLedger
 from daemon.policy import Policy, make_policy
 from daemon.scheduler import Scheduler
@@ -653,8 +653,8 @@ class Simulation:
         if task.latency_slo_ms <= 0:
             return
         reference_rate = self.catalogue.throughput(self.catalogue.reference_model, task.workload_class, 1)
-        request_ms = _label_float(task, "request_work_ref_ms", 1000.0 / reference_rate)
-        rate_per_s = _label_float(task, "request_rate_per_s", 0.0)
+        request_ms = _label_float(task, REQUEST_WORK_LABEL, 1000.0 / reference_rate)
+        rate_per_s = _label_float(task, REQUEST_RATE_LABEL, 0.0)
         speed = attempt.base_rate / reference_rate * attempt.factor if reference_rate > 0 else 0.0
         service_ms = request_ms / speed if speed > 0 else math.inf
         rho = rate_per_s * service_ms / 1000.0

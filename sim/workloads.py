@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from daemon.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
 from hlb.v1 import events_pb2
 from sim.catalogue import GANG_SIZES, Catalogue, shared_data_dir
 from sim.topology import DEVICE_KINDS
@@ -415,8 +416,8 @@ def inference_services(
                 latency_slo_ms=request_work_ms * float(rng.choice([2.0, 3.0, 5.0])),
                 labels={
                     "duration_s": repr(duration_s),
-                    "request_rate_per_s": repr(rate_per_s),
-                    "request_work_ref_ms": repr(request_work_ms),
+                    REQUEST_RATE_LABEL: repr(rate_per_s),
+                    REQUEST_WORK_LABEL: repr(request_work_ms),
                 },
             )
         )

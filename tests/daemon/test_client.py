@@ -127,3 +127,18 @@ def test_errors_are_one_line_with_the_status(target: str, capsys: pytest.Capture
     assert code == 1
     assert err.startswith("hlb place: INVALID_ARGUMENT:")
     assert "memory_per_device_gb" in err
+
+
+def test_a_service_declares_its_load_in_labels(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    load = ("--label", "request_rate_per_s=40", "--label", "request_work_ref_ms=10")
+    code, out, _ = place(target, capsys, "--id", "svc", "--latency-slo-ms", "50", "--task-kind", "inference", *load)
+    assert code == 0
+    assert out.splitlines()[1].split()[:2] == ["1", "svc"]
+    code, _, err = place(target, capsys, "--id", "bad", "--latency-slo-ms", "50", "--label", "request_rate_per_s=lots")
+    assert code != 0
+    assert "label request_rate_per_s='lots' is not a number" in err
+    with pytest.raises(SystemExit):
+        place(target, capsys, "--id", "x", "--label", "no-equals-sign")
+    assert "is not KEY=VALUE" in capsys.readouterr().err
+    code, out, _ = place(target, capsys, "--get", "bad")
+    assert code != 0  # refused: never submitted

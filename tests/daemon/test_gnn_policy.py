@@ -25,6 +25,7 @@ from daemon.policy import HeteroGreedy, ObjectiveWeights, make_policy
 from daemon.profiles import default_profiles
 from daemon.scheduler import Scheduler
 from daemon.shortlist import ShortlistBatch
+from daemon.waiting import request_latency_ms
 from hlb.v1 import events_pb2 as ev
 
 SPEC = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4.0)
@@ -543,11 +544,23 @@ def test_a_batch_decides_as_one_place_after_another(model_dir: Path, shortlist: 
 
 def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_dir: Path) -> None:
     """Each binding takes a device out; with more tasks than devices some wait for a faster busy
-    device and the last find none free, alike in the batch and one call after another."""
+    device and the last find none free, alike in the batch and one call after another. Services
+    that declare their load take the slowest devices that meet their SLOs, alike too."""
     batch, batch_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster(40, max_tasks_per_device=1))
     one, one_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster(40, max_tasks_per_device=1))
     try:
         specs = one_device_tasks(48)
+        load = {"request_rate_per_s": "40", "request_work_ref_ms": "10"}  # 40% of a V100: 16.7 ms there
+        for i, slo_ms in zip((3, 9, 15, 21, 27, 33), (40.0, 20.0, 18.0, 25.0, 100.0, 17.0), strict=True):
+            specs[i] = ev.TaskSpec(
+                id=f"s{i}",
+                kind=ev.TASK_KIND_INFERENCE,
+                workload_class="resnet50",
+                work_ref_s=1440.0,
+                memory_per_device_gb=4.0,
+                latency_slo_ms=slo_ms,
+                labels=load,
+            )
 
         def outcome(decision: Any) -> tuple[list[str], str]:
             if decision.placement is not None:
@@ -560,6 +573,15 @@ def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_d
         assert len(placed) == len(set(placed)) >= 20  # one task per device
         assert len(placed) < 40
         assert any(reason.startswith("waiting for") for _, reason in decided)
+        graph = batch.graph
+        services = [ids[0] for spec, (ids, _) in zip(specs, decided, strict=True) if spec.labels and ids]
+        assert len(services) >= 4
+        speeds = {d: float(graph.devices.peak_tflops[graph.devices.index[d]]) for d in services}
+        assert len(set(speeds.values())) > 1  # not all on one model: each on the slowest that meets its SLO
+        for spec, (ids, _) in zip(specs, decided, strict=True):
+            if spec.labels and ids:  # placed where it meets its SLO (some device in the cluster does)
+                rows = graph.device_rows(ids)
+                assert request_latency_ms(spec, graph, rows, default_profiles(), (40.0, 10.0))[0] <= spec.latency_slo_ms
     finally:
         batch_policy.stop()
         one_policy.stop()

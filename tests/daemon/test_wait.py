@@ -1,5 +1,6 @@
-"""Waiting for a faster busy device, and shortest-first queue order: what the GNN policy may do and
-the baselines never do (``model.wait_for_faster``, ``model.queue_order``)."""
+"""Waiting for a faster busy device, shortest-first queue order, and services on the slowest devices
+that meet their SLO: what the GNN policy may do and the baselines never do (``model.wait_for_faster``,
+``model.queue_order``, ``model.fit_services``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import numpy as np
 import pytest
 
 from daemon.config import ModelRefreshSettings, ModelSettings
+from daemon.errors import InvalidEventError
 from daemon.gnn_policy import GnnPolicy
-from daemon.graph import InfraGraph, TaskState
+from daemon.graph import InfraGraph, TaskState, check_task_spec, check_task_specs
 from daemon.ledger import PlacementLedger
 from daemon.policy import Policy, make_policy
 from daemon.profiles import default_profiles
@@ -27,13 +29,14 @@ class Clock:
         return self.t
 
 
-def gnn(wait_for_faster: bool = True, queue_order: str = "shortest-first") -> GnnPolicy:
+def gnn(wait_for_faster: bool = True, queue_order: str = "shortest-first", fit_services: bool = True) -> GnnPolicy:
     """The shipped model, re-encoding before each decision (as in a simulation)."""
     settings = ModelSettings(
         providers=("CPUExecutionProvider",),
         watch=False,
         wait_for_faster=wait_for_faster,
         queue_order=queue_order,
+        fit_services=fit_services,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
     )
     return GnnPolicy(settings, mode="sync")
@@ -153,7 +156,7 @@ def test_a_dry_run_tells_of_the_wait_and_holds_nothing() -> None:
     assert "x" not in scheduler.graph.tasks
 
 
-def test_a_service_never_waits() -> None:
+def test_a_service_without_a_declared_load_never_waits() -> None:
     clock = Clock()
     scheduler = make_scheduler(gnn(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
@@ -161,7 +164,7 @@ def test_a_service_never_waits() -> None:
     placed = scheduler.schedule_pending()
     assert [p.task_id for p in placed] == ["svc"]
     assert device_of(scheduler, "svc") == SLOW
-    # A service's end is not expected: the device it holds attracts no waiting task.
+    # Without a declared load a service's end is not expected: the device it holds attracts no waiting task.
     assert scheduler.graph.devices.free_at_ms[scheduler.graph.devices.index[SLOW]] == 0
 
 
@@ -195,3 +198,94 @@ def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
     assert scheduler.graph.tasks["busy"].state == TaskState.FINISHED
     assert scheduler.graph.devices.free_at_ms[scheduler.graph.devices.index[FAST]] == 0
     assert scheduler._expected_end == {}
+
+
+# -- services where they meet their SLO (model.fit_services) ------------------------------------
+
+RATE_PER_S, REQUEST_MS = 40.0, 10.0  # 40 requests/s of 10 reference-device ms: a V100 would be 40% busy
+
+
+def latency_ms(model: str) -> float:
+    """The mean request latency (M/M/1) of the test's service on ``model``, from the device's speed."""
+    service_ms = REQUEST_MS * runtime_s(model, 3600.0) / 3600.0
+    return service_ms / (1.0 - RATE_PER_S * service_ms / 1000.0)
+
+
+def submit_service(scheduler: Scheduler, task_id: str, slo_ms: float, lifetime_s: float = 7200.0) -> None:
+    work_ref_s = RATE_PER_S * REQUEST_MS / 1000.0 * lifetime_s  # the request work of its lifetime
+    labels = {"request_rate_per_s": repr(RATE_PER_S), "request_work_ref_ms": repr(REQUEST_MS)}
+    submit(scheduler, task_id, work_ref_s, latency_slo_ms=slo_ms, kind=ev.TASK_KIND_INFERENCE, labels=labels)
+
+
+def test_the_test_service_is_faster_on_the_fast_device() -> None:
+    assert latency_ms(FAST) < latency_ms(SLOW) < 1.0e6
+
+
+@pytest.mark.parametrize(
+    ("slo_of", "fit", "device"),
+    [
+        (lambda: latency_ms(SLOW) * 1.01, True, SLOW),  # both meet it: the slower one
+        (lambda: (latency_ms(FAST) + latency_ms(SLOW)) / 2, True, FAST),  # only the fast one meets it
+        (lambda: latency_ms(FAST) * 0.5, True, FAST),  # none meets it: the fastest, as any task
+        (lambda: latency_ms(SLOW) * 1.01, False, FAST),  # the rule off: the fastest, as any task
+    ],
+)
+def test_a_service_takes_the_slowest_free_device_that_meets_its_slo(slo_of: object, fit: bool, device: str) -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(fit_services=fit), clock)
+    submit_service(scheduler, "svc", slo_ms=slo_of())  # type: ignore[operator]
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
+    assert device_of(scheduler, "svc") == device
+    # Its lifetime is known from its load: the device is expected free when it ends.
+    row = scheduler.graph.devices.index[device]
+    assert scheduler.graph.devices.free_at_ms[row] == pytest.approx((T0 + 7200.0) * 1000.0, abs=2)
+
+
+def test_a_service_waits_for_a_busy_device_that_meets_its_slo_ahead_of_batch_work() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    submit(scheduler, "x", work_ref_s=3600.0)  # batch work waiting for the fast device too
+    slo_ms = (latency_ms(FAST) + latency_ms(SLOW)) / 2
+    submit_service(scheduler, "svc", slo_ms=slo_ms)
+    # The service goes first and waits for the fast device; the batch task would now wait behind
+    # the service's lifetime too, so it takes the slow one.
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["x"]
+    assert device_of(scheduler, "x") == SLOW
+    assert scheduler._queued_s == {scheduler.graph.devices.index[FAST]: pytest.approx(7200.0)}
+    pending = scheduler.lookup("svc").pending
+    assert pending is not None
+    assert pending.reason == (
+        f"waiting for device {FAST}: expected free in 1,000 s, where it would meet its latency SLO"
+        f" (estimated {latency_ms(SLOW):,.1f} ms on a device free now)"
+    )
+    clock.t += 1000.0
+    finish(scheduler, "busy")
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
+    assert device_of(scheduler, "svc") == FAST
+
+
+def test_a_service_no_device_could_serve_within_its_slo_does_not_wait() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    busy_fast_device(scheduler, ends_in_s=1000.0)
+    submit_service(scheduler, "svc", slo_ms=latency_ms(FAST) * 0.5)
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
+    assert device_of(scheduler, "svc") == SLOW
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-3", "nan", "inf", "1e10"])
+@pytest.mark.parametrize("label", ["request_rate_per_s", "request_work_ref_ms"])
+def test_a_bad_declared_load_is_refused_naming_the_label(label: str, value: str) -> None:
+    clock = Clock()
+    scheduler = make_scheduler(gnn(), clock)
+    labels = {"request_rate_per_s": "40", "request_work_ref_ms": "10", label: value}
+    spec = ev.TaskSpec(id="svc", workload_class="resnet50", work_ref_s=10.0, latency_slo_ms=50, labels=labels)
+    message = f"label {label}={value!r} is not a number"
+    with pytest.raises(InvalidEventError, match=message):
+        check_task_spec(spec)
+    with pytest.raises(InvalidEventError, match=f"tasks\\[1\\]: task svc: {message}"):
+        check_task_specs([ev.TaskSpec(id="ok"), spec])
+    with pytest.raises(InvalidEventError):
+        scheduler.place(spec)
+    assert "svc" not in scheduler.graph.tasks

@@ -149,20 +149,32 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
 
     folder = tmp_path / "onnx"
     assert main(["export", "--checkpoint", str(out / "best.pt"), "--out", str(folder)]) == 0
-    # Under each set of rules (waiting for a faster device and shortest-first order, or neither),
-    # the daemon's ONNX policy decides as the torch student.
+    # Under each set of rules (waiting for a faster device, shortest-first order and services where
+    # they meet their SLO, or none), the daemon's ONNX policy decides as the torch student; the
+    # mixed workload has services that declare their load.
     waited = 0
-    busy = train.Stage("mixed:8", "gavel", 1.2, 20)  # loaded enough that tasks have devices to wait for
-    rules_of = {"gnn-no-wait-fifo": {}, "gnn": {"wait_for_faster": True, "queue_order": "shortest-first"}}
-    for variant, rules in rules_of.items():
-        with_torch = run_stage(train.TorchGnnPolicy(model, **rules), busy, seed=1002)  # type: ignore[arg-type]
-        with_onnx = run_stage(make_sim_policy(variant, model=str(folder)), busy, seed=1002)
-        assert [(p.task_id, p.device_ids) for p in with_onnx.scheduler.ledger.since(1)] == [
-            (p.task_id, p.device_ids) for p in with_torch.scheduler.ledger.since(1)
-        ]
-        assert with_onnx.scheduler.waits_decided == with_torch.scheduler.waits_decided
-        assert compute_metrics(with_onnx.result())["jct_mean_s"] == pytest.approx(
-            compute_metrics(with_torch.result())["jct_mean_s"]
-        )
-        waited += with_onnx.scheduler.waits_decided
+    rules_of = {
+        "gnn-no-rules": {},
+        "gnn": {"wait_for_faster": True, "queue_order": "shortest-first", "fit_services": True},
+    }
+    for workload in ("gavel", "mixed"):
+        busy = train.Stage("mixed:8", workload, 1.2, 20)  # loaded enough that tasks have devices to wait for
+        for variant, rules in rules_of.items():
+            waited += _same_decisions(model, folder, variant, rules, busy)
     assert waited > 0  # the wait path was taken
+
+
+def _same_decisions(model: Any, folder: Path, variant: str, rules: dict[str, Any], stage: Any) -> int:
+    """Run ``stage`` with the torch student under ``rules`` and the ONNX policy ``variant``: the
+    same placements, waits and mean JCT. Returns the waits decided."""
+    with_torch = run_stage(train.TorchGnnPolicy(model, **rules), stage, seed=1002)
+    with_onnx = run_stage(make_sim_policy(variant, model=str(folder)), stage, seed=1002)
+    assert [(p.task_id, p.device_ids) for p in with_onnx.scheduler.ledger.since(1)] == [
+        (p.task_id, p.device_ids) for p in with_torch.scheduler.ledger.since(1)
+    ]
+    assert with_onnx.scheduler.waits_decided == with_torch.scheduler.waits_decided
+    assert compute_metrics(with_onnx.result())["jct_mean_s"] == pytest.approx(
+        compute_metrics(with_torch.result())["jct_mean_s"]
+    )
+    waits: int = with_onnx.scheduler.waits_decided
+    return waits

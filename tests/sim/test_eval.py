@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from scipy import stats
 
 from daemon.cli import main
-from sim.eval import confidence_interval, make_sim_policy
+from sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -47,6 +49,14 @@ def test_eval_writes_json_markdown_and_plots(tmp_path: Path, capsys: pytest.Capt
     for name in ("jct_cdf_gavel_0.5.png", "timeline_gavel_0.9.png", "jct_vs_load_gavel.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
     assert "| least-loaded |" in capsys.readouterr().out
+    # The tables again from results.json alone: the same files.
+    written = {name: (out / name).read_text() for name in ("results.json", "results.md")}
+    (out / "results.md").unlink()
+    assert main(["eval", "--rewrite-tables", "--out", str(out)]) == 0
+    assert {name: (out / name).read_text() for name in written} == written
+    (out / "results.json").write_text('{"format": "something else"}')
+    assert main(["eval", "--rewrite-tables", "--out", str(out)]) == 2
+    assert "not an hlb eval results file" in capsys.readouterr().err
 
 
 def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
@@ -81,19 +91,54 @@ def test_bad_arguments_are_clear_errors(
 
 
 @pytest.mark.parametrize(
-    ("name", "wait", "order"),
+    ("name", "wait", "order", "fit"),
     [
-        ("gnn", True, "shortest-first"),
-        ("gnn-no-wait", False, "shortest-first"),
-        ("gnn-fifo", True, "arrival"),
-        ("gnn-no-wait-fifo", False, "arrival"),
+        ("gnn", True, "shortest-first", True),
+        ("gnn-no-wait", False, "shortest-first", True),
+        ("gnn-fifo", True, "arrival", True),
+        ("gnn-no-wait-fifo", False, "arrival", True),
+        ("gnn-no-fit", True, "shortest-first", False),
+        ("gnn-no-rules", False, "arrival", False),
     ],
 )
-def test_the_gnn_variants_run_the_shipped_model_with_their_settings(name: str, wait: bool, order: str) -> None:
+def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
+    name: str, wait: bool, order: str, fit: bool
+) -> None:
     from daemon.gnn_policy import GnnPolicy
 
     policy = make_sim_policy(name, refresh_rows=256)
     assert isinstance(policy, GnnPolicy)
     assert (policy.settings.wait_for_faster, policy.settings.queue_order) == (wait, order)
+    assert policy.settings.fit_services is fit
     assert policy.settings.refresh.min_changed_rows == 256
     assert policy.mode == "sync"
+
+
+def _run(policy: str, seed: int, jct: float, slo: float = math.nan) -> dict[str, Any]:
+    metrics = {"jct_mean_s": jct, "jct_p99_s": 10.0 * jct, "energy_kwh": 100.0, "slo_attainment": slo}
+    return {"workload": "mixed", "load": 0.8, "policy": policy, "seed": seed, "metrics": metrics}
+
+
+def test_paired_compares_each_gnn_variant_with_the_best_baseline_seed_by_seed() -> None:
+    runs = [
+        *(_run("hetero-greedy", s, jct, 0.9) for s, jct in enumerate((100.0, 200.0, 400.0))),
+        *(_run("least-loaded", s, jct, 0.5) for s, jct in enumerate((150.0, 300.0, 600.0))),
+        *(_run("gnn", s, jct, 1.0) for s, jct in enumerate((90.0, 160.0, 360.0))),  # -10%, -20%, -10%
+        *(_run("lookahead", s, 1.0) for s in range(3)),  # the oracle is no baseline
+        *(_run("gnn-no-fit", s, 100.0) for s in range(2)),  # seeds both ran only
+    ]
+    gnn, no_fit = paired(runs)
+    assert (gnn["policy"], gnn["baseline"], gnn["n"]) == ("gnn", "hetero-greedy", 3)
+    mean, half = confidence_interval([-0.1, -0.2, -0.1])
+    assert gnn["change"]["jct_mean_s"] == {"mean": pytest.approx(mean), "ci95": pytest.approx(half)}
+    assert gnn["change"]["jct_p99_s"]["mean"] == pytest.approx(mean)
+    assert gnn["change"]["energy_kwh"] == {"mean": 0.0, "ci95": 0.0}
+    assert gnn["change"]["slo_attainment"]["mean"] == pytest.approx(0.1)
+    assert (no_fit["n"], no_fit["change"]["jct_mean_s"]["mean"]) == (2, pytest.approx(-0.25))
+    markdown = paired_markdown([gnn, no_fit])
+    assert "### mixed, load 0.8: per seed against hetero-greedy" in markdown
+    assert f"| gnn | 3 | {100 * mean:+.1f}% [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}] |" in markdown
+    assert "| +0.100 [" in markdown  # SLO attainment: a difference, not a ratio
+    assert "| gnn-no-fit | 2 | -25.0% [" in markdown
+    assert "| n/a |" in markdown  # no SLO attainment without services
+    assert paired([_run("hetero-greedy", 0, 1.0)]) == []  # no GNN: nothing to compare

@@ -579,7 +579,11 @@ class TaskSpec(_message.Message):
     @_builtins.property
     def dependencies(self) -> _containers.RepeatedCompositeFieldContainer[Global___Dependency]: ...
     @_builtins.property
-    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Free-form; hlb reads two on a service (latency_slo_ms > 0), numbers in (0, 1e9]: request_rate_per_s
+        (requests per second) and request_work_ref_ms (one request's work in reference-device ms).
+        """
+
     def __init__(
         self,
         *,
