@@ -103,7 +103,10 @@ def test_scale_prints_refresh_times_and_the_daemon_rss(capsys: pytest.CaptureFix
     assert result["model"] == str(gnn_model_dir)
     assert [s["devices"] for s in result["sizes"]] == [40, 80]
     for size in result["sizes"]:
-        assert 0 < size["of_which_inputs_ms"]["p50"] <= size["refresh_ms"]["max"]
+        # Two separate timings (a refresh, then the inputs alone): no order between them is
+        # assumed, a busy machine can stretch either.
+        assert 0 < size["refresh_ms"]["p50"] <= size["refresh_ms"]["max"]
+        assert size["of_which_inputs_ms"]["p50"] > 0
         assert size["tasks"] == size["devices"] // 5
     rss = result["daemon_rss"]
     assert rss["devices"] == 64
