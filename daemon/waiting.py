@@ -198,8 +198,9 @@ def service_wait(
 ) -> Wait | None:
     """For a one-device service with a declared load on exclusive devices: when the free device in
     ``gang`` would miss its SLO, the busy device expected free soonest among those that would meet
-    it; None when the free one meets it or no busy one would. The service goes ahead of batch work
-    in the queue, so only the device's own expected free time counts as its wait."""
+    it; None when the free one meets it or no busy one would. Shortest-first order puts a service
+    ahead of the batch work of its priority, so only the device's own expected free time counts as
+    its wait, not the batch tasks waiting for the device too."""
     load = declared_load(spec)
     if load is None or len(gang) != 1 or not graph.exclusive:
         return None
