@@ -174,8 +174,12 @@ def request_latency_ms(
     ``rows``, on a device of its own: one request takes ``S`` = work / speed, and with requests
     arriving at random at the rate the device is busy ``rho`` = rate * S, so a request's time in
     the system is ``S / (1 - rho)`` (M/M/1); infinite where ``rho`` >= 1. [N] -> [N]."""
+    return _latency_ms(load, profiles.device_speedups(graph, rows, spec, 1))
+
+
+def _latency_ms(load: tuple[float, float], speed: NDArray[np.float64]) -> NDArray[np.float64]:
+    """:func:`request_latency_ms` on devices of ``speed`` (relative to the reference device)."""
     rate_per_s, work_ms = load
-    speed = profiles.device_speedups(graph, rows, spec, 1)
     service_ms = work_ms / np.maximum(speed, 1e-12)
     rho = rate_per_s * service_ms / 1000.0
     latency: NDArray[np.float64] = np.where(rho < 1.0, service_ms / np.maximum(1.0 - rho, 1e-12), np.inf)
@@ -229,10 +233,10 @@ def slo_fit(spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, profiles: Devi
     load = declared_load(spec)
     if load is None or spec.num_devices > 1 or not len(feasible):
         return feasible
-    meets = request_latency_ms(spec, graph, feasible, profiles, load) <= spec.latency_slo_ms
+    speed = profiles.device_speedups(graph, feasible, spec, 1)
+    meets = _latency_ms(load, speed) <= spec.latency_slo_ms
     if not meets.any():
         return feasible
-    speed = profiles.device_speedups(graph, feasible, spec, 1)
     slowest = speed[meets].min()
     fitted: Rows = feasible[meets & (speed <= slowest * (1.0 + 1e-9))]
     return fitted
