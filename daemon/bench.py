@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import platform
+from typing import Any
 
 # name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -19,6 +22,34 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cells": ("daemon.bench_cells", "decisions/s with 1, 2 and 3 instances sharing the cells through Kafka"),
     "scale": ("daemon.bench_scale", "GNN embedding refresh at 1k-100k devices and daemon RSS with the GNN loaded"),
 }
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity: ``taskset`` narrows it), not the machine's count."""
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_model() -> str:
+    """The processor's model name as Linux reports it; empty where it does not."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark ran on, for its JSON: figures mean little without the machine beside them."""
+    return {
+        "python": platform.python_version(),
+        "cpus": usable_cpus(),
+        "cpus_online": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

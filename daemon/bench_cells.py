@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.bench import usable_cpus
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -380,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         "partitions": args.partitions,
         "devices_per_cell": args.devices,
         "tasks": args.tasks,
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
         "load_average": list(os.getloadavg()),
         "runs": results,
     }

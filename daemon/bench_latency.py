@@ -12,19 +12,17 @@ in the main thread then measures, interleaved call by call so that drift hits al
 - ``Place`` for real (each call places a new one-device task, recorded in the ledger);
 
 then ``PlaceBatch`` throughput: ``--batches`` batches of ``--batch`` new tasks each, placements
-per second of wall time. Output: p50/p99 in microseconds and the ratios to the floor (DESIGN.md
-§7 targets: ``Place`` p99 within 2x of the floor at 1,000 devices, 4x at 10,000; PlaceBatch at
-least 20,000 placements/s at 1,000 devices).
+per second of wall time, and as a same-run reference the placements made in the time of one
+floor RPC (its mean), which varies less with what else runs on the machine. Output: p50/p99 in
+microseconds and the ratios to the floor (DESIGN.md §7 targets, on a 2-core machine: ``Place``
+p99 within 2x of the floor at 1,000 devices, 4x at 10,000; PlaceBatch at least 20,000
+placements/s at 1,000 devices). ``machine`` in the JSON says what it ran on: ``cpus`` counts the
+cores the process may use, so ``taskset -c 0,1`` on a larger machine reports 2.
 
 ``--policy gnn`` runs the GNN as the daemon does (its embeddings refreshed by a background thread
 sharing the server's lock) with the model of ``--model``, else the one shipped in the package,
 else one exported now with random weights (needs the export extra: torch); the JSON says which
 (``"model": "random-weights"``) and how many decisions fell back to hetero-greedy.
-
-per second of wall time, and as a same-run reference the placements made in the time of one
-floor RPC (its mean), which varies less with what else runs on the machine. Output: p50/p99 in
-microseconds and the ratios to the floor (DESIGN.md §7 targets: ``Place`` p99 within 2x of the
-floor at 1,000 devices, 4x at 10,000; PlaceBatch at least 20,000 placements/s at 1,000 devices).
 
 ``--journal`` runs the server as the daemon runs with Kafka: every decision and API submission
 goes to the decision journal (``daemon.journal``, in a temporary directory) and each ``Place`` or
@@ -36,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -47,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from daemon.bench import machine
 
 # grpc, the server and the scheduler are imported in run(): `hlb bench --help` stays cheap.
 
@@ -405,7 +403,7 @@ def summarize(
         "place_p99": result["place"]["p99_over_floor"] <= ratio_max,
         "place_batch": result["place_batch"]["placements_per_s"] >= 20_000,
     }
-    result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    result["machine"] = machine()
     return result
 
 

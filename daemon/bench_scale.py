@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -25,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from daemon.bench import machine
 
 RUNNING_SHARE = 5  # one device in this many runs a task
 
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         result["daemon_rss"] = rss
         result["targets"] = {"rss_mb_max": 1024, "at_devices": 100_000}
         result["met"] = {"rss": rss["peak_rss_mb"] < 1024} if rss["devices"] >= 100_000 else {}
-    result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    result["machine"] = machine()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

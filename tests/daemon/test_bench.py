@@ -4,12 +4,17 @@ speed is what the command reports, never what a test asserts)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import platform
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 
 from daemon import config
+from daemon.bench import machine
 from daemon.bench_latency import synthetic_devices
 from daemon.cli import main
 
@@ -35,6 +40,27 @@ def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str])
     assert result["placed_total"] == 14
     assert result["targets"] == {"place_p99_over_floor_max": 2.0, "place_batch_placements_per_s_min": 20000}
     assert set(result["met"]) == {"place_p99", "place_batch"}
+    assert result["machine"]["cpus"] == len(os.sched_getaffinity(0))
+
+
+def _machine_in_a_child(cores: set[int], pipe: Connection) -> None:
+    os.sched_setaffinity(0, cores)
+    pipe.send(machine())
+
+
+def test_the_machine_counts_the_cores_a_benchmark_may_use_not_the_machines() -> None:
+    """``taskset -c 0`` on a larger machine: the JSON says 1 core, and how many the machine has."""
+    first = min(os.sched_getaffinity(0))
+    here, there = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_machine_in_a_child, args=({first}, there))
+    child.start()
+    facts = here.recv()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert facts["cpus"] == 1
+    assert facts["cpus_online"] == os.cpu_count()
+    assert facts["python"] == platform.python_version()
+    assert isinstance(facts["cpu_model"], str)
 
 
 def test_latency_with_the_journal_answers_the_same(capsys: pytest.CaptureFixture[str]) -> None:
