@@ -24,14 +24,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from daemon.policy import POLICY_NAMES, Policy, make_policy
+from daemon.policy import POLICY_NAMES, ObjectiveWeights, Policy, make_policy
 from sim.catalogue import Catalogue, load_catalogue
 from sim.metrics import METRICS, compute_metrics, job_outcomes
 from sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
@@ -79,10 +79,21 @@ class RunSpec:
     config: SimConfig
     model: str | None = None  # the GNN's folder (encoder.onnx, scorer.onnx); None: the shipped one
     refresh_rows: int = 1  # the GNN re-encodes once this many device rows changed (or the inventory)
+    weights: ObjectiveWeights = field(default_factory=ObjectiveWeights)  # for the policies that weigh them
 
 
-def make_sim_policy(name: str, seed: int = 0, model: str | None = None, refresh_rows: int = 1) -> Policy:
+def make_sim_policy(
+    name: str,
+    seed: int = 0,
+    model: str | None = None,
+    refresh_rows: int = 1,
+    weights: ObjectiveWeights | None = None,
+) -> Policy:
     """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
+
+    ``weights``: the objective weights of the policies that weigh objectives (hetero-greedy, HEFT
+    and the GNN; ``scheduler.weights`` in the daemon); the others, and the lookahead teacher,
+    ignore them. Default: completion time alone.
 
     ``gnn`` is the daemon's :class:`daemon.gnn_policy.GnnPolicy` over the ONNX files in ``model``
     (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
@@ -96,11 +107,11 @@ def make_sim_policy(name: str, seed: int = 0, model: str | None = None, refresh_
 
         return LookaheadPolicy()
     if name in GNN_VARIANTS:
-        return _gnn_policy(model, *GNN_VARIANTS[name], refresh_rows)
+        return _gnn_policy(model, *GNN_VARIANTS[name], refresh_rows, weights)
     if name not in POLICY_NAMES:
         names = ", ".join((*POLICY_NAMES, *LEARNED_POLICIES, *SIM_POLICIES))
         raise ValueError(f"unknown policy {name!r}: one of {names}")
-    return make_policy(name, seed=seed)
+    return make_policy(name, weights=weights, seed=seed)
 
 
 def _gnn_settings(
@@ -118,11 +129,13 @@ def _gnn_settings(
     )
 
 
-def _gnn_policy(model: str | None, wait: bool, order: str, fit: bool, refresh_rows: int) -> Policy:
+def _gnn_policy(
+    model: str | None, wait: bool, order: str, fit: bool, refresh_rows: int, weights: ObjectiveWeights | None = None
+) -> Policy:
     from daemon.gnn_policy import GnnPolicy
 
     settings = _gnn_settings(model, wait, order, fit, refresh_rows)
-    return GnnPolicy(settings, mode="sync", on_fallback=_refuse_fallback)
+    return GnnPolicy(settings, weights, mode="sync", on_fallback=_refuse_fallback)
 
 
 def check_gnn_model(model: str | None) -> None:
@@ -155,7 +168,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     catalogue, inventory = _catalogue(), _inventory(spec.cluster)
     tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     started = time.perf_counter()
-    policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows)
+    policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows, spec.weights)
     sim = Simulation(catalogue, inventory, tasks, policy, spec.seed, spec.config)
     result = sim.run()
     metrics = compute_metrics(result)
@@ -399,6 +412,29 @@ def _seeds(text: str) -> list[int]:
     return list(range(int(text)))
 
 
+def parse_weights(text: str) -> ObjectiveWeights:
+    """``completion_time=1,energy=0.5`` -> the weights (unnamed ones 0); argparse's error otherwise."""
+    values: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=WEIGHT")
+        if name in values:
+            raise argparse.ArgumentTypeError(f"{name} named twice")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a number") from None
+        if not 0.0 <= values[name] <= 1000.0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{name}: {value} is not in [0, 1000]")
+    if not any(values.values()):
+        raise argparse.ArgumentTypeError("at least one weight above 0")
+    try:
+        return ObjectiveWeights.of({"completion_time": 0.0} | values)
+    except ValueError as exc:  # an unknown name
+        raise argparse.ArgumentTypeError(f"{exc}: expected completion_time, utilization, energy") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run placement policies on the same simulated workloads and seeds; write results.json, "
@@ -422,6 +458,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="the GNN re-encodes the graph once this many device rows changed (1: after every change; "
         "the daemon's model.refresh.min_changed_rows is 256)",
+    )
+    parser.add_argument(
+        "--weights",
+        type=parse_weights,
+        default=ObjectiveWeights(),
+        metavar="NAME=W,...",
+        help="objective weights of hetero-greedy, heft and the GNN (the others ignore them), as "
+        "scheduler.weights: completion_time, utilization, energy, each in [0, 1000], one above 0; "
+        "unnamed ones are 0 (default: completion_time=1)",
     )
     parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
@@ -486,6 +531,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "modelled": modelled,
         },
         "config": asdict(specs[0].config),
+        "weights": asdict(specs[0].weights),
         "seeds": sorted({s.seed for s in specs}),
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k not in ("timeline", "jct_s")} for r in runs],
@@ -519,10 +565,19 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
             if cluster["modelled"]
             else "."
         )
+        + _weights_note(document.get("weights"))
         + " Mean ± 95% confidence interval (Student's t) over seeds.\n\n"
     )
     (out / "results.md").write_text("# hlb eval results\n\n" + note + table)
     return table
+
+
+def _weights_note(weights: dict[str, float] | None) -> str:
+    """The objective weights, when a run set others than completion time alone."""
+    if not weights or weights == asdict(ObjectiveWeights()):
+        return ""
+    named = ", ".join(f"{name}={value:g}" for name, value in weights.items() if value)
+    return f" Objective weights {named} (hetero-greedy, heft and the GNN weigh them; the others ignore them)."
 
 
 def rewrite_tables(out: Path) -> str:
@@ -605,6 +660,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
             config,
             model if policy in GNN_VARIANTS else None,
             args.refresh_rows,
+            args.weights,
         )
         for workload in workloads
         for load in (loads if workload in WORKLOADS else [0.0])

@@ -11,7 +11,8 @@ import pytest
 from scipy import stats
 
 from daemon.cli import main
-from sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown
+from daemon.policy import HeteroGreedy, ObjectiveWeights
+from sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown, parse_weights
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -112,6 +113,56 @@ def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     assert policy.settings.fit_services is fit
     assert policy.settings.refresh.min_changed_rows == 256
     assert policy.mode == "sync"
+
+
+def test_weights_reach_the_policies_that_weigh_objectives_and_the_results(tmp_path: Path) -> None:
+    from daemon.gnn_policy import GnnPolicy
+
+    weights = parse_weights("completion_time=1, energy=2.5")
+    assert weights == ObjectiveWeights(completion_time=1.0, utilization=0.0, energy=2.5)
+    assert parse_weights("energy=1") == ObjectiveWeights(completion_time=0.0, energy=1.0)  # unnamed: 0
+    greedy = make_sim_policy("hetero-greedy", weights=weights)
+    assert isinstance(greedy, HeteroGreedy)
+    assert greedy.weights == weights
+    gnn = make_sim_policy("gnn-no-wait", weights=weights)
+    assert isinstance(gnn, GnnPolicy)
+    assert (gnn.weights, gnn.fallback.weights) == (weights, weights)
+    default = make_sim_policy("gnn")
+    assert isinstance(default, GnnPolicy)
+    assert default.weights == ObjectiveWeights()  # default: completion time alone
+
+    out = tmp_path / "weighted"
+    code = main(
+        ["eval", "--cluster", "mixed:8", "--workload", "gavel", "--jobs", "6", "--policies", "hetero-greedy",
+         "--seeds", "1", "--workers", "1", "--weights", "completion_time=1,energy=2.5", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["weights"] == {"completion_time": 1.0, "utilization": 0.0, "energy": 2.5}
+    assert "Objective weights completion_time=1, energy=2.5" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("energy", "'energy': expected NAME=WEIGHT"),
+        ("energy=x", "energy: 'x' is not a number"),
+        ("energy=-1", "energy: -1 is not in [0, 1000]"),
+        ("energy=nan", "energy: nan is not in [0, 1000]"),
+        ("energy=1e9", "is not in [0, 1000]"),
+        ("energy=1,energy=2", "energy named twice"),
+        ("energy=0", "at least one weight above 0"),
+        ("speed=1", "unknown objective weights ['speed']"),
+    ],
+)
+def test_bad_weights_are_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--jobs", "2", "--seeds", "1", "--weights", value, "--out", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def _run(policy: str, seed: int, jct: float, slo: float = math.nan) -> dict[str, Any]:
