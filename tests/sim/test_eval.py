@@ -18,6 +18,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def _evaluate(out: Path, *flags: str) -> dict[str, Any]:
+    """``hlb eval FLAGS --out OUT``, which must succeed; its results.json."""
+    assert main(["eval", *flags, "--out", str(out)]) == 0
+    document: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return document
+
+
 def test_confidence_interval_is_students_t() -> None:
     mean, half = confidence_interval([1.0, 2.0, 3.0])
     assert mean == pytest.approx(2.0)
@@ -27,12 +34,10 @@ def test_confidence_interval_is_students_t() -> None:
 
 def test_eval_writes_json_markdown_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results"
-    code = main(
-        ["eval", "--cluster", "mixed:8", "--workload", "gavel", "--jobs", "8", "--load", "0.5,0.9",
-         "--policies", "least-loaded", "--seeds", "2", "--workers", "2", "--out", str(out)]
+    document = _evaluate(
+        out, "--cluster", "mixed:8", "--workload", "gavel", "--jobs", "8", "--load", "0.5,0.9",
+        "--policies", "least-loaded", "--seeds", "2", "--workers", "2",
     )  # fmt: skip
-    assert code == 0
-    document = json.loads((out / "results.json").read_text())
     assert document["format"] == "hlb-eval-results/1"
     assert document["cluster"]["devices"] == 8
     assert "A100-SXM4-80GB" in document["cluster"]["modelled"]
@@ -62,12 +67,10 @@ def test_eval_writes_json_markdown_and_plots(tmp_path: Path, capsys: pytest.Capt
 
 def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
     out = tmp_path / "replay"
-    code = main(
-        ["eval", "--inventory", str(FIXTURES / "small_inventory.json"), "--trace", str(FIXTURES / "small_trace.jsonl"),
-         "--policies", "least-loaded,lookahead", "--seeds", "1", "--workers", "1", "--out", str(out)]
+    document = _evaluate(
+        out, "--inventory", str(FIXTURES / "small_inventory.json"), "--trace", str(FIXTURES / "small_trace.jsonl"),
+        "--policies", "least-loaded,lookahead", "--seeds", "1", "--workers", "1",
     )  # fmt: skip
-    assert code == 0
-    document = json.loads((out / "results.json").read_text())
     finished = {r["policy"]: r["metrics"]["jobs_finished"] for r in document["runs"]}
     assert finished == {"least-loaded": 3, "lookahead": 3}
     assert (out / "jct_cdf_small_trace.png").exists()
@@ -132,12 +135,10 @@ def test_weights_reach_the_policies_that_weigh_objectives_and_the_results(tmp_pa
     assert default.weights == ObjectiveWeights()  # default: completion time alone
 
     out = tmp_path / "weighted"
-    code = main(
-        ["eval", "--cluster", "mixed:8", "--workload", "gavel", "--jobs", "6", "--policies", "hetero-greedy",
-         "--seeds", "1", "--workers", "1", "--weights", "completion_time=1,energy=2.5", "--out", str(out)]
+    document = _evaluate(
+        out, "--cluster", "mixed:8", "--workload", "gavel", "--jobs", "6", "--policies", "hetero-greedy",
+        "--seeds", "1", "--workers", "1", "--weights", "completion_time=1,energy=2.5",
     )  # fmt: skip
-    assert code == 0
-    document = json.loads((out / "results.json").read_text())
     assert document["weights"] == {"completion_time": 1.0, "utilization": 0.0, "energy": 2.5}
     assert "Objective weights completion_time=1, energy=2.5" in (out / "results.md").read_text()
 
