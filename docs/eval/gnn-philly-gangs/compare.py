@@ -72,16 +72,21 @@ def compare(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--a", default="hetero-greedy")
-    parser.add_argument("--b", default="lookahead")
+def add_run_arguments(parser: argparse.ArgumentParser, seeds: int) -> None:
+    """The runs' cluster, workload, jobs, load, seeds (0 to ``seeds`` - 1 by default) and worker processes."""
     parser.add_argument("--cluster", default="mixed:64")
     parser.add_argument("--workload", default="philly")
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=seeds)
     parser.add_argument("--workers", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", default="hetero-greedy")
+    parser.add_argument("--b", default="lookahead")
+    add_run_arguments(parser, seeds=10)
     args = parser.parse_args()
     with Pool(args.workers) as pool:
         rows = pool.map(partial(compare, args), range(args.seeds))

@@ -22,10 +22,12 @@ from multiprocessing import Pool
 from typing import Any
 
 import numpy as np
+from compare import add_run_arguments  # the script beside this one (this folder is on sys.path when run)
 from scipy import stats
 
 import daemon.gnn_policy
 import daemon.policy
+from daemon.bench_latency import logs_to_stderr
 from daemon.graph import InfraGraph, Rows
 from daemon.policy import Policy, Scores
 from daemon.profiles import default_profiles
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace, job: tuple[str, int]) -> dict[str, Any]:
     policy, seed = job
     catalogue, inventory = _catalogue(), _inventory(args.cluster)
     tasks = build_workload(args.workload, seed, args.jobs, catalogue, inventory, args.load)
-    result = Simulation(catalogue, inventory, tasks, make_sim_policy(policy, seed), seed, SimConfig()).run()
+    with logs_to_stderr():  # stdout carries the figures only
+        result = Simulation(catalogue, inventory, tasks, make_sim_policy(policy, seed), seed, SimConfig()).run()
     metrics = compute_metrics(result)
     return {"policy": policy, "seed": seed, **{name: metrics[name] for name in METRICS}}
 
@@ -88,12 +91,7 @@ def paired(ours: list[float], theirs: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", required=True, help="results.json of hlb eval with the same runs, unchanged")
-    parser.add_argument("--cluster", default="mixed:64")
-    parser.add_argument("--workload", default="philly")
-    parser.add_argument("--jobs", type=int, default=300)
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--seeds", type=int, default=30)
-    parser.add_argument("--workers", type=int, default=2)
+    add_run_arguments(parser, seeds=30)
     args = parser.parse_args()
     with open(args.against) as file:
         unchanged = {
