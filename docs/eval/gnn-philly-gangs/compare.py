@@ -35,6 +35,10 @@ def run(policy: str, cluster: str, workload: str, seed: int, jobs: int, load: fl
 
 def compare(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     host_of = {device.id: device.host_id for device in _inventory(args.cluster).devices}
+
+    def hosts(record: TaskRecord) -> int:
+        return len({host_of[d] for d in record.device_ids})
+
     a = run(args.a, args.cluster, args.workload, seed, args.jobs, args.load)
     b = run(args.b, args.cluster, args.workload, seed, args.jobs, args.load)
     saving: dict[str, float] = defaultdict(float)
@@ -51,17 +55,14 @@ def compare(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         model = "same model" if set(ta.models) == set(tb.models) else "other model"
         key = f"{kind}, {model}"
         if kind == "gang" and model == "other model":
-            hosts_a = len({host_of[d] for d in ta.device_ids})
-            hosts_b = len({host_of[d] for d in tb.device_ids})
-            where_a, where_b = ("one host" if n == 1 else "spread" for n in (hosts_a, hosts_b))
+            where_a, where_b = ("one host" if hosts(r) == 1 else "spread" for r in (ta, tb))
             key += f", {args.a} {where_a}, {args.b} {where_b}"
         saving[key] += ja - jb
         count[key] += 1
         if ja - jb > largest["saving_s"]:
             largest = {"saving_s": ja - jb, "task": task_id, "devices": ta.num_devices}
             for name, record, jct in ((args.a, ta, ja), (args.b, tb, jb)):
-                hosts = len({host_of[d] for d in record.device_ids})
-                largest[name] = {"jct_s": jct, "models": sorted(set(record.models)), "hosts": hosts}
+                largest[name] = {"jct_s": jct, "models": sorted(set(record.models)), "hosts": hosts(record)}
     return {
         "seed": seed,
         "jct_sum_a_s": jct_a,

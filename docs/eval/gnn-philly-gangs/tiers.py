@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 from compare import add_run_arguments  # the script beside this one (this folder is on sys.path when run)
-from scipy import stats
 
 import daemon.gnn_policy
 import daemon.policy
@@ -32,10 +31,8 @@ from daemon.graph import InfraGraph, Rows
 from daemon.policy import Policy, Scores
 from daemon.profiles import default_profiles
 from hlb.v1 import events_pb2 as ev
-from sim.eval import _catalogue, _inventory, make_sim_policy
-from sim.metrics import compute_metrics
-from sim.scenarios import build_workload
-from sim.simulator import SimConfig, Simulation
+from sim.eval import RunSpec, _percent, confidence_interval, run_one
+from sim.simulator import SimConfig
 
 METRICS = ("jct_mean_s", "jct_p99_s", "energy_kwh")
 _unchanged = daemon.policy.choose_gang
@@ -73,19 +70,16 @@ def run(args: argparse.Namespace, job: tuple[str, int]) -> dict[str, Any]:
     daemon.policy.choose_gang = choose_gang_by_finish
     daemon.gnn_policy.choose_gang = choose_gang_by_finish  # type: ignore[attr-defined]
     policy, seed = job
-    catalogue, inventory = _catalogue(), _inventory(args.cluster)
-    tasks = build_workload(args.workload, seed, args.jobs, catalogue, inventory, args.load)
+    spec = RunSpec(args.cluster, args.workload, args.load, args.jobs, policy, seed, SimConfig())
     with logs_to_stderr():  # stdout carries the figures only
-        result = Simulation(catalogue, inventory, tasks, make_sim_policy(policy, seed), seed, SimConfig()).run()
-    metrics = compute_metrics(result)
+        metrics = run_one(spec)["metrics"]
     return {"policy": policy, "seed": seed, **{name: metrics[name] for name in METRICS}}
 
 
 def paired(ours: list[float], theirs: list[float]) -> str:
-    """Mean of ours / theirs - 1 over the seeds with its 95% Student-t interval, in percent."""
-    ratio = np.array(ours) / np.array(theirs) - 1.0
-    half = stats.t.ppf(0.975, len(ratio) - 1) * ratio.std(ddof=1) / math.sqrt(len(ratio))
-    return f"{100 * ratio.mean():+.1f}% [{100 * (ratio.mean() - half):+.1f}, {100 * (ratio.mean() + half):+.1f}]"
+    """Mean of ours / theirs - 1 over the seeds with its 95% interval, in percent, as ``hlb eval`` writes it."""
+    mean, half = confidence_interval([a / b - 1.0 for a, b in zip(ours, theirs, strict=True)])
+    return _percent({"mean": mean, "ci95": half})
 
 
 def main() -> None:
