@@ -69,7 +69,10 @@ class TaskState(enum.IntEnum):
 
     @property
     def is_final(self) -> bool:
-        return self in (TaskState.FINISHED, TaskState.FAILED, TaskState.CANCELLED)
+        return self in FINAL_STATES
+
+
+FINAL_STATES = (TaskState.FINISHED, TaskState.FAILED, TaskState.CANCELLED)  # a tuple: members compare by identity
 
 
 class Table:
@@ -295,24 +298,31 @@ class TaskTable(Table):
     held: NDArray[np.int32]
     held_device: NDArray[np.int64]
 
-    def describe(self, row: int, spec: ev.TaskSpec, arrival: int) -> None:
+    def describe(self, row: int, spec: ev.TaskSpec, arrival: int, plain: bool = False) -> None:
         """Fill the columns of ``row``, a fresh one (its columns at their defaults), from the spec
         (the state and held devices are set apart). Columns that most specs leave at their default
-        are set only when the spec names a value: a batch adds a thousand tasks in one lock hold."""
-        self.kind[row] = spec.kind
-        self.gang[row] = max(1, spec.num_devices)
+        are set only when the spec names a value: a batch adds a thousand tasks in one lock hold.
+        ``plain``: the spec is known to name no lists (``Task.plain``), which are then not read."""
+        if spec.kind:
+            self.kind[row] = spec.kind
+        if spec.num_devices > 1:
+            self.gang[row] = spec.num_devices
         self.memory_per_device_gb[row] = spec.memory_per_device_gb
         self.work_ref_s[row] = spec.work_ref_s
-        self.priority[row] = spec.priority
+        if spec.priority:
+            self.priority[row] = spec.priority
         self.arrival[row] = arrival
-        self.submit_time_ms[row] = spec.submit_time_ms
-        if spec.dependencies:
-            self.n_dependencies[row] = len(spec.dependencies)
-            self.dependency_gb[row] = float(sum(dep.transfer_gb for dep in spec.dependencies))
+        if spec.submit_time_ms:
+            self.submit_time_ms[row] = spec.submit_time_ms
         if spec.deadline_ms:
             self.deadline_ms[row] = spec.deadline_ms
         if spec.latency_slo_ms:
             self.latency_slo_ms[row] = spec.latency_slo_ms
+        if plain:
+            return
+        if spec.dependencies:
+            self.n_dependencies[row] = len(spec.dependencies)
+            self.dependency_gb[row] = float(sum(dep.transfer_gb for dep in spec.dependencies))
         if spec.allowed_kinds or spec.allowed_models:
             self.restricted[row] = True
 
@@ -332,6 +342,10 @@ class Task:
     device_rows: tuple[int, ...] = ()
     device_ids: tuple[str, ...] = ()
     pending_reason: str = "not yet considered"
+    # The spec names no dependencies, allowed kinds or models, preferred models or labels, as
+    # ``check_task_specs`` found (False: not known, so read them). Reading one of these repeated
+    # fields costs as much as a few plain ones, and a batch decision would read each several times.
+    plain: bool = False
 
     @property
     def gang_size(self) -> int:
@@ -891,25 +905,28 @@ class InfraGraph:
 
     # -- tasks -----------------------------------------------------------------------------
 
-    def add_task(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False) -> Task:
+    def add_task(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False, plain: bool = False) -> Task:
         """Record a submitted task (validated); a replay of the same submission returns it unchanged.
 
         ``checked``: the caller has already passed ``spec`` through ``check_task_spec`` (or
-        ``check_task_specs``), so it is not checked twice.
+        ``check_task_specs``), so it is not checked twice. ``plain``: ``check_task_specs`` found
+        that it names no lists (``Task.plain``).
         """
         if not checked:
             check_task_spec(spec)
-        known = self.tasks.get(spec.id)
+        task_id = spec.id
+        known = self.tasks.get(task_id)
         if known is not None:
             if known.spec != spec:
-                raise InvalidEventError(f"task {spec.id} was already submitted with another spec", "duplicate_id")
+                raise InvalidEventError(f"task {task_id} was already submitted with another spec", "duplicate_id")
             return known
-        self._check_no_cycle(spec)
+        if not plain:
+            self._check_no_cycle(spec)
         self._arrivals += 1
-        task = Task(spec=spec, cell=cell, arrival=self._arrivals)
-        task.row = self.task_table.add(spec.id)
-        self.task_table.describe(task.row, spec, task.arrival)
-        self.tasks[spec.id] = task
+        task = Task(spec=spec, cell=cell, arrival=self._arrivals, plain=plain)
+        task.row = self.task_table.add(task_id)
+        self.task_table.describe(task.row, spec, task.arrival, plain)
+        self.tasks[task_id] = task
         return task
 
     def describe_tasks(self) -> None:
@@ -993,7 +1010,7 @@ class InfraGraph:
     def _set_state(self, task: Task, state: TaskState) -> None:
         task.state = state
         if task.row >= 0:
-            if state.is_final:
+            if state in FINAL_STATES:
                 self.task_table.remove(task.spec.id)
                 task.row = -1
             else:
@@ -1038,16 +1055,18 @@ def _check_label_number(spec: ev.TaskSpec, label: str) -> None:
         raise InvalidEventError(f"task {spec.id}: label {label}={text!r} is not a number in (0, 1e9]", "out_of_range")
 
 
-def check_task_specs(specs: Sequence[ev.TaskSpec]) -> None:
+def check_task_specs(specs: Sequence[ev.TaskSpec]) -> list[bool]:
     """``check_task_spec`` for many specs at once: raises for the first bad one (lowest index) with
-    ``tasks[i]: `` before the message, exactly as checking them one by one in order would.
+    ``tasks[i]: `` before the message, exactly as checking them one by one in order would. Returns
+    for each spec whether it is plain (``Task.plain``: no dependencies, allowed kinds or models,
+    preferred models or labels).
 
     The numeric ranges are checked vectorized; only a spec that fails one, or that has lists to
     check (allowed kinds, dependencies) or an id of unusual length, goes through the full check.
     """
     n = len(specs)
     if not n:
-        return
+        return []
     memory = np.fromiter((s.memory_per_device_gb for s in specs), dtype=np.float64, count=n)
     work = np.fromiter((s.work_ref_s for s in specs), dtype=np.float64, count=n)
     slo = np.fromiter((s.latency_slo_ms for s in specs), dtype=np.float64, count=n)
@@ -1057,17 +1076,22 @@ def check_task_specs(specs: Sequence[ev.TaskSpec]) -> None:
     bad |= ~(np.isfinite(slo) & (slo >= 0.0) & (slo <= 1.0e9))
     bad |= gang > MAX_GANG
     kinds = TASK_KINDS
+    plain = [False] * n
     for i, spec in enumerate(specs):
+        checked_lists = len(spec.allowed_kinds) or len(spec.dependencies)
+        labels = spec.labels
         if (
             not 0 < len(spec.id) <= MAX_ID_CHARS
             or spec.kind not in kinds
-            or len(spec.allowed_kinds)
-            or len(spec.dependencies)
-            or (spec.labels and any(label in spec.labels for label in SERVICE_LOAD_LABELS))
+            or checked_lists
+            or (labels and any(label in labels for label in SERVICE_LOAD_LABELS))
         ):
             bad[i] = True
+        elif not labels and not len(spec.allowed_models) and not len(spec.preferred_models):
+            plain[i] = True
     for index in np.flatnonzero(bad).tolist():
         try:
             check_task_spec(specs[index])
         except InvalidEventError as exc:
             raise InvalidEventError(f"tasks[{index}]: {exc}", exc.reason) from None
+    return plain

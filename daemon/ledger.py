@@ -40,7 +40,7 @@ class PlacementLedger:
         for placement in sorted(placements, key=lambda p: p.sequence):
             if placement.sequence <= self.last_sequence or placement.task_id in self._by_task:
                 continue
-            self._append(placement)
+            self._append(placement, placement.task_id, placement.sequence)
             added += 1
         return added
 
@@ -50,15 +50,16 @@ class PlacementLedger:
         ``owned``: the caller hands ``placement`` over (it keeps no reference), so it is numbered
         and stored as it is instead of copied.
         """
-        if placement.task_id in self._by_task:
-            raise ValueError(f"task {placement.task_id} is already placed")
+        task_id = placement.task_id
+        if task_id in self._by_task:
+            raise ValueError(f"task {task_id} is already placed")
         if owned:
             numbered = placement
         else:
             numbered = ev.Placement()
             numbered.CopyFrom(placement)
-        numbered.sequence = self.last_sequence + 1
-        self._append(numbered)
+        numbered.sequence = sequence = self.last_sequence + 1
+        self._append(numbered, task_id, sequence)
         for listener in list(self._listeners):
             listener(numbered)
         return numbered
@@ -75,7 +76,8 @@ class PlacementLedger:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener)
 
-    def _append(self, placement: ev.Placement) -> None:
+    def _append(self, placement: ev.Placement, task_id: str, sequence: int) -> None:
+        """Store ``placement`` (its ``task_id`` and ``sequence`` passed in: read once by the caller)."""
         self._placements.append(placement)
-        self._sequences.append(placement.sequence)
-        self._by_task[placement.task_id] = placement
+        self._sequences.append(sequence)
+        self._by_task[task_id] = placement

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,9 +45,9 @@ Clock = Callable[[], float]  # seconds since the Unix epoch
 DEFAULT_TOP_K = 5
 
 
-@dataclass(frozen=True)
-class Decision:
-    """The answer for one task: a placement, or why it waits (exactly one is set)."""
+class Decision(NamedTuple):
+    """The answer for one task: a placement, or why it waits (exactly one is set). A named tuple:
+    a batch makes a thousand, and a frozen dataclass costs two attribute sets through ``object``."""
 
     placement: ev.Placement | None = None
     pending: api.Pending | None = None
@@ -67,12 +68,16 @@ ShapeKey = tuple[object, ...]
 MAX_CACHED_SHAPES = 16
 
 
-def _shape(spec: ev.TaskSpec, policy: Policy) -> ShapeKey | None:
+def _shape(spec: ev.TaskSpec, policy: Policy, plain: bool = False) -> ShapeKey | None:
     """What a row-local policy's scores depend on, or None for a task whose scores depend on more
-    (its dependencies' placements)."""
-    if spec.dependencies:
-        return None
-    kinds, models, preferred = spec.allowed_kinds, spec.allowed_models, spec.preferred_models
+    (its dependencies' placements). ``plain``: the spec names no lists (``Task.plain``)."""
+    lists: tuple[tuple[object, ...], ...] = ((), (), ())
+    if not plain:
+        if spec.dependencies:
+            return None
+        kinds, models, preferred = spec.allowed_kinds, spec.allowed_models, spec.preferred_models
+        if kinds or models or preferred:  # most specs name none: no copy (a batch asks per task)
+            lists = (tuple(kinds), tuple(models), tuple(preferred))
     return (
         *policy.task_key(spec),
         spec.workload_class,
@@ -80,9 +85,7 @@ def _shape(spec: ev.TaskSpec, policy: Policy) -> ShapeKey | None:
         spec.num_devices,
         spec.memory_per_device_gb,
         spec.work_ref_s,
-        tuple(kinds) if kinds else (),  # most specs name none: no copy (a batch asks per task)
-        tuple(models) if models else (),
-        tuple(preferred) if preferred else (),
+        *lists,
     )
 
 
@@ -125,11 +128,12 @@ class _BatchScores:
         self.choosers: dict[ShapeKey, BatchChooser | None] = {}
         self.answered: BatchChooser | None = None  # the chooser that answered the last ``choose``
 
-    def choose(self, spec: ev.TaskSpec) -> tuple[Rows, Rows, float] | None:
+    def choose(self, spec: ev.TaskSpec, plain: bool = False) -> tuple[Rows, Rows, float] | None:
         """(feasible rows, gang, mean score) as ``feasible_rows`` and ``choose_gang`` would give them
-        now; None for a task whose scores depend on more than its shape (not cached)."""
+        now; None for a task whose scores depend on more than its shape (not cached). ``plain``:
+        the spec names no lists (``Task.plain``)."""
         self.answered = None
-        key = _shape(spec, self.policy)
+        key = _shape(spec, self.policy, plain)
         if key is None:
             return None
         if key in self.choosers:
@@ -292,13 +296,14 @@ class Scheduler:
                 self._update_free_at(task.device_rows)
             self._dirty = True
 
-    def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False) -> Task:
+    def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False, plain: bool = False) -> Task:
         """Add a task to the graph and the queue, or bind it to its earlier placement on a replay.
 
-        ``checked``: ``spec`` has passed ``check_task_spec`` already (see ``InfraGraph.add_task``).
+        ``checked``: ``spec`` has passed ``check_task_spec`` already, ``plain``: it names no lists
+        (see ``InfraGraph.add_task``).
         """
         known = spec.id in self.graph.tasks
-        task = self.graph.add_task(spec, cell, checked=checked)
+        task = self.graph.add_task(spec, cell, checked=checked, plain=plain)
         if known:
             return task
         earlier = self.ledger.get(spec.id)
@@ -363,7 +368,7 @@ class Scheduler:
         validated before any is placed (an error names the task's index, ``tasks[i]``); returns the
         decisions in request order.
         """
-        check_task_specs(specs)
+        plain = check_task_specs(specs)
         seen: set[str] = set()
         tasks = self.graph.tasks
         for i, spec in enumerate(specs):
@@ -382,10 +387,10 @@ class Scheduler:
         try:
             for i in order:
                 spec = specs[i]
-                if spec.id in self.graph.tasks:
+                if spec.id in tasks:
                     decisions[i] = self.lookup(spec.id)
                 elif dry_run:
-                    probe = Task(spec=spec, cell=self.cell, arrival=0)
+                    probe = Task(spec=spec, cell=self.cell, arrival=0, plain=plain[i])
                     placement = self._try_place(probe, dry_run=True, cache=cache)
                     if placement is not None:
                         rows = self.graph.device_rows(placement.device_ids)
@@ -395,7 +400,7 @@ class Scheduler:
                             cache.bound(probe.device_rows)
                     decisions[i] = self._decision(probe, placement)
                 else:
-                    task = self.submit(spec, self.cell, checked=True)
+                    task = self.submit(spec, self.cell, checked=True, plain=plain[i])
                     if spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
                         decisions[i] = self.lookup(spec.id)
                         continue
@@ -574,34 +579,36 @@ class Scheduler:
 
         ``cache``: a batch's feasible rows and scores by shape, told about the binding made here.
         """
+        spec, task_id = task.spec, task.spec.id  # each read of a protobuf field costs a lookup
         if not dry_run:
-            self._stop_waiting(task.spec.id)  # decided afresh: an earlier wait no longer holds a device
-        waiting_for = self._unfinished_dependency(task) if task.spec.dependencies else None
+            self._stop_waiting(task_id)  # decided afresh: an earlier wait no longer holds a device
+        waiting_for = None if task.plain or not spec.dependencies else self._unfinished_dependency(task)
         if waiting_for is not None:
             task.pending_reason = waiting_for
             return None
-        known = cache.choose(task.spec) if cache is not None else None
+        known = cache.choose(spec, task.plain) if cache is not None else None
         if known is None:
-            feasible = self.graph.feasible_rows(task.spec)
-            gang, score = self.policy.choose_gang(task.spec, self.graph, feasible)
+            feasible = self.graph.feasible_rows(spec)
+            gang, score = self.policy.choose_gang(spec, self.graph, feasible)
         else:
             feasible, gang, score = known
         if not len(gang):
             task.pending_reason = self._why_unplaceable(task, len(feasible))
             return None
-        if self._may_wait:
+        may_wait = self._may_wait
+        if may_wait:
             now_ms = int(self.clock() * 1000.0)
-            wait = self.policy.wait_for(task.spec, self.graph, gang, score, now_ms, self._queued_s)
+            wait = self.policy.wait_for(spec, self.graph, gang, score, now_ms, self._queued_s)
             if wait is not None:
                 task.pending_reason = wait.reason
                 if not dry_run:
-                    self._start_waiting(task.spec.id, wait)
+                    self._start_waiting(task_id, wait)
                 return None
         rows: list[int] = gang.tolist()
         device_ids = self.graph.device_ids_of(rows)
         placement = ev.Placement(
-            task_id=task.spec.id,
-            job_id=task.spec.job_id,
+            task_id=task_id,
+            job_id=spec.job_id,
             cell=task.cell,
             device_ids=device_ids,
             policy=self.policy.name,
@@ -610,10 +617,11 @@ class Scheduler:
         )
         if dry_run:
             return placement
-        self._dequeue(task.spec.id)
+        self._dequeue(task_id)
         self.graph.bind(task, rows, device_ids)
-        self._expect_end(task)
-        self.policy.placed(task.spec, self.graph, gang)
+        if may_wait:
+            self._expect_end(task)
+        self.policy.placed(spec, self.graph, gang)
         if cache is not None:
             cache.bound(task.device_rows)
         return self.ledger.record(placement, owned=True)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.errors import InvalidEventError
-from daemon.graph import DeviceTable, InfraGraph, TaskState
+from daemon.graph import DeviceTable, InfraGraph, TaskState, TaskTable, check_task_specs
 from hlb.v1 import events_pb2 as ev
 
 GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU
@@ -141,6 +141,63 @@ def test_finished_tasks_leave_the_task_table_and_free_their_devices() -> None:
     assert len(graph.task_table) == 0
     assert graph.devices.n_tasks[0] == 0
     assert graph.devices.reserved_gb[0] == 0
+
+
+def _with_lists() -> list[ev.TaskSpec]:
+    """Specs that each name one kind of list (or labels), as ``Task.plain`` counts them."""
+    kinds = ev.TaskSpec(id="kinds", allowed_kinds=[GPU])
+    models = ev.TaskSpec(id="models", allowed_models=["a"])
+    preferred = ev.TaskSpec(id="preferred", preferred_models=["b"])
+    needs = ev.TaskSpec(id="needs", dependencies=[ev.Dependency(task_id="up", transfer_gb=2.5)])
+    labelled = ev.TaskSpec(id="labelled", labels={"team": "x"})
+    service = ev.TaskSpec(
+        id="service", latency_slo_ms=50, labels={"request_rate_per_s": "5", "request_work_ref_ms": "10"}
+    )
+    return [kinds, models, preferred, needs, labelled, service]
+
+
+FULL = ev.TaskSpec(  # every scalar a task table column reads, none at its default, and no lists
+    id="full",
+    kind=ev.TASK_KIND_INFERENCE,
+    num_devices=4,
+    memory_per_device_gb=8,
+    work_ref_s=60,
+    priority=2,
+    submit_time_ms=1_000,
+    deadline_ms=9_000,
+    latency_slo_ms=20,
+    job_id="j",
+    workload_class="bert",
+)
+
+
+def test_a_batch_check_calls_plain_only_the_specs_without_lists() -> None:
+    specs = [ev.TaskSpec(id="bare"), FULL, *_with_lists()]
+    assert check_task_specs(specs) == [True, True] + [False] * 6
+    assert check_task_specs([]) == []
+
+
+def test_a_plain_task_is_described_as_reading_every_field_would() -> None:
+    """``plain`` only skips reading lists a spec does not name: every column comes out the same."""
+    specs = [ev.TaskSpec(id="bare"), FULL, *_with_lists()]
+    for spec, plain in zip(specs, check_task_specs(specs), strict=True):
+        rows = []
+        for told in {False, plain}:
+            graph = InfraGraph()
+            task = graph.add_task(spec, "c", checked=True, plain=told)
+            assert task.plain is told
+            rows.append({name: getattr(graph.task_table, name)[task.row] for name in TaskTable.COLUMNS})
+        assert rows[0] == rows[-1], spec.id
+    graph = InfraGraph()
+    t = graph.task_table
+    full = graph.add_task(FULL, "c", checked=True, plain=True)
+    described = (t.kind, t.gang, t.priority, t.submit_time_ms, t.deadline_ms, t.latency_slo_ms)
+    assert [column[full.row] for column in described] == [ev.TASK_KIND_INFERENCE, 4, 2, 1_000, 9_000, 20]
+    bare = graph.add_task(ev.TaskSpec(id="bare"), "c", checked=True, plain=True)
+    assert [column[bare.row] for column in described] == [0, 1, 0, 0, 0, 0]
+    needs = graph.add_task(_with_lists()[3], "c")
+    assert t.n_dependencies[needs.row] == 1
+    assert t.dependency_gb[needs.row] == 2.5
 
 
 # -- a reference model: random inventory and metrics, compared with plain dictionaries ---------

@@ -501,6 +501,10 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(
             num_devices=int(rng.integers(1, 4)),
             memory_per_device_gb=float(rng.choice([2.0, 10.0, 30.0])),
             work_ref_s=600.0,
+            # A few name lists, beside plain tasks of the same shape otherwise (Task.plain).
+            allowed_models=[models[i % 4], models[(i + 1) % 4]] if i % 7 == 3 else [],
+            preferred_models=[models[i % 4]] if i % 11 == 5 else [],
+            allowed_kinds=[GPU] if i % 13 == 6 else [],
         )
         for i in range(120)
     ]
