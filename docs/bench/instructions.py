@@ -16,6 +16,9 @@ background refresh runs on its own thread). Under valgrind a run is about 50 tim
 
     .venv/bin/python docs/bench/instructions.py --policy gnn
     .venv/bin/python docs/bench/instructions.py --policy hetero-greedy
+
+``--keep DIR`` keeps the dump (``DIR/callgrind.<policy>.out``); ``callgrind_annotate --inclusive=yes``
+on it gives the C functions' shares (the Python functions all run inside the interpreter's loop).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policy", default="gnn", help="placement policy (default: %(default)s)")
     parser.add_argument("--singles", type=int, default=200, help="Place decisions first (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=3, help="counted batches of 1,000 (default: %(default)s)")
+    parser.add_argument(
+        "--keep", type=Path, help="copy callgrind's dump of the batches here (for callgrind_annotate --inclusive=yes)"
+    )
     parser.add_argument("--shim", type=Path, help=argparse.SUPPRESS)  # set by the outer run for the inner one
     return parser.parse_args(argv)
 
@@ -72,6 +78,9 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
         found = re.search(r"^summary: (\d+)$", dumps[0].read_text(), re.MULTILINE)
         if found is None:
             raise SystemExit("instructions.py: no summary line in the dump")
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(dumps[0], args.keep / f"callgrind.{args.policy}.out")
     instructions = int(found.group(1))
     placements = args.batches * BATCH
     return {
