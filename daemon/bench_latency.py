@@ -104,6 +104,20 @@ def synthetic_devices(n: int) -> list[Any]:
     return events
 
 
+def task_maker() -> Callable[[str], Any]:
+    """What every measured call places: a one-device task that fits anywhere in the synthetic
+    cluster, its id the prefix and a number counted across calls."""
+    from hlb.v1 import events_pb2 as ev
+
+    counter = iter(range(10**12))
+
+    def task(prefix: str) -> ev.TaskSpec:
+        spec_id = f"{prefix}-{next(counter)}"
+        return ev.TaskSpec(id=spec_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=TASK_MEMORY_GB)
+
+    return task
+
+
 def _percentiles_us(samples_ns: list[int]) -> dict[str, float]:
     values = np.array(samples_ns, dtype=np.float64) / 1000.0
     return {
@@ -315,7 +329,6 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from hlb.v1 import events_pb2 as ev
     from hlb.v1 import scheduler_pb2 as api
     from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
@@ -323,13 +336,7 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
     lock = threading.RLock()
     if hasattr(policy, "start"):  # the GNN: loaded and warmed up on the cluster before the first call
         policy.start(scheduler.graph, lock)
-    counter = iter(range(10**12))
-
-    def task(prefix: str) -> ev.TaskSpec:
-        spec_id = f"{prefix}-{next(counter)}"
-        return ev.TaskSpec(id=spec_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=TASK_MEMORY_GB)
-
-    import tempfile
+    task = task_maker()
 
     journal_dir = tempfile.TemporaryDirectory(prefix="hlb-bench-journal-") if args.journal else None
     server = LoopbackServer(scheduler, lock, journal_dir.name if journal_dir is not None else None)

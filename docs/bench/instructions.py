@@ -97,7 +97,6 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
 def inner(args: argparse.Namespace) -> None:
     """Under callgrind: the decisions, with counting on around the batches only."""
     from daemon import bench_latency as bench
-    from hlb.v1 import events_pb2 as ev
 
     shim = ctypes.CDLL(str(args.shim))
     with bench.model_folder(None) as (folder, _):
@@ -107,12 +106,7 @@ def inner(args: argparse.Namespace) -> None:
         lock = threading.RLock()
         if hasattr(policy, "start"):
             policy.start(scheduler.graph, lock)
-        counter = iter(range(10**9))
-
-        def task(prefix: str) -> ev.TaskSpec:
-            spec_id = f"{prefix}-{next(counter)}"
-            return ev.TaskSpec(id=spec_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=0.01)
-
+        task = bench.task_maker()
         for _ in range(args.singles):
             with lock:
                 scheduler.place(task("real"))

@@ -13,30 +13,25 @@ Fisher's exact test of that split:
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from sim.eval import confidence_interval
+from scipy import stats
+
+from sim.eval import _percent, confidence_interval
 
 TARGET = 20_000.0  # placements/s at 1,000 devices (DESIGN.md §7)
 
 
-def fisher_two_sided(a: int, b: int, n: int) -> float:
-    """Fisher's exact test: ``a`` of ``n`` against ``b`` of ``n``; two-sided p-value."""
-    total, drawn = 2 * n, a + b
-
-    def p(k: int) -> float:
-        return math.comb(drawn, k) * math.comb(total - drawn, n - k) / math.comb(total, n)
-
-    observed = p(a)
-    return sum(p(k) for k in range(drawn + 1) if p(k) <= observed * (1 + 1e-9))
-
-
 def paired(before: list[float], after: list[float]) -> str:
-    """Mean of after / before - 1 over the rounds with its 95% interval, in percent."""
+    """Mean of after / before - 1 over the rounds with its 95% interval, in percent, as ``hlb eval`` writes it."""
     mean, half = confidence_interval([a / b - 1.0 for b, a in zip(before, after, strict=True)])
-    return f"{100 * mean:+.1f}% [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
+    return _percent({"mean": mean, "ci95": half})
+
+
+def fisher_p(a: int, b: int, n: int) -> float:
+    """Two-sided p-value of Fisher's exact test: ``a`` of ``n`` runs against ``b`` of ``n``."""
+    return float(stats.fisher_exact([[a, n - a], [b, n - b]]).pvalue)
 
 
 def _round(run: dict[str, Any]) -> tuple[int, int]:
@@ -66,7 +61,7 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "runs_at_target": {name: sum(v >= TARGET for v in values) for name, values in rate.items()},
             "place_p99_over_floor": {name: round(sum(v) / len(v), 2) for name, v in ratio.items()},
             "runs_above_2": above,
-            "runs_above_2_fisher_p": round(fisher_two_sided(above["after"], above["before"], len(before)), 2),
+            "runs_above_2_fisher_p": round(fisher_p(above["after"], above["before"], len(before)), 2),
         }
     return result
 
