@@ -608,11 +608,11 @@ def estimated_speed(
     it does not cover get peak_tflops over :data:`REFERENCE_PEAK_TFLOPS`.
     Shapes: rows [C] -> ([C] float64, [C] bool).
     """
+    if isinstance(profile, DeviceProfiles):
+        listed = profile.listed(graph.model_names)
+        return profile.device_speedups(graph, rows, spec), listed[graph.devices.model[rows]]
     speed = graph.devices.peak_tflops[rows] / REFERENCE_PEAK_TFLOPS
     profiled = np.zeros(len(rows), dtype=np.bool_)
-    if isinstance(profile, DeviceProfiles):
-        listed = np.array([name in profile.models for name in graph.model_names] + [False], dtype=np.bool_)
-        return profile.device_speedups(graph, rows, spec), listed[graph.devices.model[rows]]
     if profile:
         model_index = graph.devices.model[rows]
         for index in np.unique(model_index):

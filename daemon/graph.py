@@ -29,6 +29,7 @@ from hlb.v1 import events_pb2 as ev
 MAX_GANG = 4096
 MAX_MEMORY_GB = 1.0e6
 MAX_ID_CHARS = 256
+MAX_CACHED_GROUP_SETS = 64  # allow-list combinations whose rows a graph keeps sorted
 # Labels an inference service (latency_slo_ms > 0) may carry so that hlb can estimate its request
 # latency on each device model: requests per second, and one request's work in reference-device
 # milliseconds (as work_ref_s is in seconds). Numbers in (0, 1e9]; checked with the spec.
@@ -440,6 +441,8 @@ class InfraGraph:
         # (kind, model index) -> live device rows; the cached arrays are rebuilt lazily per group.
         self._groups: dict[tuple[int, int], set[int]] = {}
         self._group_rows: dict[tuple[int, int], Rows] = {}
+        # The same for the groups a task may use together (most tasks: every group), ascending.
+        self._union_rows: dict[tuple[tuple[int, int], ...], Rows] = {}
         self._tasks_on_device: dict[int, set[str]] = {}
         self.newest_telemetry_ms = 0
         self.version = 0
@@ -520,6 +523,20 @@ class InfraGraph:
             self._group_rows[group] = rows
         return rows
 
+    def _rows_of_groups(self, groups: list[tuple[int, int]]) -> Rows:
+        """The live rows of ``groups``, ascending; cached (a decision would otherwise sort them all).
+        Not to be changed by the caller."""
+        key = tuple(groups)
+        rows = self._union_rows.get(key)
+        if rows is None:
+            rows = np.concatenate([self._rows_of_group(g) for g in groups])
+            if len(groups) > 1:
+                rows.sort()
+            if len(self._union_rows) >= MAX_CACHED_GROUP_SETS:
+                self._union_rows.clear()
+            self._union_rows[key] = rows
+        return rows
+
     def feasible_rows(self, spec: ev.TaskSpec) -> Rows:
         """Device rows that pass every hard constraint for ``spec``, ascending. Shapes: -> [F].
 
@@ -529,9 +546,7 @@ class InfraGraph:
         groups = self._candidate_groups(spec)
         if not groups:
             return np.empty(0, dtype=np.int64)
-        rows = np.concatenate([self._rows_of_group(g) for g in groups])
-        if len(groups) > 1:
-            rows.sort()
+        rows = self._rows_of_groups(groups)
         ok = (self.devices.health[rows] != ev.HEALTH_FAILED) & self.room(spec, rows)
         feasible: Rows = rows[ok]
         return feasible
@@ -547,10 +562,10 @@ class InfraGraph:
             groups = [g for g in groups if g[1] in faster]
         if not groups:
             return np.empty(0, dtype=np.int64)
-        rows = np.concatenate([self._rows_of_group(g) for g in groups])
+        rows = self._rows_of_groups(groups)
         d = self.devices
         rows = rows[(d.free_at_ms[rows] > 0) & (d.health[rows] != ev.HEALTH_FAILED)]
-        busy: Rows = np.sort(rows[(d.memory_gb[rows] >= spec.memory_per_device_gb) & ~self.room(spec, rows)])
+        busy: Rows = rows[(d.memory_gb[rows] >= spec.memory_per_device_gb) & ~self.room(spec, rows)]
         return busy
 
     def group_representatives(self, spec: ev.TaskSpec) -> Rows:
@@ -705,11 +720,13 @@ class InfraGraph:
         group = (int(spec.kind), int(d.model[row]))
         self._groups.setdefault(group, set()).add(row)
         self._group_rows.pop(group, None)
+        self._union_rows.clear()
 
     def _leave_group(self, row: int) -> None:
         group = (int(self.devices.kind[row]), int(self.devices.model[row]))
         self._groups[group].discard(row)
         self._group_rows.pop(group, None)
+        self._union_rows.clear()
 
     def _leave_host(self, row: int) -> None:
         host = int(self.devices.host[row])

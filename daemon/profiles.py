@@ -76,6 +76,7 @@ class DeviceProfiles:
         }
         self._memo: dict[tuple[str, str, int, bool, int], float] = {}
         self._tables: dict[tuple[tuple[str, ...], str, int, bool, int], NDArray[np.float64]] = {}
+        self._listed: dict[tuple[str, ...], NDArray[np.bool_]] = {}
 
     @classmethod
     def load(cls, path: Path = DEFAULT_PROFILES_PATH) -> DeviceProfiles:
@@ -152,6 +153,18 @@ class DeviceProfiles:
                 self._tables.clear()
             self._tables[key] = table
         return table
+
+    def listed(self, model_names: Sequence[str]) -> NDArray[np.bool_]:
+        """Whether each model index is listed in the profiles, with one extra False at the end for
+        rows whose model is -1 (index the result with ``graph.devices.model[rows]``). Cached."""
+        key = tuple(model_names)
+        listed = self._listed.get(key)
+        if listed is None:
+            listed = np.array([name in self.models for name in key] + [False], dtype=np.bool_)
+            if len(self._listed) >= 1_000:
+                self._listed.clear()
+            self._listed[key] = listed
+        return listed
 
     def device_speedups(
         self, graph: InfraGraph, rows: Rows, spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True

@@ -1,4 +1,4 @@
-"""Instructions per ``PlaceBatch`` placement, counted by valgrind's callgrind.
+"""Instructions per ``PlaceBatch`` placement (or per ``Place``), counted by valgrind's callgrind.
 
 Time on a shared 2-core VM moves by a fifth from one minute to the next, so a change of a few
 percent in the batch path cannot be shown by ``hlb bench latency`` without many alternating runs.
@@ -16,6 +16,11 @@ background refresh runs on its own thread). Under valgrind a run is about 50 tim
 
     .venv/bin/python docs/bench/instructions.py --policy gnn
     .venv/bin/python docs/bench/instructions.py --policy hetero-greedy
+
+``--count place`` counts ``--places`` single ``Place`` decisions instead of the batches (after the
+same ``--singles``, uncounted):
+
+    .venv/bin/python docs/bench/instructions.py --policy gnn --count place
 
 ``--keep DIR`` keeps the dump (``DIR/callgrind.<policy>.out``); ``callgrind_annotate --inclusive=yes``
 on it gives the C functions' shares (the Python functions all run inside the interpreter's loop).
@@ -49,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--singles", type=int, default=200, help="Place decisions first (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=3, help="counted batches of 1,000 (default: %(default)s)")
     parser.add_argument(
+        "--count", choices=("batch", "place"), default="batch", help="what is counted (default: %(default)s)"
+    )
+    parser.add_argument("--places", type=int, default=200, help="counted Place decisions (default: %(default)s)")
+    parser.add_argument(
         "--keep", type=Path, help="copy callgrind's dump of the batches here (for callgrind_annotate --inclusive=yes)"
     )
     parser.add_argument("--shim", type=Path, help=argparse.SUPPRESS)  # set by the outer run for the inner one
@@ -66,7 +75,8 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
         source.write_text(SHIM)
         subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(shim), str(source)], check=True)
         command = [sys.executable, __file__, "--policy", args.policy, "--singles", str(args.singles)]
-        command += ["--batches", str(args.batches), "--shim", str(shim)]
+        command += ["--batches", str(args.batches), "--count", args.count, "--places", str(args.places)]
+        command += ["--shim", str(shim)]
         callgrind = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--instr-atstart=no"]
         callgrind += ["--separate-threads=yes", f"--callgrind-out-file={folder}/out.%p"]
         done = subprocess.run(callgrind + command, check=False, capture_output=True, text=True)
@@ -82,11 +92,12 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
             args.keep.mkdir(parents=True, exist_ok=True)
             shutil.copy(dumps[0], args.keep / f"callgrind.{args.policy}.out")
     instructions = int(found.group(1))
-    placements = args.batches * BATCH
+    placements = args.batches * BATCH if args.count == "batch" else args.places
     return {
         "benchmark": "instructions",
         "policy": args.policy,
         "devices": 1000,
+        "counted": "PlaceBatch" if args.count == "batch" else "Place",
         "singles": args.singles,
         "placements": placements,
         "instructions": instructions,
@@ -110,18 +121,27 @@ def inner(args: argparse.Namespace) -> None:
         for _ in range(args.singles):
             with lock:
                 scheduler.place(task("real"))
-        batches = [[task("batch") for _ in range(BATCH)] for _ in range(args.batches)]
         decisions = []
-        shim.count_start()
-        for specs in batches:
-            with lock:
-                decisions.append(scheduler.place_batch(specs))
-        shim.count_stop()
-        placed = sum(d.placement is not None for batch in decisions for d in batch)
+        if args.count == "batch":
+            batches = [[task("batch") for _ in range(BATCH)] for _ in range(args.batches)]
+            shim.count_start()
+            for specs in batches:
+                with lock:
+                    decisions.extend(scheduler.place_batch(specs))
+            shim.count_stop()
+        else:
+            singles = [task("real") for _ in range(args.places)]
+            shim.count_start()
+            for spec in singles:
+                with lock:
+                    decisions.append(scheduler.place(spec))
+            shim.count_stop()
+        placed = sum(d.placement is not None for d in decisions)
         if hasattr(policy, "stop"):
             policy.stop()
-        if placed != args.batches * BATCH or fallbacks:
-            raise SystemExit(f"placed {placed} of {args.batches * BATCH}, {len(fallbacks)} fallback decisions")
+        expected = args.batches * BATCH if args.count == "batch" else args.places
+        if placed != expected or fallbacks:
+            raise SystemExit(f"placed {placed} of {expected}, {len(fallbacks)} fallback decisions")
 
 
 def main() -> None:

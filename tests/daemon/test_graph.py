@@ -227,7 +227,9 @@ def test_the_graph_matches_a_dictionary_model(
 ) -> None:
     graph = InfraGraph()
     model: dict[str, dict[str, object]] = {}
+    spec = ev.TaskSpec(id="probe", memory_per_device_gb=need_gb, allowed_kinds=kinds)  # type: ignore[arg-type]
     for op in operations:
+        graph.feasible_rows(spec)  # fills the graph's caches of rows per group before each change
         if op[0] == "upsert":
             _, device_id, host, m = op
             name, kind, memory = MODELS[int(m)]  # type: ignore[call-overload]
@@ -266,7 +268,6 @@ def test_the_graph_matches_a_dictionary_model(
         assert graph.hosts.n_devices[host_row] == sum(1 for e in model.values() if e["host"] == host_id)
     assert len(graph.hosts) == len({e["host"] for e in model.values()})  # placeholders go with their devices
 
-    spec = ev.TaskSpec(id="probe", memory_per_device_gb=need_gb, allowed_kinds=kinds)  # type: ignore[arg-type]
     expected = {
         device_id
         for device_id, e in model.items()
