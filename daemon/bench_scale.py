@@ -6,7 +6,13 @@ embedding refresh (the encoder's inputs read from the graph, the encoder run, th
 ``--repeats`` times after a changed metric each, as the daemon's refresh thread does it. Then, in a
 fresh process, the resident memory of a daemon (``daemon.service`` imported) holding a graph of
 ``--rss-devices`` devices with the GNN loaded and its embeddings built (DESIGN.md §7: 100,000
-devices in under 1 GB).
+devices in under 1 GB), and the pause of a full garbage collection there, before and after the
+daemon's ``gc.freeze`` at the start of serving.
+
+``--ended-tasks N``: also, in two fresh processes, the memory that ``N`` tasks placed and ended
+leave behind (one per second of a simulated clock, on 1,000 devices), with ended tasks kept for the
+process's life (``scheduler.keep_ended_s: 0``) and forgotten an hour after they ended (the
+default).
 
 The model is the one of ``--model``, else the one shipped in the package, else one exported now with
 random weights (the export extra, torch, is needed then); the JSON says which.
@@ -38,7 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: shipped, else random)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: 1)")
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
+    parser.add_argument(
+        "--ended-tasks", type=int, default=0, help="tasks placed and ended for the memory they leave (default: 0, skip)"
+    )
     parser.add_argument("--child-rss", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-ended", type=float, nargs=2, default=None, help=argparse.SUPPRESS)
 
 
 def build_graph(devices: int) -> Any:
@@ -135,13 +145,85 @@ def child_rss(devices: int, model: Path, threads: int) -> dict[str, Any]:
     policy.refresh_if_changed(graph)
     if policy.cache is None:
         raise RuntimeError(f"the model did not load: {policy.degraded}")
-    return {
+    figures = {
         "devices": len(graph.devices),
+        "tasks": len(graph.tasks),
         "rss_mb": round(_status_mb("VmRSS"), 1),
         "peak_rss_mb": round(_status_mb("VmHWM"), 1),
         "after_imports_mb": round(imported, 1),
         "graph_mb": round(with_graph - imported, 1),
         "embeddings_mb": round(policy.cache.device_emb.nbytes / 2**20, 1),
+    }
+    return {**figures, **full_collection_ms()}
+
+
+def full_collection_ms(repeats: int = 3) -> dict[str, Any]:
+    """The pause of a full garbage collection (under the GIL: a request waits it out) over this
+    process's objects, then after ``daemon.service.freeze_startup_heap``, as the daemon does when it
+    starts serving; the best of ``repeats`` each."""
+    import gc
+
+    from daemon.service import freeze_startup_heap
+
+    def pause() -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            gc.collect()
+            best = min(best, (time.perf_counter() - start) * 1000)
+        return round(best, 2)
+
+    tracked = len(gc.get_objects())
+    before = pause()
+    freeze_startup_heap()
+    return {"gc_tracked_objects": tracked, "gc_full_collection_ms": before, "gc_after_freeze_ms": pause()}
+
+
+def child_ended(tasks: int, keep_ended_s: float) -> dict[str, Any]:
+    """Run in a fresh process: ``tasks`` one-device tasks placed and finished, one per second of a
+    simulated clock, on 1,000 shared devices, by a scheduler that forgets ended tasks
+    ``keep_ended_s`` after they ended (0: never); the resident memory they left behind."""
+    import gc
+
+    from daemon.bench_latency import synthetic_devices, task_maker
+    from daemon.config import SchedulerSettings
+    from daemon.graph import InfraGraph
+    from daemon.ledger import PlacementLedger
+    from daemon.policy import make_policy
+    from daemon.scheduler import Scheduler
+    from hlb.v1 import events_pb2 as ev
+
+    now = [1.0e9]
+    scheduler = Scheduler(
+        InfraGraph(max_tasks_per_device=0),
+        make_policy("hetero-greedy"),
+        PlacementLedger(),
+        "bench",
+        lambda: now[0],
+        keep_ended_s=keep_ended_s,
+        remember_ended=SchedulerSettings().remember_ended,
+    )
+    for event in synthetic_devices(1000):
+        scheduler.apply_telemetry(event)
+    task = task_maker()
+    gc.collect()
+    before = _status_mb("VmRSS")
+    for _ in range(tasks):
+        spec = task("ended")
+        if scheduler.place(spec).placement is None:
+            raise RuntimeError(f"task {spec.id} was not placed")
+        now[0] += 1.0
+        scheduler.apply_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=spec.id)))
+    gc.collect()
+    grown = _status_mb("VmRSS") - before
+    return {
+        "tasks": tasks,
+        "keep_ended_s": keep_ended_s,
+        "rss_growth_mb": round(grown, 1),
+        "bytes_per_task": round(grown * 2**20 / tasks),
+        "tasks_held": len(scheduler.graph.tasks),
+        "decisions_held": len(scheduler.ledger),
+        "ids_remembered": len(scheduler.forgotten),
     }
 
 
@@ -153,8 +235,14 @@ def run(args: argparse.Namespace) -> int:
             figures = child_rss(args.child_rss, args.model, args.threads)
         print(json.dumps(figures))
         return 0
-    if args.repeats < 1 or min(args.devices) < 1 or args.rss_devices < 0:
-        print("hlb bench scale: --devices and --repeats must be at least 1, --rss-devices at least 0", file=sys.stderr)
+    if args.child_ended is not None:
+        print(json.dumps(child_ended(int(args.child_ended[0]), args.child_ended[1])))
+        return 0
+    if args.repeats < 1 or min(args.devices) < 1 or args.rss_devices < 0 or args.ended_tasks < 0:
+        print(
+            "hlb bench scale: --devices and --repeats must be at least 1, --rss-devices and --ended-tasks at least 0",
+            file=sys.stderr,
+        )
         return 2
     try:
         with logs_to_stderr(), model_folder(args.model) as (folder, what):
@@ -168,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
         result["daemon_rss"] = rss
         result["targets"] = {"rss_mb_max": 1024, "at_devices": 100_000}
         result["met"] = {"rss": rss["peak_rss_mb"] < 1024} if rss["devices"] >= 100_000 else {}
+    if args.ended_tasks:
+        from daemon.config import SchedulerSettings
+
+        keeps = (0.0, SchedulerSettings().keep_ended_s)
+        result["ended_tasks"] = [_child_json(["--child-ended", str(args.ended_tasks), str(k)]) for k in keeps]
     result["machine"] = machine()
     if args.json:
         print(json.dumps(result, indent=2))
@@ -180,15 +273,25 @@ def run(args: argparse.Namespace) -> int:
     if rss is not None:
         rss_mb, peak_mb = rss["rss_mb"], rss["peak_rss_mb"]
         print(f"daemon RSS with {rss['devices']} devices and the GNN: {rss_mb} MB (peak {peak_mb} MB)")
+        print(f"full garbage collection: {rss['gc_full_collection_ms']} ms, {rss['gc_after_freeze_ms']} ms once frozen")
+    for ended in result.get("ended_tasks", []):
+        print(
+            f"{ended['tasks']} tasks ended, keep_ended_s {ended['keep_ended_s']:g}: RSS +{ended['rss_growth_mb']} MB"
+            f" ({ended['bytes_per_task']} bytes a task), {ended['tasks_held']} tasks held"
+        )
     return 0
 
 
 def _measure_rss(devices: int, model: Path, threads: int) -> dict[str, Any]:
-    command = [sys.executable, "-m", "daemon.cli", "bench", "scale", "--child-rss", str(devices)]
-    command += ["--model", str(model), "--threads", str(threads)]
-    reply = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    return _child_json(["--child-rss", str(devices), "--model", str(model), "--threads", str(threads)])
+
+
+def _child_json(arguments: list[str]) -> dict[str, Any]:
+    """Run ``hlb bench scale`` with ``arguments`` in a fresh process; the JSON line it printed last."""
+    command = [sys.executable, "-m", "daemon.cli", "bench", "scale", *arguments]
+    reply = subprocess.run(command, capture_output=True, text=True, check=False, timeout=3600)
     if reply.returncode != 0:
-        raise RuntimeError(f"the RSS measurement failed:\n{reply.stderr[-3000:]}")
+        raise RuntimeError(f"the measurement in a fresh process failed:\n{reply.stderr[-3000:]}")
     last = reply.stdout.strip().splitlines()[-1]
     figures: dict[str, Any] = json.loads(last)
     return figures

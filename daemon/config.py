@@ -33,6 +33,9 @@ from pydantic_settings import (
 from daemon.errors import ConfigError
 
 EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus keeps systemd from looping on it
+# Ended tasks are kept at least this long when they are forgotten at all: an embedding refresh reads
+# the tasks of the moment it copied the graph, and far less than this passes before it is done.
+MIN_KEEP_ENDED_S = 60.0
 
 
 class _Section(BaseModel):
@@ -231,6 +234,19 @@ class SchedulerSettings(_Section):
     # Tasks one device may hold at once: 1 gives each task its devices to itself (what GPU device
     # plugins and Slurm's GRES give by default); more where devices are shared (MPS, time slicing).
     max_tasks_per_device: int = Field(1, ge=0, le=1024, description="0: no limit")
+    # An ended task (finished, failed, cancelled) is forgotten this long after it ended: dropped
+    # from the graph and the ledger's memory (the placements topic keeps its decision); 0: kept
+    # for the daemon's life. Its id and final state stay known (the newest `remember_ended`), so
+    # a dependency on it resolves and a submission reusing its id is refused.
+    keep_ended_s: float = Field(3600.0, ge=0, le=365 * 86400)
+    remember_ended: int = Field(200_000, ge=0, le=100_000_000)
+
+    @field_validator("keep_ended_s")
+    @classmethod
+    def _keep_long_enough(cls, value: float) -> float:
+        if 0 < value < MIN_KEEP_ENDED_S:
+            raise ValueError(f"0 (keep ended tasks) or at least {MIN_KEEP_ENDED_S:g} s, not {value:g}")
+        return value
 
 
 class SnapshotSettings(_Section):

@@ -4,6 +4,9 @@ The ledger is what makes decisions idempotent. A restarted daemon restores it fr
 ``hlb.placements`` topic before it consumes anything, so a replayed task submission finds its
 earlier placement instead of being placed again. Listeners (the Kafka publisher, gRPC watchers)
 hear about each new placement; they must not block.
+
+The decisions of tasks that ended long ago are dropped from memory (:meth:`PlacementLedger.forget`,
+``scheduler.keep_ended_s``); the topic keeps them, and sequence numbers keep counting.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ class PlacementLedger:
         self._sequences: list[int] = []
         self._by_task: dict[str, ev.Placement] = {}
         self._listeners: list[Listener] = []
+        self._last_sequence = 0
+        self._dropped = 0  # entries of _placements forgotten but not compacted away yet
 
     @property
     def last_sequence(self) -> int:
-        return self._sequences[-1] if self._sequences else 0
+        return self._last_sequence
 
     def __len__(self) -> int:
-        return len(self._placements)
+        """Decisions held in memory (forgotten ones not counted)."""
+        return len(self._by_task)
 
     def restore(self, placements: Iterable[ev.Placement]) -> int:
         """Load decisions read back from the ledger topic; returns how many were new.
@@ -68,8 +74,28 @@ class PlacementLedger:
         return self._by_task.get(task_id)
 
     def since(self, sequence: int) -> list[ev.Placement]:
-        """Every placement with a sequence number of at least ``sequence``, in order."""
-        return self._placements[bisect.bisect_left(self._sequences, sequence) :]
+        """Every placement held with a sequence number of at least ``sequence``, in order (the
+        forgotten ones, of tasks that ended long ago, are left out)."""
+        found = self._placements[bisect.bisect_left(self._sequences, sequence) :]
+        if not self._dropped:
+            return found
+        by_task = self._by_task
+        return [p for p in found if by_task.get(p.task_id) is p]
+
+    def forget(self, task_ids: Iterable[str]) -> int:
+        """Drop these tasks' decisions from memory (their tasks ended long ago); returns how many
+        were held. ``get`` no longer finds them and ``since`` leaves them out; the sequence goes on.
+        The lists are compacted once more than half their entries are forgotten."""
+        dropped = sum(self._by_task.pop(task_id, None) is not None for task_id in task_ids)
+        self._dropped += dropped
+        if self._dropped and self._dropped * 2 >= len(self._placements):
+            by_task = self._by_task
+            pairs = zip(self._placements, self._sequences, strict=True)
+            kept = [(p, s) for p, s in pairs if by_task.get(p.task_id) is p]
+            self._placements = [p for p, _ in kept]
+            self._sequences = [s for _, s in kept]
+            self._dropped = 0
+        return dropped
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with each new placement; returns the function that unsubscribes."""
@@ -81,3 +107,4 @@ class PlacementLedger:
         self._placements.append(placement)
         self._sequences.append(sequence)
         self._by_task[task_id] = placement
+        self._last_sequence = sequence

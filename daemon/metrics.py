@@ -72,6 +72,8 @@ class StateSample:
     degraded: str = ""  # why the configured policy cannot decide now (a fallback does); empty when it can
     model_provider: str = ""  # onnxruntime execution provider the GNN runs on; empty without one
     waiting_for_device: int = 0  # queued tasks the policy holds for a busy, faster device
+    tasks_held: int = 0  # tasks in memory, ended ones not forgotten yet included
+    tasks_forgotten: int = 0  # ended tasks forgotten since start (scheduler.keep_ended_s)
 
 
 StateProvider = Callable[[], StateSample]
@@ -159,6 +161,7 @@ class _StateCollector(Collector):
                 s.waiting_for_device,
             ),
             ("hlb_running_tasks", "Tasks placed or running, holding devices.", s.running_tasks),
+            ("hlb_tasks_held", "Tasks in memory: queued, holding devices, or ended not long ago.", s.tasks_held),
             ("hlb_ledger_sequence", "Sequence number of the newest placement in the ledger.", s.last_sequence),
             ("hlb_graph_staleness_seconds", "Age of the newest applied telemetry; -1 before any.", s.staleness_s),
             ("hlb_mean_utilization", "Mean device load over the cluster, 0 to 1.", s.mean_utilization),
@@ -179,6 +182,9 @@ class _StateCollector(Collector):
         )
         provider.add_metric([s.model_provider or "none"], 1.0)
         applied = CounterMetricFamily("hlb_events_applied", "Events applied to the graph.", value=s.events_applied)
+        forgotten = CounterMetricFamily(
+            "hlb_tasks_forgotten", "Ended tasks dropped from memory (scheduler.keep_ended_s).", value=s.tasks_forgotten
+        )
         rejected = CounterMetricFamily(
             "hlb_events_rejected", "Events refused (sent to the dead-letter topic), by reason.", labels=["reason"]
         )
@@ -191,7 +197,7 @@ class _StateCollector(Collector):
         )
         for (topic, partition), behind in sorted(s.consumer_lag.items()):
             lag.add_metric([topic, str(partition)], behind)
-        return [*metrics, info, degraded, provider, applied, rejected, lag]
+        return [*metrics, info, degraded, provider, applied, forgotten, rejected, lag]
 
 
 class RpcMetricsInterceptor(HandlerWrapper):

@@ -15,6 +15,7 @@ the ledger with a sequence number, and a replayed submission binds to its earlie
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -43,6 +44,9 @@ from hlb.v1 import scheduler_pb2 as api
 Clock = Callable[[], float]  # seconds since the Unix epoch
 
 DEFAULT_TOP_K = 5
+# Ended tasks forgotten (``keep_ended_s``) whose id and final state are still remembered, oldest
+# dropped first: a dependency on one resolves, and a submission reusing its id is refused.
+DEFAULT_REMEMBER_ENDED = 200_000
 
 
 class Decision(NamedTuple):
@@ -215,6 +219,9 @@ class Scheduler:
         ledger: PlacementLedger,
         cell: str,
         clock: Clock,
+        *,
+        keep_ended_s: float = 0.0,
+        remember_ended: int = DEFAULT_REMEMBER_ENDED,
     ) -> None:
         self.graph = graph
         self._policy = policy
@@ -238,6 +245,18 @@ class Scheduler:
         self._waiting: dict[str, Wait] = {}
         self._queued_s: dict[int, float] = {}
         self.waits_decided = 0  # decisions to wait for a busy device, dry runs aside
+        # Ended tasks are forgotten ``keep_ended_s`` after they ended (0: kept for the process's
+        # life): dropped from the graph and the ledger's memory, their id and final state kept in
+        # ``forgotten`` (the newest ``remember_ended``). A task that a task not yet ended depends
+        # on is kept until that one ends (its placement gives the child's data locality).
+        self.keep_ended_s = keep_ended_s
+        self.remember_ended = remember_ended
+        self.forgotten: dict[str, TaskState] = {}
+        self._forgotten_order: deque[str] = deque()  # the same ids, oldest first
+        self.forgotten_total = 0
+        self._ended: deque[tuple[float, str]] = deque()  # (when it ended, task id), oldest first
+        self._dependents: dict[str, int] = {}  # task id -> tasks not ended yet that depend on it
+        self._next_sweep = 0.0
 
     @property
     def policy(self) -> Policy:
@@ -273,6 +292,8 @@ class Scheduler:
         }[kind]
         task = self.graph.tasks.get(task_id)
         if task is None:
+            if task_id in self.forgotten:
+                return  # a replayed or late event for a task that ended long ago
             raise InvalidEventError(f"{kind} event for unknown task {task_id!r}", "unknown_id")
         if task.state.is_final:
             return  # a replayed or late event for a task that has ended
@@ -289,12 +310,14 @@ class Scheduler:
                 raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
             self._dequeue(task_id)
             self.graph.release(task, TaskState.CANCELLED)
+            self._task_ended(task)
         else:
             final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
             self.graph.release(task, final)
             if self._expected_end.pop(task_id, None) is not None:
                 self._update_free_at(task.device_rows)
             self._dirty = True
+            self._task_ended(task)
 
     def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False, plain: bool = False) -> Task:
         """Add a task to the graph and the queue, or bind it to its earlier placement on a replay.
@@ -302,16 +325,22 @@ class Scheduler:
         ``checked``: ``spec`` has passed ``check_task_spec`` already, ``plain``: it names no lists
         (see ``InfraGraph.add_task``).
         """
-        known = spec.id in self.graph.tasks
+        task_id = spec.id  # each read of a protobuf field costs a lookup
+        known = task_id in self.graph.tasks
+        if not known and self.forgotten and task_id in self.forgotten:
+            raise InvalidEventError(self._forgotten_message(task_id, "already ended"), "duplicate_id")
         task = self.graph.add_task(spec, cell, checked=checked, plain=plain)
         if known:
             return task
-        earlier = self.ledger.get(spec.id)
+        if not plain:
+            for dep in spec.dependencies:
+                self._dependents[dep.task_id] = self._dependents.get(dep.task_id, 0) + 1
+        earlier = self.ledger.get(task_id)
         if earlier is not None:
-            self._unbound[spec.id] = earlier
+            self._unbound[task_id] = earlier
             self._bind_restored()
         else:
-            self._pending[spec.id] = task
+            self._pending[task_id] = task
             self._order = None
             self._dirty = True
         return task
@@ -371,15 +400,20 @@ class Scheduler:
         plain = check_task_specs(specs)
         seen: set[str] = set()
         tasks = self.graph.tasks
+        forgotten = self.forgotten if not dry_run else {}
         for i, spec in enumerate(specs):
-            if spec.id in seen:
-                raise InvalidEventError(f"tasks[{i}]: task {spec.id} appears twice in the batch", "duplicate_id")
-            seen.add(spec.id)
-            known = tasks.get(spec.id)
+            task_id = spec.id
+            if task_id in seen:
+                raise InvalidEventError(f"tasks[{i}]: task {task_id} appears twice in the batch", "duplicate_id")
+            seen.add(task_id)
+            known = tasks.get(task_id)
             if known is not None and known.spec != spec:
                 raise InvalidEventError(
-                    f"tasks[{i}]: task {spec.id} is already known with another spec", "duplicate_id"
+                    f"tasks[{i}]: task {task_id} is already known with another spec", "duplicate_id"
                 )
+            if forgotten and known is None and task_id in forgotten:
+                why = self._forgotten_message(task_id, "already ended")
+                raise InvalidEventError(f"tasks[{i}]: {why}", "duplicate_id")
         order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
         decisions: list[Decision | None] = [None] * len(specs)
         probes: list[Task] = []
@@ -416,6 +450,8 @@ class Scheduler:
             return Decision(placement=placement)
         task = self.graph.tasks.get(task_id)
         if task is None:
+            if task_id in self.forgotten:
+                raise UnknownTaskError(self._forgotten_message(task_id, "ended"))
             raise UnknownTaskError(f"unknown task {task_id!r}")
         if task.state == TaskState.PENDING:
             return Decision(pending=self._pending_message(task))
@@ -630,13 +666,87 @@ class Scheduler:
         """Why the task must wait for a dependency, or None when all have finished."""
         for dep in task.spec.dependencies:
             upstream = self.graph.tasks.get(dep.task_id)
-            if upstream is None:
+            state = upstream.state if upstream is not None else self.forgotten.get(dep.task_id)
+            if state is None:
                 return f"waiting for dependency {dep.task_id} (not submitted yet)"
-            if upstream.state in (TaskState.FAILED, TaskState.CANCELLED):
-                return f"waiting for dependency {dep.task_id}, which is {upstream.state.label}: it can never start"
-            if upstream.state != TaskState.FINISHED:
-                return f"waiting for dependency {dep.task_id} ({upstream.state.label})"
+            if state in (TaskState.FAILED, TaskState.CANCELLED):
+                return f"waiting for dependency {dep.task_id}, which is {state.label}: it can never start"
+            if state != TaskState.FINISHED:
+                return f"waiting for dependency {dep.task_id} ({state.label})"
         return None
+
+    # -- forgetting ended tasks ----------------------------------------------------------------
+
+    def _task_ended(self, task: Task) -> None:
+        """``task`` reached a final state now: it no longer holds its dependencies, and it is
+        forgotten ``keep_ended_s`` from now."""
+        spec = task.spec
+        for dep in spec.dependencies:
+            left = self._dependents.get(dep.task_id, 0) - 1
+            if left > 0:
+                self._dependents[dep.task_id] = left
+            else:
+                self._dependents.pop(dep.task_id, None)
+        now = self.clock()
+        self._ended.append((now, spec.id))
+        if self.keep_ended_s > 0 and now >= self._next_sweep:
+            self.forget_ended(now)
+
+    def forget_ended(self, now: float) -> int:
+        """Forget the tasks that ended ``keep_ended_s`` or more before ``now`` (none while it is 0),
+        except those a task not ended yet depends on (looked at again one period later); returns
+        how many. Runs by itself as tasks end, at most eight times per ``keep_ended_s``."""
+        self._next_sweep = now + max(1.0, self.keep_ended_s / 8)
+        if self.keep_ended_s <= 0:
+            return 0
+        horizon, ended, tasks = now - self.keep_ended_s, self._ended, self.graph.tasks
+        gone: list[str] = []
+        kept: list[str] = []
+        while ended and ended[0][0] <= horizon:
+            task_id = ended.popleft()[1]
+            task = tasks.get(task_id)
+            if task is None or not task.state.is_final:
+                continue
+            if task_id in self._dependents:
+                kept.append(task_id)
+                continue
+            del tasks[task_id]
+            self.forgotten[task_id] = task.state
+            self._forgotten_order.append(task_id)
+            gone.append(task_id)
+        ended.extend((now, task_id) for task_id in kept)
+        self._trim_forgotten()
+        self.ledger.forget(gone)
+        self.forgotten_total += len(gone)
+        return len(gone)
+
+    def remember_restored(self, forgotten: dict[str, TaskState]) -> None:
+        """After a snapshot is installed: the forgotten ids it kept, the ended tasks it holds (to be
+        forgotten ``keep_ended_s`` from now) and the dependencies of those not ended. The ledger's
+        decisions of forgotten tasks (read back from the topic) are dropped from memory again."""
+        self.forgotten = dict(forgotten)
+        self._forgotten_order = deque(self.forgotten)
+        self._trim_forgotten()
+        now = self.clock()
+        self._ended.clear()
+        self._dependents.clear()
+        for task_id, task in self.graph.tasks.items():
+            if task.state.is_final:
+                self._ended.append((now, task_id))
+            else:
+                for dep in task.spec.dependencies:
+                    self._dependents[dep.task_id] = self._dependents.get(dep.task_id, 0) + 1
+        self.ledger.forget(list(self.forgotten))
+
+    def _trim_forgotten(self) -> None:
+        """Keep the newest ``remember_ended`` forgotten ids."""
+        forgotten, order = self.forgotten, self._forgotten_order
+        while len(forgotten) > self.remember_ended:
+            del forgotten[order.popleft()]
+
+    def _forgotten_message(self, task_id: str, what: str) -> str:
+        state = self.forgotten[task_id].label
+        return f"task {task_id!r} {what} ({state}) and was forgotten after scheduler.keep_ended_s"
 
     def _pending_message(self, task: Task) -> api.Pending:
         return api.Pending(
@@ -664,6 +774,7 @@ class Scheduler:
         self._started_unbound.discard(task_id)
         final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
         self.graph.release(task, final)
+        self._task_ended(task)
 
     def _why_unplaceable(self, task: Task, feasible: int) -> str:
         if feasible == 0 and not len(self.graph.devices):

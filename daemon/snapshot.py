@@ -1,7 +1,8 @@
 """Snapshots of the daemon's state, and restoring from the newest valid one.
 
 A snapshot holds the graph (every table's columns, id maps and free lists, the tasks), the
-pending queue, the ledger position and the input offsets that state covers. It is taken under
+pending queue, the ids and final states of the ended tasks the scheduler forgot, the ledger
+position and the input offsets that state covers. It is taken under
 the daemon's lock between two ingest batches, so the state is exactly that of the offsets. On
 start the daemon restores the newest snapshot that checks out and replays its inputs from those
 offsets (from the earliest retained record when there is no snapshot); replay is idempotent.
@@ -31,7 +32,7 @@ import os
 import struct
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -67,6 +68,9 @@ class Snapshot:
     unbound: tuple[str, ...]  # tasks with a ledger placement whose devices were not known yet
     ledger_sequence: int
     offsets: Offsets
+    # Ended tasks the scheduler forgot, with their final states (``Scheduler.forgotten``); empty
+    # in a snapshot written before tasks were forgotten.
+    forgotten: dict[str, TaskState] = field(default_factory=dict)
 
 
 # -- strings and ragged arrays -------------------------------------------------------------------
@@ -138,6 +142,8 @@ def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
     # The scheduler's queue and restored-but-unbound placements (its private state, by design here).
     _pack_str(arrays, "scheduler.pending", list(scheduler._pending))
     _pack_str(arrays, "scheduler.unbound", list(scheduler._unbound))
+    _pack_str(arrays, "scheduler.forgotten", list(scheduler.forgotten))
+    arrays["scheduler.forgotten_state"] = np.array([int(v) for v in scheduler.forgotten.values()], dtype=np.int8)
     arrays["ledger.sequence"] = np.array([scheduler.ledger.last_sequence], dtype=np.int64)
     keys = sorted(offsets)
     _pack_str(arrays, "offsets.topic", [t for t, _ in keys])
@@ -236,7 +242,14 @@ def _restore(arrays: Arrays) -> Snapshot:
     missing = [t for t in (*pending, *unbound) if t not in graph.tasks]
     if missing:
         raise SnapshotError(f"queued tasks {missing[:3]} are not in the graph")
-    return Snapshot(graph, pending, unbound, int(arrays["ledger.sequence"][0]), offsets)
+    forgotten: dict[str, TaskState] = {}
+    if "scheduler.forgotten_state" in arrays:
+        ids = _unpack_str_required(arrays, "scheduler.forgotten")
+        states = [TaskState(int(v)) for v in arrays["scheduler.forgotten_state"]]
+        if len(ids) != len(states) or not all(state.is_final for state in states):
+            raise SnapshotError("forgotten tasks: ids and final states do not match")
+        forgotten = dict(zip(ids, states, strict=True))
+    return Snapshot(graph, pending, unbound, int(arrays["ledger.sequence"][0]), offsets, forgotten)
 
 
 def install(snapshot: Snapshot, scheduler: Scheduler) -> None:
@@ -264,6 +277,7 @@ def install(snapshot: Snapshot, scheduler: Scheduler) -> None:
         if placement is not None:
             scheduler._unbound[task_id] = placement
     scheduler._bind_restored()
+    scheduler.remember_restored(snapshot.forgotten)
     scheduler._order = None
     scheduler._dirty = True
 

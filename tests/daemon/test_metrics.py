@@ -118,6 +118,8 @@ def test_the_endpoint_follows_ingest_placements_and_rejections(running: Backgrou
     assert value(after, "hlb_pending_tasks") == 1.0
     assert value(after, "hlb_tasks_waiting_for_device") == 0.0  # least-loaded never holds a task back
     assert value(after, "hlb_running_tasks") == 1.0
+    assert value(after, "hlb_tasks_held") == 2.0  # the placed task and the queued one
+    assert value(after, "hlb_tasks_forgotten_total") == 0.0
     assert value(after, "hlb_rpc_requests_total", rpc="Place", code="OK") == 2.0
     assert value(after, "hlb_rpc_requests_total", rpc="Place", code="INVALID_ARGUMENT") == 1.0
     assert value(after, "hlb_decision_latency_seconds_count", rpc="Place", policy="least-loaded") == 3.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -212,6 +213,20 @@ def test_shutdown_stops_ingest_with_offsets_stored_then_snapshots_then_flushes()
     assert seen_at_snapshot == {"ingest alive": False, "committed": len(inventory), "serving": False}
 
 
+def test_what_start_up_built_is_frozen_out_of_later_collections_once_serving() -> None:
+    gc.unfreeze()
+    with BackgroundDaemon(_memory_settings(), RecordingBus()) as running:
+        assert running.daemon.serving
+        assert gc.get_freeze_count() > 0
+        graph, later = running.daemon.scheduler.graph, InfraGraph()
+        tracked = gc.get_objects()  # the collector's generations; frozen objects are outside them
+        assert not any(obj is graph for obj in tracked)
+        assert any(obj is later for obj in tracked)
+        del tracked
+        running.stop()
+    assert gc.get_freeze_count() == 0  # the test helper gives them back (a test process runs many daemons)
+
+
 def test_a_failed_snapshot_is_reported_after_the_rest_of_the_shutdown() -> None:
     bus = RecordingBus()
     with BackgroundDaemon(_memory_settings(), bus) as running:
@@ -304,6 +319,16 @@ def test_reload_of_an_invalid_config_keeps_the_running_one(
     assert SECRET not in repr(logs)
     path.unlink()
     assert "not found" in (asyncio.run(daemon.reload()).error or "")
+
+
+def test_how_long_ended_tasks_are_kept_is_passed_on_and_reloadable(tmp_path: Path) -> None:
+    path = _write_config(tmp_path / "config.yaml", scheduler={"policy": "least-loaded", "keep_ended_s": 120})
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    assert (daemon.scheduler.keep_ended_s, daemon.scheduler.remember_ended) == (120.0, 200_000)
+    _write_config(path, scheduler={"policy": "least-loaded", "keep_ended_s": 0, "remember_ended": 10})
+    result = asyncio.run(daemon.reload())
+    assert set(result.applied) == {"scheduler.keep_ended_s", "scheduler.remember_ended"}
+    assert (daemon.scheduler.keep_ended_s, daemon.scheduler.remember_ended) == (0.0, 10)
 
 
 def test_a_reloader_that_refuses_keeps_its_keys_old_values(tmp_path: Path) -> None:
