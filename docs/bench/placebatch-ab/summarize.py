@@ -1,18 +1,24 @@
-"""The README's before/after table of PlaceBatch over gRPC, from the runs in rounds.jsonl.
+"""The README's before/after tables over gRPC, from the runs in rounds.jsonl (or the file named).
 
 Each round ran ``hlb bench latency --devices 1000 --pending 200 --json`` for the GNN and for
 hetero-greedy, from a checkout of the code before the change and one after, in turn
 (``rounds.sh`` beside this file). Per policy: mean and slowest placements/s, the per-round ratio
 after / before with its 95% Student-t interval (``sim.eval.confidence_interval``), the runs at
 least 20,000 placements/s, and ``Place`` p99 over the floor's p99 with the runs above 2 and
-Fisher's exact test of that split:
+Fisher's exact test of that split, and the per-round ratios of ``Place`` p50 and p99 over the
+floor, after / before:
 
     .venv/bin/python docs/bench/placebatch-ab/summarize.py
+    .venv/bin/python docs/bench/placebatch-ab/summarize.py docs/bench/placebatch-ab/place-rounds.jsonl
+
+The second file holds the rounds of the ``Place`` change of 2026-12-05 (group rows cached, the
+start-up heap frozen, ended tasks forgotten), 12 rounds run by ``rounds.sh BEFORE AFTER 12``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +68,19 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "place_p99_over_floor": {name: round(sum(v) / len(v), 2) for name, v in ratio.items()},
             "runs_above_2": above,
             "runs_above_2_fisher_p": round(fisher_p(above["after"], above["before"], len(before)), 2),
+            "place_p50_over_floor": {
+                name: round(sum(r["place_p50_over_floor"] for r in side) / len(side), 2) for name, side in sides
+            },
+            "place_p50_over_floor_after_over_before": paired(
+                [r["place_p50_over_floor"] for r in before], [r["place_p50_over_floor"] for r in after]
+            ),
+            "place_p99_over_floor_after_over_before": paired(ratio["before"], ratio["after"]),
         }
     return result
 
 
 def main() -> None:
-    path = Path(__file__).with_name("rounds.jsonl")
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("rounds.jsonl")
     runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     print(json.dumps(compare(runs), indent=1))
 
