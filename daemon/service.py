@@ -165,6 +165,8 @@ class Daemon:
             "grpc.max_requests_per_s": self._reload_rate_limit,
             "grpc.request_burst": self._reload_rate_limit,
         }
+        # Keys under a reloader's section that it cannot apply: the graph is built with them.
+        self.restart_only = {"scheduler.max_tasks_per_device"}
         self.rate_limit = RateLimitInterceptor(_bucket(settings, monotonic), self.metrics.count_rate_limited)
         self._monotonic = monotonic
         self._ingestor: Ingestor | None = None
@@ -769,6 +771,8 @@ class Daemon:
         return ReloadResult(tuple(applied), tuple(needs_restart), tuple(failed))
 
     def _reloader_for(self, key: str) -> Reloader | None:
+        if key in self.restart_only:
+            return None
         matches = [p for p in self.reloaders if key == p or (p.endswith(".") and key.startswith(p))]
         return self.reloaders[max(matches, key=len)] if matches else None
 

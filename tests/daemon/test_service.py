@@ -331,6 +331,17 @@ def test_how_long_ended_tasks_are_kept_is_passed_on_and_reloadable(tmp_path: Pat
     assert (daemon.scheduler.keep_ended_s, daemon.scheduler.remember_ended) == (0.0, 10)
 
 
+def test_the_capacity_of_a_device_needs_a_restart_and_reload_says_so(tmp_path: Path) -> None:
+    path = _write_config(tmp_path / "config.yaml", scheduler={"policy": "least-loaded"})
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    _write_config(path, scheduler={"policy": "least-loaded", "max_tasks_per_device": 4})
+    result = asyncio.run(daemon.reload())
+    assert result.needs_restart == ("scheduler.max_tasks_per_device",)
+    assert result.applied == ()
+    assert daemon.settings.scheduler.max_tasks_per_device == 1
+    assert daemon.scheduler.graph.max_tasks_per_device == 1
+
+
 def test_a_reloader_that_refuses_keeps_its_keys_old_values(tmp_path: Path) -> None:
     path = _write_config(tmp_path / "config.yaml")
     daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
