@@ -11,7 +11,6 @@ The decisions of tasks that ended long ago are dropped from memory (:meth:`Place
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable
 
 from hlb.v1 import events_pb2 as ev
@@ -21,12 +20,11 @@ Listener = Callable[[ev.Placement], None]
 
 class PlacementLedger:
     def __init__(self) -> None:
-        self._placements: list[ev.Placement] = []
-        self._sequences: list[int] = []
+        # By sequence number, ascending (in the order they were added), and by task.
+        self._by_sequence: dict[int, ev.Placement] = {}
         self._by_task: dict[str, ev.Placement] = {}
         self._listeners: list[Listener] = []
         self._last_sequence = 0
-        self._dropped = 0  # entries of _placements forgotten but not compacted away yet
 
     @property
     def last_sequence(self) -> int:
@@ -75,26 +73,26 @@ class PlacementLedger:
 
     def since(self, sequence: int) -> list[ev.Placement]:
         """Every placement held with a sequence number of at least ``sequence``, in order (the
-        forgotten ones, of tasks that ended long ago, are left out)."""
-        found = self._placements[bisect.bisect_left(self._sequences, sequence) :]
-        if not self._dropped:
-            return found
-        by_task = self._by_task
-        return [p for p in found if by_task.get(p.task_id) is p]
+        forgotten ones, of tasks that ended long ago, are left out). Reads from the newest back:
+        a watcher asks for the few since its last read."""
+        by_sequence = self._by_sequence
+        found: list[ev.Placement] = []
+        for number in reversed(by_sequence):
+            if number < sequence:
+                break
+            found.append(by_sequence[number])
+        found.reverse()
+        return found
 
     def forget(self, task_ids: Iterable[str]) -> int:
         """Drop these tasks' decisions from memory (their tasks ended long ago); returns how many
-        were held. ``get`` no longer finds them and ``since`` leaves them out; the sequence goes on.
-        The lists are compacted once more than half their entries are forgotten."""
-        dropped = sum(self._by_task.pop(task_id, None) is not None for task_id in task_ids)
-        self._dropped += dropped
-        if self._dropped and self._dropped * 2 >= len(self._placements):
-            by_task = self._by_task
-            pairs = zip(self._placements, self._sequences, strict=True)
-            kept = [(p, s) for p, s in pairs if by_task.get(p.task_id) is p]
-            self._placements = [p for p, _ in kept]
-            self._sequences = [s for _, s in kept]
-            self._dropped = 0
+        were held. ``get`` no longer finds them and ``since`` leaves them out; the sequence goes on."""
+        dropped = 0
+        for task_id in task_ids:
+            placement = self._by_task.pop(task_id, None)
+            if placement is not None:
+                del self._by_sequence[placement.sequence]
+                dropped += 1
         return dropped
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
@@ -104,7 +102,6 @@ class PlacementLedger:
 
     def _append(self, placement: ev.Placement, task_id: str, sequence: int) -> None:
         """Store ``placement`` (its ``task_id`` and ``sequence`` passed in: read once by the caller)."""
-        self._placements.append(placement)
-        self._sequences.append(sequence)
+        self._by_sequence[sequence] = placement
         self._by_task[task_id] = placement
         self._last_sequence = sequence

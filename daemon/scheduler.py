@@ -47,6 +47,9 @@ DEFAULT_TOP_K = 5
 # Ended tasks forgotten (``keep_ended_s``) whose id and final state are still remembered, oldest
 # dropped first: a dependency on one resolves, and a submission reusing its id is refused.
 DEFAULT_REMEMBER_ENDED = 200_000
+# Ended tasks forgotten at most per task that ends: a few at a time, so that no call holds the
+# daemon's lock for long, and more than one, so that a backlog (after a restore) drains.
+FORGET_PER_END = 16
 
 
 class Decision(NamedTuple):
@@ -256,7 +259,6 @@ class Scheduler:
         self.forgotten_total = 0
         self._ended: deque[tuple[float, str]] = deque()  # (when it ended, task id), oldest first
         self._dependents: dict[str, int] = {}  # task id -> tasks not ended yet that depend on it
-        self._next_sweep = 0.0
 
     @property
     def policy(self) -> Policy:
@@ -689,20 +691,21 @@ class Scheduler:
                 self._dependents.pop(dep.task_id, None)
         now = self.clock()
         self._ended.append((now, spec.id))
-        if self.keep_ended_s > 0 and now >= self._next_sweep:
-            self.forget_ended(now)
+        if self.keep_ended_s > 0:
+            self.forget_ended(now, FORGET_PER_END)
 
-    def forget_ended(self, now: float) -> int:
-        """Forget the tasks that ended ``keep_ended_s`` or more before ``now`` (none while it is 0),
-        except those a task not ended yet depends on (looked at again one period later); returns
-        how many. Runs by itself as tasks end, at most eight times per ``keep_ended_s``."""
-        self._next_sweep = now + max(1.0, self.keep_ended_s / 8)
+    def forget_ended(self, now: float, limit: int | None = None) -> int:
+        """Forget the tasks that ended ``keep_ended_s`` or more before ``now`` (none while it is 0;
+        at most ``limit`` of them), except those a task not ended yet depends on (looked at again
+        ``keep_ended_s`` later); returns how many. Runs by itself as tasks end, a few each time."""
         if self.keep_ended_s <= 0:
             return 0
         horizon, ended, tasks = now - self.keep_ended_s, self._ended, self.graph.tasks
         gone: list[str] = []
         kept: list[str] = []
-        while ended and ended[0][0] <= horizon:
+        budget = len(ended) if limit is None else limit
+        while ended and ended[0][0] <= horizon and budget > 0:
+            budget -= 1
             task_id = ended.popleft()[1]
             task = tasks.get(task_id)
             if task is None or not task.state.is_final:

@@ -11,7 +11,7 @@ from daemon.errors import InvalidEventError, UnknownTaskError
 from daemon.graph import InfraGraph, TaskState
 from daemon.ledger import PlacementLedger
 from daemon.policy import LeastLoaded
-from daemon.scheduler import Scheduler
+from daemon.scheduler import FORGET_PER_END, Scheduler
 from hlb.v1 import events_pb2 as ev
 
 KEEP_S = 600.0
@@ -67,7 +67,7 @@ def test_an_ended_task_and_its_decision_are_forgotten_once_keep_ended_s_has_pass
         assert scheduler.place(spec(task_id)).placement is not None
     end(scheduler, "a")
     clock.now += KEEP_S - 1
-    end(scheduler, "b")  # a sweep, one second too early for "a"
+    end(scheduler, "b")  # forgets what ended KEEP_S ago: one second too early for "a"
     assert "a" in scheduler.graph.tasks
     clock.now += 1
     assert scheduler.forget_ended(clock.now) == 1  # "a" now; "b" ended KEEP_S - 1 s ago
@@ -92,14 +92,26 @@ def test_tasks_end_and_are_forgotten_as_they_go_so_the_graph_holds_only_the_rece
         assert scheduler.place(spec(f"t{i}")).placement is not None
         clock.now += 10
         end(scheduler, f"t{i}")
-    # Sweeps run at most every KEEP_S / 8 s as tasks end: what is held is the last KEEP_S s and at
-    # most one sweep period more, with its decisions.
+    # Each task that ends forgets those that ended KEEP_S or more before: the last KEEP_S s are held.
     held = len(scheduler.graph.tasks)
-    assert KEEP_S / 10 <= held <= (KEEP_S + KEEP_S / 8) / 10 + 1
+    assert held == KEEP_S / 10
     assert len(scheduler.ledger) == held
     assert scheduler.forgotten_total == 300 - held
     assert scheduler.ledger.last_sequence == 300
     assert [p.task_id for p in scheduler.ledger.since(0)] == [f"t{i}" for i in range(300 - held, 300)]
+
+
+def test_each_task_that_ends_forgets_a_few_so_no_call_holds_the_lock_for_long() -> None:
+    clock = Clock()
+    scheduler = make(clock)
+    for i in range(40):
+        scheduler.place(spec(f"t{i}"))
+        end(scheduler, f"t{i}")
+    clock.now += KEEP_S
+    for i, forgotten in enumerate((FORGET_PER_END, 2 * FORGET_PER_END, 40)):
+        scheduler.place(spec(f"late{i}"))
+        end(scheduler, f"late{i}")
+        assert scheduler.forgotten_total == forgotten
 
 
 def test_a_task_is_kept_while_a_task_not_ended_depends_on_it() -> None:
@@ -209,19 +221,18 @@ def _old_placement(task_id: str) -> ev.Placement:
     return ev.Placement(task_id=task_id, cell="c", device_ids=["g0"], policy="least-loaded", sequence=1)
 
 
-def test_the_ledger_compacts_once_half_its_decisions_are_forgotten() -> None:
+def test_the_ledger_drops_forgotten_decisions_and_keeps_numbering() -> None:
     ledger = PlacementLedger()
     for i in range(10):
         ledger.record(ev.Placement(task_id=f"t{i}", device_ids=["g0"]))
-    assert ledger.forget(["t0", "t1", "t2", "t3"]) == 4
-    assert len(ledger._placements) == 10  # not yet: 4 of 10
-    assert [p.task_id for p in ledger.since(3)] == [f"t{i}" for i in range(4, 10)]
-    assert ledger.forget(["t4", "missing"]) == 1
-    assert len(ledger._placements) == 5
-    assert ledger._sequences == [6, 7, 8, 9, 10]
-    assert [p.sequence for p in ledger.since(0)] == [6, 7, 8, 9, 10]
+    assert ledger.forget(["t0", "t1", "t2", "t3", "t7", "missing"]) == 5
+    assert [p.task_id for p in ledger.since(3)] == ["t4", "t5", "t6", "t8", "t9"]
+    assert [p.sequence for p in ledger.since(0)] == [5, 6, 7, 9, 10]
+    assert ledger.since(11) == []
+    assert len(ledger._by_sequence) == 5
     assert ledger.last_sequence == 10
     assert len(ledger) == 5
+    assert ledger.record(ev.Placement(task_id="t10")).sequence == 11
 
 
 def test_keep_ended_s_is_zero_or_at_least_a_minute() -> None:
