@@ -27,8 +27,7 @@ else one exported now with random weights (needs the export extra: torch); the J
 ``--journal`` runs the server as the daemon runs with Kafka: every decision and API submission
 goes to the decision journal (``daemon.journal``, in a temporary directory) and each ``Place`` or
 ``PlaceBatch`` answers only once the journal is on disk (one fsync per call, group commit).
-Nothing is sent to a broker either way. As in the daemon, what was built before the first call
-is frozen out of the garbage collector's later passes (``daemon.service.freeze_startup_heap``).
+Nothing is sent to a broker either way.
 """
 
 from __future__ import annotations
@@ -325,13 +324,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    import gc
     import threading
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from daemon.service import freeze_startup_heap
     from hlb.v1 import scheduler_pb2 as api
     from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
@@ -343,7 +340,6 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
 
     journal_dir = tempfile.TemporaryDirectory(prefix="hlb-bench-journal-") if args.journal else None
     server = LoopbackServer(scheduler, lock, journal_dir.name if journal_dir is not None else None)
-    freeze_startup_heap()  # as the daemon does when it starts serving
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -371,7 +367,6 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
                 batch_placed += sum(r.HasField("placement") for r in reply.results)
     finally:
         server.close()
-        gc.unfreeze()
         if journal_dir is not None:
             journal_dir.cleanup()
     return {**summarize(args, timings, batch_placed, batch_ns, scheduler), **extra}

@@ -6,8 +6,7 @@ embedding refresh (the encoder's inputs read from the graph, the encoder run, th
 ``--repeats`` times after a changed metric each, as the daemon's refresh thread does it. Then, in a
 fresh process, the resident memory of a daemon (``daemon.service`` imported) holding a graph of
 ``--rss-devices`` devices with the GNN loaded and its embeddings built (DESIGN.md §7: 100,000
-devices in under 1 GB), and the pause of a full garbage collection there, before and after the
-daemon's ``gc.freeze`` at the start of serving.
+devices in under 1 GB), and the pause of a full garbage collection there.
 
 ``--ended-tasks N``: also, in two fresh processes, the memory that ``N`` tasks placed and ended
 leave behind (one per second of a simulated clock, on 1,000 devices), with ended tasks kept for the
@@ -158,25 +157,16 @@ def child_rss(devices: int, model: Path, threads: int) -> dict[str, Any]:
 
 
 def full_collection_ms(repeats: int = 3) -> dict[str, Any]:
-    """The pause of a full garbage collection (under the GIL: a request waits it out) over this
-    process's objects, then after ``daemon.service.freeze_startup_heap``, as the daemon does when it
-    starts serving; the best of ``repeats`` each."""
+    """The pause of a full garbage collection over this process's objects (under the GIL: a
+    request waits it out), the best of ``repeats``."""
     import gc
 
-    from daemon.service import freeze_startup_heap
-
-    def pause() -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            gc.collect()
-            best = min(best, (time.perf_counter() - start) * 1000)
-        return round(best, 2)
-
-    tracked = len(gc.get_objects())
-    before = pause()
-    freeze_startup_heap()
-    return {"gc_tracked_objects": tracked, "gc_full_collection_ms": before, "gc_after_freeze_ms": pause()}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        gc.collect()
+        best = min(best, (time.perf_counter() - start) * 1000)
+    return {"gc_tracked_objects": len(gc.get_objects()), "gc_full_collection_ms": round(best, 2)}
 
 
 def child_ended(tasks: int, keep_ended_s: float) -> dict[str, Any]:
@@ -273,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     if rss is not None:
         rss_mb, peak_mb = rss["rss_mb"], rss["peak_rss_mb"]
         print(f"daemon RSS with {rss['devices']} devices and the GNN: {rss_mb} MB (peak {peak_mb} MB)")
-        print(f"full garbage collection: {rss['gc_full_collection_ms']} ms, {rss['gc_after_freeze_ms']} ms once frozen")
+        print(f"full garbage collection there: {rss['gc_full_collection_ms']} ms")
     for ended in result.get("ended_tasks", []):
         print(
             f"{ended['tasks']} tasks ended, keep_ended_s {ended['keep_ended_s']:g}: RSS +{ended['rss_growth_mb']} MB"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import signal
 import sys
 import threading
@@ -445,7 +444,6 @@ class Daemon:
             ingest.start()
             metrics_server = self._start_metrics(inputs)
             if await self._replay_until_caught_up(stop, ingest):
-                freeze_startup_heap()
                 await server.set_serving()
                 self.serving = True
                 self.ready.set()
@@ -816,17 +814,6 @@ class Daemon:
             self.rate_limit.bucket = _bucket(new, self._monotonic)
         else:
             bucket.configure(rate, default_burst(rate, burst))
-
-
-def freeze_startup_heap() -> None:
-    """Collect once, then keep what start-up built (the restored graph and ledger, the model) out
-    of the garbage collector's later passes (``gc.freeze``). A full collection otherwise walks all
-    of it again, in one pause under the GIL that a request waits for (at 100,000 devices with
-    20,000 tasks, tens of milliseconds: ``hlb bench scale``). Cyclic garbage among those objects is
-    never collected, which bounds what this can keep alive to what start-up built; called once,
-    when the daemon starts serving (not per shard: a shard's objects come and go with it)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _stop_policy(policy: Policy) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -63,9 +62,6 @@ class BackgroundDaemon:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
             self.loop.close()
-            # A daemon freezes the heap when it starts serving (one per process, as in production);
-            # many run in one test process, so each stopped one gives its objects back to the collector.
-            gc.unfreeze()
 
     def __exit__(self, *exc_info: object) -> None:
         if not self.loop.is_closed():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 import signal
@@ -211,20 +210,6 @@ def test_shutdown_stops_ingest_with_offsets_stored_then_snapshots_then_flushes()
         running.stop()
     assert bus.events == ["source closed", "snapshot", "flushed"]
     assert seen_at_snapshot == {"ingest alive": False, "committed": len(inventory), "serving": False}
-
-
-def test_what_start_up_built_is_frozen_out_of_later_collections_once_serving() -> None:
-    gc.unfreeze()
-    with BackgroundDaemon(_memory_settings(), RecordingBus()) as running:
-        assert running.daemon.serving
-        assert gc.get_freeze_count() > 0
-        graph, later = running.daemon.scheduler.graph, InfraGraph()
-        tracked = gc.get_objects()  # the collector's generations; frozen objects are outside them
-        assert not any(obj is graph for obj in tracked)
-        assert any(obj is later for obj in tracked)
-        del tracked
-        running.stop()
-    assert gc.get_freeze_count() == 0  # the test helper gives them back (a test process runs many daemons)
 
 
 def test_a_failed_snapshot_is_reported_after_the_rest_of_the_shutdown() -> None:

@@ -12,7 +12,7 @@ floor, after / before:
     .venv/bin/python docs/bench/placebatch-ab/summarize.py docs/bench/placebatch-ab/place-rounds.jsonl
 
 The second file holds the rounds of the ``Place`` change of 2026-12-05 (group rows cached, the
-start-up heap frozen, ended tasks forgotten), 12 rounds run by ``rounds.sh BEFORE AFTER 12``.
+ended tasks forgotten), 12 rounds run by ``rounds.sh BEFORE AFTER 12``.
 """
 
 from __future__ import annotations
