@@ -175,26 +175,14 @@ def child_ended(tasks: int, keep_ended_s: float) -> dict[str, Any]:
     ``keep_ended_s`` after they ended (0: never); the resident memory they left behind."""
     import gc
 
-    from daemon.bench_latency import synthetic_devices, task_maker
+    from daemon.bench_latency import build_scheduler, task_maker
     from daemon.config import SchedulerSettings
-    from daemon.graph import InfraGraph
-    from daemon.ledger import PlacementLedger
-    from daemon.policy import make_policy
-    from daemon.scheduler import Scheduler
     from hlb.v1 import events_pb2 as ev
 
     now = [1.0e9]
-    scheduler = Scheduler(
-        InfraGraph(max_tasks_per_device=0),
-        make_policy("hetero-greedy"),
-        PlacementLedger(),
-        "bench",
-        lambda: now[0],
-        keep_ended_s=keep_ended_s,
-        remember_ended=SchedulerSettings().remember_ended,
-    )
-    for event in synthetic_devices(1000):
-        scheduler.apply_telemetry(event)
+    scheduler = build_scheduler(1000, 0, "hetero-greedy")
+    scheduler.clock = lambda: now[0]
+    scheduler.keep_ended_s, scheduler.remember_ended = keep_ended_s, SchedulerSettings().remember_ended
     task = task_maker()
     gc.collect()
     before = _status_mb("VmRSS")

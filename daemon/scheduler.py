@@ -335,8 +335,7 @@ class Scheduler:
         if known:
             return task
         if not plain:
-            for dep in spec.dependencies:
-                self._dependents[dep.task_id] = self._dependents.get(dep.task_id, 0) + 1
+            self._count_dependents(spec, 1)
         earlier = self.ledger.get(task_id)
         if earlier is not None:
             self._unbound[task_id] = earlier
@@ -683,12 +682,7 @@ class Scheduler:
         """``task`` reached a final state now: it no longer holds its dependencies, and it is
         forgotten ``keep_ended_s`` from now."""
         spec = task.spec
-        for dep in spec.dependencies:
-            left = self._dependents.get(dep.task_id, 0) - 1
-            if left > 0:
-                self._dependents[dep.task_id] = left
-            else:
-                self._dependents.pop(dep.task_id, None)
+        self._count_dependents(spec, -1)
         now = self.clock()
         self._ended.append((now, spec.id))
         if self.keep_ended_s > 0:
@@ -708,7 +702,7 @@ class Scheduler:
             budget -= 1
             task_id = ended.popleft()[1]
             task = tasks.get(task_id)
-            if task is None or not task.state.is_final:
+            if task is None:  # forgotten already
                 continue
             if task_id in self._dependents:
                 kept.append(task_id)
@@ -737,9 +731,18 @@ class Scheduler:
             if task.state.is_final:
                 self._ended.append((now, task_id))
             else:
-                for dep in task.spec.dependencies:
-                    self._dependents[dep.task_id] = self._dependents.get(dep.task_id, 0) + 1
+                self._count_dependents(task.spec, 1)
         self.ledger.forget(list(self.forgotten))
+
+    def _count_dependents(self, spec: ev.TaskSpec, step: int) -> None:
+        """``spec``'s task starts (1) or stops (-1) holding each of its dependencies in memory."""
+        dependents = self._dependents
+        for dep in spec.dependencies:
+            left = dependents.get(dep.task_id, 0) + step
+            if left > 0:
+                dependents[dep.task_id] = left
+            else:
+                dependents.pop(dep.task_id, None)
 
     def _trim_forgotten(self) -> None:
         """Keep the newest ``remember_ended`` forgotten ids."""
