@@ -21,6 +21,7 @@ file (a write torn by a crash): it and anything after it are discarded, and logg
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
@@ -50,18 +51,21 @@ class JournalRecord:
 
 
 def encode(record: JournalRecord) -> bytes:
-    topic = record.topic.encode()
-    key = record.key
-    payload = b"".join(
-        (
-            _TOPIC.pack(len(topic)),
-            topic,
-            _KEY.pack(-1 if key is None else len(key)),
-            key or b"",
-            record.value,
-        )
-    )
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    return encode_parts(record.topic, record.key, record.value)
+
+
+def encode_parts(topic: str, key: bytes | None, value: bytes) -> bytes:
+    """One record's bytes on disk: header, then the topic and key (encoded once per pair), then the value."""
+    prefix, prefix_crc = _prefix(topic, key)
+    return _HEADER.pack(len(prefix) + len(value), zlib.crc32(value, prefix_crc)) + prefix + value
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix(topic: str, key: bytes | None) -> tuple[bytes, int]:
+    """The payload's topic and key fields, and their CRC-32 (continued over the value)."""
+    name = topic.encode()
+    prefix = b"".join((_TOPIC.pack(len(name)), name, _KEY.pack(-1 if key is None else len(key)), key or b""))
+    return prefix, zlib.crc32(prefix)
 
 
 def decode_all(data: bytes) -> tuple[list[JournalRecord], int]:
@@ -157,7 +161,11 @@ class JournalFile:
 
     def append(self, record: JournalRecord) -> int:
         """Buffer one record for the file; returns its position (durable after ``sync(position)``)."""
-        data = encode(record)
+        return self.append_parts(record.topic, record.key, record.value)
+
+    def append_parts(self, topic: str, key: bytes | None, value: bytes) -> int:
+        """``append`` of a record given by its fields."""
+        data = encode_parts(topic, key, value)
         with self._lock:
             self._buffer += data
             self._kept.append(data)
@@ -175,8 +183,8 @@ class JournalFile:
                 return
             self._check_open()
             with self._lock:
-                data, upto = bytes(self._buffer), self._appended
-                self._buffer.clear()
+                data, upto = self._buffer, self._appended
+                self._buffer = bytearray()  # appends go on into a new buffer while this one is written
             _write_all(self._fd, data)
             os.fdatasync(self._fd)
             self._durable = upto
@@ -252,7 +260,7 @@ class JournaledPublisher:
             self.inner.publish(topic, key, value, headers)
             return
         with self._lock:
-            self.journal.append(JournalRecord(topic, key, value))
+            self.journal.append_parts(topic, key, value)
             self.inner.publish(topic, key, value, headers)
 
     def flush(self, timeout_s: float) -> int:
@@ -275,7 +283,7 @@ class JournaledPublisher:
         return True
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import struct
 import threading
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -137,3 +139,14 @@ def test_the_journaled_publisher_drops_records_only_once_the_producer_delivered_
     assert publisher.acknowledge(1.0)
     journal.close()
     assert JournalFile.open(tmp_path).recovered == []
+
+
+@pytest.mark.parametrize("key", [None, b"", b"cell-a"])
+def test_a_record_on_disk_is_the_documented_layout(key: bytes | None) -> None:
+    # The layout the module documents, written out by hand: journals from earlier versions stay readable.
+    payload = b"".join(
+        (struct.pack("<H", 14), b"hlb.placements", struct.pack("<i", -1 if key is None else len(key)), key or b"", b"v")
+    )
+    data = encode(JournalRecord("hlb.placements", key, b"v"))
+    assert data == struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    assert decode_all(data) == ([JournalRecord("hlb.placements", key, b"v")], len(data))

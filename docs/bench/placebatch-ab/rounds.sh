@@ -4,8 +4,11 @@
 # then after, for ROUNDS rounds; one JSON line per run on stdout, as in rounds.jsonl here:
 #
 #   bash docs/bench/placebatch-ab/rounds.sh /path/to/before /path/to/after 8 SET >> rounds.jsonl
+#
+# Arguments after SET go to every run (journal-rounds.jsonl: `... 12 1 --journal`).
 set -euo pipefail
 before=$1 after=$2 rounds=$3 set_no=${4:-1}
+shift $(($# < 4 ? $# : 4))
 python=$(cd "$(dirname "$0")/../../.." && pwd)/.venv/bin/python
 for round in $(seq "$rounds"); do
   for policy in gnn hetero-greedy; do
@@ -13,10 +16,10 @@ for round in $(seq "$rounds"); do
       dir=$before
       [ "$code" = after ] && dir=$after
       (cd "$dir" && PYTHONPATH=$dir:$dir/proto "$python" -m daemon.cli bench latency --policy "$policy" \
-        --devices 1000 --pending 200 --json 2>/dev/null) |
+        --devices 1000 --pending 200 "$@" --json 2>/dev/null) |
         "$python" -c "import json, sys
 d = json.load(sys.stdin)
-print(json.dumps({'set': $set_no, 'round': $round, 'code': '$code', 'policy': '$policy',
+print(json.dumps({'set': $set_no, 'round': $round, 'code': '$code', 'policy': '$policy', 'journal': d['journal'],
     'placements_per_s': d['place_batch']['placements_per_s'],
     'placements_per_floor_rpc': d['place_batch']['placements_per_floor_rpc'],
     'place_p50_over_floor': d['place']['p50_over_floor'], 'place_p99_over_floor': d['place']['p99_over_floor'],

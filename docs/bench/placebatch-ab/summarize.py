@@ -12,7 +12,9 @@ floor, after / before:
     .venv/bin/python docs/bench/placebatch-ab/summarize.py docs/bench/placebatch-ab/place-rounds.jsonl
 
 The second file holds the rounds of the ``Place`` change of 2026-12-05 (group rows cached, the
-ended tasks forgotten), 12 rounds run by ``rounds.sh BEFORE AFTER 12``.
+ended tasks forgotten), 12 rounds run by ``rounds.sh BEFORE AFTER 12``; ``journal-rounds.jsonl``
+those of the journal's appends (2026-12-05), 8 rounds with the journal on, run by
+``rounds.sh BEFORE AFTER 8 1 --journal``.
 """
 
 from __future__ import annotations
