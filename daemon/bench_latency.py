@@ -179,27 +179,20 @@ class LoopbackServer:
 
 def _journal_service(service: Any, scheduler: Any, journal_dir: Any) -> Any:
     """Wire ``service`` to a decision journal as ``Daemon`` does: ledger records and submissions
-    are journaled when published, and the handlers wait for the journal's fsync."""
-    import asyncio
-
-    from daemon.journal import JournaledPublisher, JournalFile
-    from hlb.v1 import events_pb2 as ev
+    are published by the daemon's ``DecisionPublisher`` through a journal (nothing behind it), and
+    the handlers wait for the journal's fsync."""
+    from daemon.config import Topics
+    from daemon.journal import JournaledPublisher, JournalFile, synced
+    from daemon.metrics import DaemonMetrics
+    from daemon.service import DecisionPublisher
 
     journal = JournalFile.open(Path(journal_dir))
     publisher = JournaledPublisher(Discard(), journal)
-    scheduler.ledger.subscribe(lambda p: publisher.publish("hlb.placements", p.cell.encode(), p.SerializeToString()))
+    decisions = DecisionPublisher(publisher, Topics(), scheduler, time.time, DaemonMetrics().placements)
+    scheduler.ledger.subscribe(decisions.placement)
 
-    def submitted(spec: Any) -> None:
-        event = ev.TaskEvent(cell=scheduler.cell, event_time_ms=int(time.time() * 1000), submitted=spec)
-        publisher.publish("hlb.tasks", scheduler.cell.encode(), event.SerializeToString())
-
-    async def durable() -> None:
-        target = journal.appended
-        if journal.durable < target:
-            await asyncio.to_thread(journal.sync, target)
-
-    service.on_submitted = submitted
-    service.durable = durable
+    service.on_submitted = decisions.submitted
+    service.durable = lambda: synced(journal)
     return journal
 
 

@@ -21,6 +21,7 @@ file (a write torn by a crash): it and anything after it are discarded, and logg
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import struct
@@ -239,6 +240,14 @@ class JournalFile:
     def _check_open(self) -> None:
         if self._fd < 0:
             raise ValueError(f"journal {self.path} is closed")
+
+
+async def synced(journal: JournalFile) -> None:
+    """Return once every record appended so far is on disk: the fsync (group commit) runs on a
+    worker thread, so the event loop serves other requests meanwhile."""
+    target = journal.appended
+    if journal.durable < target:
+        await asyncio.to_thread(journal.sync, target)
 
 
 class JournaledPublisher:

@@ -36,18 +36,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from prometheus_client import Counter
 from pydantic import BaseModel
 
 from daemon import snapshot
 from daemon.api import GrpcServer, SchedulerService, cluster_state
 from daemon.bus import EventBus, MemoryBus, Publisher, RawEvent
 from daemon.codec import decode
-from daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
+from daemon.config import EX_CONFIG, Settings, Topics, default_config_path, load_settings
 from daemon.errors import BrokerError, ConfigError, EventError, InvalidEventError
 from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, IngestStats, IngestThread
-from daemon.journal import JournaledPublisher, JournalFile
+from daemon.journal import JournaledPublisher, JournalFile, synced
 from daemon.lag import (
     EndOffsetProbe,
     KafkaEndOffsets,
@@ -140,7 +141,9 @@ class Daemon:
             remember_ended=settings.scheduler.remember_ended,
         )
         self.raw_publisher = bus.publisher()
-        self.publisher: Publisher = self.raw_publisher  # journaled once run() opens the journal
+        self.decisions = DecisionPublisher(
+            self.raw_publisher, settings.kafka.topics, self.scheduler, clock, self.metrics.placements
+        )
         # The journal: on by default with Kafka (a memory bus ends with the process anyway).
         self.journal_enabled = settings.bus == "kafka" and shard is None
         # A shard's decisions are committed in Kafka transactions instead (``run_shard``).
@@ -180,16 +183,15 @@ class Daemon:
 
     # -- the seams the publisher and ledger are observed through ----------------------------
 
-    def _publish_placement(self, placement: ev.Placement) -> None:
-        self.publisher.publish(
-            self.settings.kafka.topics.placements, placement.cell.encode(), placement.SerializeToString()
-        )
-        self.metrics.placements.labels(policy=placement.policy).inc()
+    @property
+    def publisher(self) -> Publisher:
+        """Where the daemon's decisions go: the bus's publisher, journaled once run() opens the
+        journal, or a shard's transactions (``run_shard``)."""
+        return self.decisions.publisher
 
-    def _publish_submitted(self, spec: ev.TaskSpec) -> None:
-        cell = self.scheduler.cell
-        event = ev.TaskEvent(cell=cell, event_time_ms=int(self.clock() * 1000), submitted=spec)
-        self.publisher.publish(self.settings.kafka.topics.tasks, cell.encode(), event.SerializeToString())
+    @publisher.setter
+    def publisher(self, publisher: Publisher) -> None:
+        self.decisions.publisher = publisher
 
     def open_journal(self) -> int:
         """Open the journal, restore its decisions the ledger lacks and publish them again; returns
@@ -244,12 +246,8 @@ class Daemon:
         if self.transactions is not None:
             await asyncio.to_thread(self.transactions.commit)
             return
-        journal = self.journal
-        if journal is None:
-            return
-        target = journal.appended
-        if journal.durable < target:
-            await asyncio.to_thread(journal.sync, target)
+        if self.journal is not None:
+            await synced(self.journal)
 
     def _end_offsets(self, topics: Sequence[str]) -> EndOffsetProbe | None:
         if isinstance(self.bus, MemoryBus):
@@ -419,7 +417,7 @@ class Daemon:
         if self.journal_enabled:
             await asyncio.to_thread(self.open_journal)  # after the ledger topic: it fills the gaps
         start = await asyncio.to_thread(self.restore_snapshot)  # after the ledger: it binds to it
-        self.ledger.subscribe(self._publish_placement)
+        self.ledger.subscribe(self.decisions.placement)
 
         inputs = [topics.telemetry, topics.tasks]
         await asyncio.to_thread(self.capture_replay_targets, inputs, start)
@@ -487,7 +485,7 @@ class Daemon:
         if not self.scheduler.cell:
             self.scheduler.cell = next((p.cell for p in self.ledger.since(0) if p.cell), "")
         log.info("shard restored", shard=self.shard, cell=self.scheduler.cell, placements=restored)
-        self.ledger.subscribe(self._publish_placement)
+        self.ledger.subscribe(self.decisions.placement)
         inputs = [topics.telemetry, topics.tasks]
         await asyncio.to_thread(self.capture_replay_targets, inputs, start)
         ingest = self._shard_ingest(inputs, start)
@@ -533,7 +531,7 @@ class Daemon:
         return self.ingest
 
     def _make_service(self) -> SchedulerService:
-        service = SchedulerService(self.scheduler, self.lock, self._publish_submitted)
+        service = SchedulerService(self.scheduler, self.lock, self.decisions.submitted)
         service.staleness_ms = self.staleness_ms
         service.refusal = self.refusal
         service.durable = self.durable
@@ -814,6 +812,41 @@ class Daemon:
             self.rate_limit.bucket = _bucket(new, self._monotonic)
         else:
             bucket.configure(rate, default_burst(rate, burst))
+
+
+class DecisionPublisher:
+    """What the daemon publishes as its own decisions: each placement the ledger records (topic
+    ``placements``, counted by policy in ``hlb_placements``) and each task submitted through the
+    API (topic ``tasks``, a ``submitted`` event of the scheduler's cell). ``publisher`` is replaced
+    when the journal opens (``Daemon.open_journal``) or a shard's transactions start.
+    ``hlb bench latency --journal`` publishes through this class too."""
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        topics: Topics,
+        scheduler: Scheduler,
+        clock: Callable[[], float],
+        placements: Counter,
+    ) -> None:
+        self.publisher = publisher
+        self._topics = topics
+        self._scheduler = scheduler
+        self._clock = clock
+        self._placements = placements
+        self._placements_of: dict[str, Counter] = {}  # the counter's child per policy, looked up once
+
+    def placement(self, placement: ev.Placement) -> None:
+        self.publisher.publish(self._topics.placements, placement.cell.encode(), placement.SerializeToString())
+        counter = self._placements_of.get(placement.policy)
+        if counter is None:
+            counter = self._placements_of[placement.policy] = self._placements.labels(policy=placement.policy)
+        counter.inc()
+
+    def submitted(self, spec: ev.TaskSpec) -> None:
+        cell = self._scheduler.cell
+        event = ev.TaskEvent(cell=cell, event_time_ms=int(self._clock() * 1000), submitted=spec)
+        self.publisher.publish(self._topics.tasks, cell.encode(), event.SerializeToString())
 
 
 def _stop_policy(policy: Policy) -> None:

@@ -500,3 +500,40 @@ def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
     daemon.reloaders["scheduler."](daemon.settings)
     assert built == ["least-loaded"]
     assert daemon.scheduler.policy is not before
+
+
+def test_decisions_are_published_to_their_topics_and_counted_per_policy() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    from daemon.service import DecisionPublisher
+    from hlb.v1 import events_pb2 as ev
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.records: list[tuple[str, bytes | None, bytes | None]] = []
+
+        def publish(self, topic: str, key: bytes | None, value: bytes | None, headers: Any = ()) -> None:
+            self.records.append((topic, key, value))
+
+        def flush(self, timeout_s: float) -> int:
+            return 0
+
+    registry = CollectorRegistry()
+    counter = Counter("hlb_placements", "placements", ["policy"], registry=registry)
+    scheduler = Scheduler(InfraGraph(), LeastLoaded(), PlacementLedger(), "cell-a", clock=lambda: 12.5)
+    first, second = Recorder(), Recorder()
+    topics = Topics(placements="p", tasks="t")
+    decisions = DecisionPublisher(first, topics, scheduler, lambda: 12.5, counter)
+    for policy in ("gnn", "gnn", "hetero-greedy"):
+        decisions.placement(ev.Placement(task_id=f"x-{policy}", cell="cell-a", policy=policy))
+    decisions.publisher = second  # as when the journal opens: later decisions go through it
+    decisions.submitted(ev.TaskSpec(id="s1", memory_per_device_gb=2))
+    decisions.placement(ev.Placement(task_id="y", cell="cell-a", policy="gnn"))
+
+    assert [(topic, key) for topic, key, _ in first.records] == [("p", b"cell-a")] * 3
+    assert ev.Placement.FromString(first.records[2][2] or b"").policy == "hetero-greedy"
+    assert [(topic, key) for topic, key, _ in second.records] == [("t", b"cell-a"), ("p", b"cell-a")]
+    event = ev.TaskEvent.FromString(second.records[0][2] or b"")
+    assert (event.cell, event.event_time_ms, event.submitted.id) == ("cell-a", 12_500, "s1")
+    assert registry.get_sample_value("hlb_placements_total", {"policy": "gnn"}) == 3.0
+    assert registry.get_sample_value("hlb_placements_total", {"policy": "hetero-greedy"}) == 1.0
