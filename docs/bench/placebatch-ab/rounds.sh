@@ -5,7 +5,7 @@
 #
 #   bash docs/bench/placebatch-ab/rounds.sh /path/to/before /path/to/after 8 SET >> rounds.jsonl
 #
-# Arguments after SET go to every run (journal-rounds.jsonl: `... 12 1 --journal`).
+# Arguments after SET go to every run (journal-rounds.jsonl: `... 8 1 --journal`).
 set -euo pipefail
 before=$1 after=$2 rounds=$3 set_no=${4:-1}
 shift $(($# < 4 ? $# : 4))

@@ -1,8 +1,8 @@
 """Summary of repeated ``hlb bench latency --json`` runs of one code, read from their output.
 
 The file holds the runs' JSON documents one after another (``hlb bench latency ... --json``
-appended to it); runs are grouped by policy,
-device count and journal. Per group: the runs, how many met each target (``met`` in the JSON:
+appended to it); runs are grouped by policy, device count and journal. Per group: the runs, how
+many met each target (``met`` in the JSON:
 ``Place`` p99 within the bound over the floor's p99, ``PlaceBatch`` at least 20,000 placements/s),
 and the slowest, mean and fastest of ``PlaceBatch`` placements/s and of ``Place`` p99 over the
 floor. The runs of 2026-12-05 (``runs.json`` beside this file) came from::
