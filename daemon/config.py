@@ -204,6 +204,11 @@ class ModelSettings(_Section):
     # expected free time, from the run time estimates of the tasks placed there, plus its run time
     # there) when the scorer ranks that device above the free one it could take now.
     wait_for_faster: bool = True
+    # With wait_for_faster on, a gang also stays queued for the devices of one host (free now or
+    # busy) where it would finish in under this share of its estimated finish on the devices it
+    # could take now, counting the wait for the last of them (chosen on training seeds); 0: gangs
+    # never wait.
+    gang_wait_factor: float = Field(0.5, ge=0.0, le=1.0)
     # Queue order within a priority while the GNN decides: shortest estimated run time first (on
     # the fastest device model the task may use, times its gang), or arrival order.
     queue_order: Literal["shortest-first", "arrival"] = "shortest-first"

@@ -48,7 +48,7 @@ from daemon.graph import InfraGraph, Occupancy, Rows, Task
 from daemon.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
 from daemon.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, Wait, choose_gang
 from daemon.shortlist import ShortlistBatch, shortlist
-from daemon.waiting import RunTimes, declared_load, service_wait, slo_fit, wait_options
+from daemon.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -276,10 +276,14 @@ class GnnPolicy(Policy):
     ) -> Wait | None:
         """A busy device to wait for instead of the free one in ``gang`` (scored ``score``): the
         best of :func:`daemon.waiting.wait_options` by the scorer, when it scores above ``score``;
-        for a service with a declared load, :func:`daemon.waiting.service_wait`."""
+        for a service with a declared load, :func:`daemon.waiting.service_wait`; for a gang, the
+        host of :func:`daemon.waiting.gang_wait` (``model.gang_wait_factor``)."""
         cache = self._cache
         if cache is None:
             return None
+        if len(gang) > 1:
+            factor = self.settings.gang_wait_factor
+            return gang_wait(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, factor)
         if self._fits(spec):
             return service_wait(spec, graph, gang, now_ms, self.fallback.profiles)
         options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._runtimes)

@@ -71,7 +71,7 @@ class StateSample:
     consumer_lag: Mapping[tuple[str, int], int] = field(default_factory=dict)
     degraded: str = ""  # why the configured policy cannot decide now (a fallback does); empty when it can
     model_provider: str = ""  # onnxruntime execution provider the GNN runs on; empty without one
-    waiting_for_device: int = 0  # queued tasks the policy holds for a busy, faster device
+    waiting_for_device: int = 0  # queued tasks the policy holds for a busy, faster device (a gang: a host)
     tasks_held: int = 0  # tasks in memory, ended ones not forgotten yet included
     tasks_forgotten: int = 0  # ended tasks forgotten since start (scheduler.keep_ended_s)
 

@@ -83,7 +83,8 @@ class BatchChooser(Protocol):
 class Wait:
     """A policy's choice to leave a task queued for a busy device where it would finish sooner than
     on the free device it could take now: ``row`` is expected free in ``wait_s``, the task would run
-    ``runtime_s`` there; ``free_finish_s`` is the estimated finish on the free device it declines."""
+    ``runtime_s`` there; ``free_finish_s`` is the estimated finish on the free device it declines
+    (for a gang: on the devices it declines, ``row`` the last of the host's devices it waits for)."""
 
     row: int
     device_id: str
@@ -93,6 +94,8 @@ class Wait:
     # A service waiting for a device that meets its latency SLO: the estimated request latency (ms)
     # on the free device it declines; 0 for a task waiting to finish sooner.
     free_latency_ms: float = 0.0
+    # A gang waiting for this many devices of one host (``row`` the last of them expected free).
+    devices: int = 1
 
     @property
     def reason(self) -> str:
@@ -106,6 +109,12 @@ class Wait:
             return (
                 f"waiting for device {self.device_id}: expected free in {self.wait_s:,.0f} s, where it would meet"
                 f" its latency SLO ({now})"
+            )
+        if self.devices > 1:
+            return (
+                f"waiting for {self.devices} devices on the host of {self.device_id}, the last expected free in"
+                f" {self.wait_s:,.0f} s, where it would finish in {self.wait_s + self.runtime_s:,.0f} s against"
+                f" {self.free_finish_s:,.0f} s on the devices free now"
             )
         return (
             f"waiting for device {self.device_id}: expected free in {self.wait_s:,.0f} s, where it would finish"
@@ -488,7 +497,7 @@ def make_policy(
         return HeteroGreedy(w)
     if name == "heft":
         return Heft(w)
-    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join((*POLICY_NAMES, 'gnn'))}")
 
 
 __all__ = [

@@ -12,6 +12,12 @@ daemon runs:
   each described as it will be once free; the policy's scorer scores them, and the task waits for
   the best of them when that scores above the free device. A device that overran its expected end counts as free in
   as long as it has overrun, so the longer it overruns the less it attracts.
+- **Gangs waiting for a faster host** (``model.gang_wait_factor``, with waiting on): a gang that
+  could take devices now is compared with each host whose devices, free now or busy, would finish
+  it first, counting the wait for the last of them (:func:`gang_wait`); it waits for the best such
+  host when it would finish there in under the factor times its estimated finish on the devices it
+  could take now. A rule by estimated finish, as the service rule is: the scorer does not weigh
+  it. The factor (0.5) was chosen on training seeds of the training families.
 - **Queue order** (``model.queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use, times its gang (shortest first), with a service
   (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
@@ -156,6 +162,59 @@ def wait_options(
     return WaitOptions(int(gang[0]), rows, pair, wait_s[top], runtime[top], free_finish)
 
 
+def gang_wait(
+    spec: ev.TaskSpec,
+    graph: InfraGraph,
+    gang: Rows,
+    now_ms: int,
+    queued_s: Mapping[int, float],
+    profiles: DeviceProfiles,
+    factor: float,
+) -> Wait | None:
+    """For a gang (with work, not a service) on exclusive devices that could take ``gang`` now: the
+    host whose devices would finish it first, waiting for them if need be, when that finish is under
+    ``factor`` times its estimated finish on ``gang``; None otherwise, when those devices are all free
+    now (the gang's own choice stands), or when ``factor`` is 0.
+
+    A host's candidates are its devices free now and those busy with an expected end that the gang
+    fits once free (``InfraGraph.busy_rows``); each is ready after its expected free time plus the
+    run time of the tasks already waiting for it, and runs the gang at its consolidated (one-host)
+    rate. Of each host the ``len(gang)`` devices that would finish first are taken: the gang starts
+    when the last of them is ready and ends when its slowest member does."""
+    size = len(gang)
+    if size < 2 or factor <= 0 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0 or not graph.exclusive:
+        return None
+    busy = graph.busy_rows(spec)
+    if not len(busy):
+        return None
+    d = graph.devices
+    free = graph.feasible_rows(spec)
+    one_host = len(np.unique(d.host[gang])) == 1
+    free_finish = float(profiles.runtime_s(graph, gang, spec, size, one_host).max())
+    rows = np.concatenate([free, busy])
+    ready_s = np.zeros(len(rows))
+    ready_s[len(free) :] = np.abs(d.free_at_ms[busy] - now_ms) / 1000.0
+    if queued_s:
+        ready_s += np.array([queued_s.get(r, 0.0) for r in rows.tolist()])
+    runtime = profiles.runtime_s(graph, rows, spec, size, True)
+    hosts = d.host[rows]
+    order = np.lexsort((ready_s + runtime, hosts))  # by host, then by finish on the device (stable)
+    _, starts, counts = np.unique(hosts[order], return_index=True, return_counts=True)
+    starts = starts[counts >= size]
+    if not len(starts):
+        return None
+    members = order[starts[:, None] + np.arange(size)]  # [H, size]: each host's first finishers
+    wait_s = ready_s[members].max(axis=1)
+    run_s = runtime[members].max(axis=1)
+    best = int(np.argmin(wait_s + run_s))
+    if wait_s[best] <= 0 or wait_s[best] + run_s[best] >= factor * free_finish:
+        return None
+    last = members[best][int(np.argmax(ready_s[members[best]]))]
+    row = int(rows[last])
+    device_id = d.ids[row] or ""
+    return Wait(row, device_id, float(wait_s[best]), float(run_s[best]), free_finish, devices=size)
+
+
 def declared_load(spec: ev.TaskSpec) -> tuple[float, float] | None:
     """A service's declared request rate (1/s) and one request's work (reference-device ms), or None
     for a task without a latency SLO or without both labels (their values are checked on submit)."""
@@ -247,6 +306,7 @@ __all__ = [
     "RunTimes",
     "WaitOptions",
     "declared_load",
+    "gang_wait",
     "request_latency_ms",
     "service_lifetime_s",
     "service_wait",

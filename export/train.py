@@ -49,7 +49,7 @@ from daemon import features as feat
 from daemon.graph import InfraGraph, Rows, Task
 from daemon.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
 from daemon.profiles import DeviceProfiles, default_profiles
-from daemon.waiting import RunTimes, declared_load, service_wait, slo_fit, wait_options
+from daemon.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
 from export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
@@ -107,17 +107,18 @@ class TrainConfig:
     rounds: int = 2
     seed: int = 0
     # The daemon's rules the student decides by in REINFORCE and validation (model.wait_for_faster,
-    # model.queue_order, model.fit_services); DAgger follows the teacher, which neither waits nor
-    # reorders.
+    # model.gang_wait_factor, model.queue_order, model.fit_services); DAgger follows the teacher,
+    # which neither waits nor reorders.
     wait_for_faster: bool = True
+    gang_wait_factor: float = 0.5
     queue_order: str = "shortest-first"
     fit_services: bool = True
 
     def describe(self) -> str:
         stages = "; ".join(s.label() for s in self.stages)
         rules = (
-            f"wait_for_faster {str(self.wait_for_faster).lower()}, queue_order {self.queue_order}, "
-            f"fit_services {str(self.fit_services).lower()}"
+            f"wait_for_faster {str(self.wait_for_faster).lower()}, gang_wait_factor {self.gang_wait_factor:g}, "
+            f"queue_order {self.queue_order}, fit_services {str(self.fit_services).lower()}"
         )
         return (
             f"hlb train: DAgger x{self.dagger_iterations} from lookahead(k={self.teacher_k}, "
@@ -169,8 +170,8 @@ class Decision:
 
 class TorchGnnPolicy(Policy):
     """The torch model as a daemon policy, for training: the same inputs the exported model reads,
-    and the daemon's rules (:mod:`daemon.waiting`) when ``wait_for_faster``, ``queue_order`` and
-    ``fit_services`` say so, as the same ``model.`` settings do for the daemon's GNN.
+    and the daemon's rules (:mod:`daemon.waiting`) when ``wait_for_faster``, ``gang_wait_factor``,
+    ``queue_order`` and ``fit_services`` say so, as the same ``model.`` settings do for the daemon's GNN.
 
     The encoder runs once per graph state (inventory, metrics, bindings, task set and time); the
     scorer once per decision over the feasible rows, and once more over the wait options of a task
@@ -190,9 +191,11 @@ class TorchGnnPolicy(Policy):
         wait_for_faster: bool = False,
         queue_order: str = "arrival",
         fit_services: bool = False,
+        gang_wait_factor: float = 0.0,
     ) -> None:
         self.model = model
         self.wait_for_faster = wait_for_faster
+        self.gang_wait_factor = gang_wait_factor
         self.queue_order = queue_order
         self.fit_services = fit_services
         w = weights or ObjectiveWeights()
@@ -271,7 +274,10 @@ class TorchGnnPolicy(Policy):
     ) -> Wait | None:
         """As the daemon's GNN decides (:meth:`daemon.gnn_policy.GnnPolicy.wait_for`); sampled
         among the free device and the options with ``temperature`` > 0, and recorded as a decision
-        over those candidates (the free one first)."""
+        over those candidates (the free one first). A gang waits by the rule alone
+        (:func:`daemon.waiting.gang_wait`), which neither samples nor records."""
+        if len(gang) > 1:
+            return gang_wait(spec, graph, gang, now_ms, queued_s, self.profiles, self.gang_wait_factor)
         if self.fit_services and declared_load(spec) is not None:
             return service_wait(spec, graph, gang, now_ms, self.profiles)
         options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._runtimes)
@@ -465,6 +471,7 @@ class Trainer:
             wait_for_faster=self.config.wait_for_faster,
             queue_order=self.config.queue_order,
             fit_services=self.config.fit_services,
+            gang_wait_factor=self.config.gang_wait_factor,
         )
 
     # phases

@@ -54,14 +54,16 @@ TABLE_METRICS = (
 SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
 # The daemon's GNN, run from its ONNX files as hlb serve runs them: ``gnn`` with its default
 # settings, and variants with a rule off (model.wait_for_faster, model.queue_order,
-# model.fit_services), to measure what each contributes: (wait, queue order, fit services).
-GNN_VARIANTS: dict[str, tuple[bool, str, bool]] = {
-    "gnn": (True, "shortest-first", True),
-    "gnn-no-wait": (False, "shortest-first", True),
-    "gnn-fifo": (True, "arrival", True),
-    "gnn-no-wait-fifo": (False, "arrival", True),
-    "gnn-no-fit": (True, "shortest-first", False),
-    "gnn-no-rules": (False, "arrival", False),
+# model.fit_services, model.gang_wait_factor 0), to measure what each contributes: (wait, queue
+# order, fit services, gangs wait). Without wait_for_faster no task waits, gangs included.
+GNN_VARIANTS: dict[str, tuple[bool, str, bool, bool]] = {
+    "gnn": (True, "shortest-first", True, True),
+    "gnn-no-wait": (False, "shortest-first", True, True),
+    "gnn-fifo": (True, "arrival", True, True),
+    "gnn-no-wait-fifo": (False, "arrival", True, True),
+    "gnn-no-fit": (True, "shortest-first", False, True),
+    "gnn-no-gang-wait": (True, "shortest-first", True, False),
+    "gnn-no-rules": (False, "arrival", False, False),
 }
 LEARNED_POLICIES = tuple(GNN_VARIANTS)
 
@@ -115,8 +117,14 @@ def make_sim_policy(
 
 
 def _gnn_settings(
-    model: str | None, wait: bool = True, order: str = "shortest-first", fit: bool = True, refresh_rows: int = 1
+    model: str | None,
+    wait: bool = True,
+    order: str = "shortest-first",
+    fit: bool = True,
+    gangs_wait: bool = True,
+    refresh_rows: int = 1,
 ) -> Any:
+    """The daemon's ``model`` settings with these rules; the gang wait factor is the default's or 0."""
     from daemon.config import ModelRefreshSettings, ModelSettings
 
     return ModelSettings(
@@ -125,16 +133,23 @@ def _gnn_settings(
         wait_for_faster=wait,
         queue_order=order,
         fit_services=fit,
+        gang_wait_factor=ModelSettings().gang_wait_factor if gangs_wait else 0.0,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=refresh_rows),
     )
 
 
 def _gnn_policy(
-    model: str | None, wait: bool, order: str, fit: bool, refresh_rows: int, weights: ObjectiveWeights | None = None
+    model: str | None,
+    wait: bool,
+    order: str,
+    fit: bool,
+    gangs_wait: bool,
+    refresh_rows: int,
+    weights: ObjectiveWeights | None = None,
 ) -> Policy:
     from daemon.gnn_policy import GnnPolicy
 
-    settings = _gnn_settings(model, wait, order, fit, refresh_rows)
+    settings = _gnn_settings(model, wait, order, fit, gangs_wait, refresh_rows)
     return GnnPolicy(settings, weights, mode="sync", on_fallback=_refuse_fallback)
 
 

@@ -29,7 +29,9 @@ class Clock:
         return self.t
 
 
-def gnn(wait_for_faster: bool = True, queue_order: str = "shortest-first", fit_services: bool = True) -> GnnPolicy:
+def gnn(
+    wait_for_faster: bool = True, queue_order: str = "shortest-first", fit_services: bool = True, gang_wait: float = 0.5
+) -> GnnPolicy:
     """The shipped model, re-encoding before each decision (as in a simulation)."""
     settings = ModelSettings(
         providers=("CPUExecutionProvider",),
@@ -37,6 +39,7 @@ def gnn(wait_for_faster: bool = True, queue_order: str = "shortest-first", fit_s
         wait_for_faster=wait_for_faster,
         queue_order=queue_order,
         fit_services=fit_services,
+        gang_wait_factor=gang_wait,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
     )
     return GnnPolicy(settings, mode="sync")
@@ -289,3 +292,92 @@ def test_a_bad_declared_load_is_refused_naming_the_label(label: str, value: str)
     with pytest.raises(InvalidEventError):
         scheduler.place(spec)
     assert "svc" not in scheduler.graph.tasks
+
+
+# -- a gang waiting for one host's faster devices (model.gang_wait_factor) ------------------------
+
+
+def two_hosts(policy: Policy, clock: Clock) -> Scheduler:
+    """Two devices of the fast model on host hf (f0, f1), two of the slow one on host hs (s0, s1)."""
+    scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "c", clock=clock)
+    for host, model in (("hf", FAST), ("hs", SLOW)):
+        for i in range(2):
+            device = ev.Device(id=f"{host[1]}{i}", host_id=host, kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
+            scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    if isinstance(policy, GnnPolicy):
+        policy.clock_ms = lambda: clock() * 1000.0
+    return scheduler
+
+
+def gang_runtimes_s(scheduler: Scheduler, work_ref_s: float) -> tuple[float, float]:
+    """A gang of two's estimated run time on the fast host's pair and on the slow host's."""
+    spec = ev.TaskSpec(
+        id="probe", workload_class="resnet50", work_ref_s=work_ref_s, num_devices=2, memory_per_device_gb=4
+    )
+    graph = scheduler.graph
+    rows = np.array([graph.devices.index[d] for d in ("f0", "f1", "s0", "s1")], dtype=np.int64)
+    runtime = default_profiles().runtime_s(graph, rows, spec, 2, True)
+    return float(runtime[:2].max()), float(runtime[2:].max())
+
+
+def busy_fast_host(scheduler: Scheduler, ends_in_s: float) -> None:
+    """A gang of two on the fast host, expected to end ``ends_in_s`` from now."""
+    fast_s, _ = gang_runtimes_s(scheduler, 3600.0)
+    submit(scheduler, "busy", work_ref_s=3600.0 * ends_in_s / fast_s, num_devices=2)
+    scheduler.schedule_pending()
+    assert sorted(scheduler.ledger.get("busy").device_ids) == ["f0", "f1"]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("share", "waits"), [(0.5, True), (1.5, False)])
+def test_a_gang_waits_for_a_faster_host_only_when_it_finishes_under_the_factor(share: float, waits: bool) -> None:
+    """Waiting ``share`` of the room the rule leaves (factor x the finish on the free slow host, less
+    the run on the fast one): under it the gang waits and then takes the fast host, over it it takes
+    the slow host now."""
+    clock = Clock()
+    scheduler = two_hosts(gnn(), clock)
+    fast_s, slow_s = gang_runtimes_s(scheduler, 36_000.0)
+    room_s = 0.5 * slow_s - fast_s
+    assert room_s > 0  # the fast model is more than twice as fast: a gang may wait for it
+    busy_fast_host(scheduler, ends_in_s=share * room_s)
+    submit(scheduler, "g", work_ref_s=36_000.0, num_devices=2)
+    placed = scheduler.schedule_pending()
+    if not waits:
+        assert [p.task_id for p in placed] == ["g"]
+        assert sorted(scheduler.ledger.get("g").device_ids) == ["s0", "s1"]  # type: ignore[union-attr]
+        return
+    assert placed == []
+    reason = scheduler.lookup("g").pending
+    assert reason is not None
+    assert reason.reason.startswith("waiting for 2 devices on the host of f")
+    assert f"where it would finish in {share * room_s + fast_s:,.0f} s against {slow_s:,.0f} s" in reason.reason
+    clock.t += share * room_s
+    finish(scheduler, "busy")
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["g"]
+    assert sorted(scheduler.ledger.get("g").device_ids) == ["f0", "f1"]  # type: ignore[union-attr]
+    assert scheduler.waiting_count == 0
+
+
+@pytest.mark.parametrize("policy", ["gnn-factor-0", "gnn-no-wait", "hetero-greedy"])
+def test_a_gang_never_waits_with_the_factor_at_0_without_waiting_or_with_a_baseline(policy: str) -> None:
+    clock = Clock()
+    chosen = {"gnn-factor-0": lambda: gnn(gang_wait=0.0), "gnn-no-wait": lambda: gnn(wait_for_faster=False)}.get(
+        policy, lambda: make_policy(policy)
+    )()
+    scheduler = two_hosts(chosen, clock)
+    fast_s, slow_s = gang_runtimes_s(scheduler, 36_000.0)
+    busy_fast_host(scheduler, ends_in_s=0.1 * (0.5 * slow_s - fast_s))
+    submit(scheduler, "g", work_ref_s=36_000.0, num_devices=2)
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["g"]
+    assert sorted(scheduler.ledger.get("g").device_ids) == ["s0", "s1"]  # type: ignore[union-attr]
+
+
+def test_a_gang_waiting_for_a_host_holds_nothing_on_a_dry_run() -> None:
+    clock = Clock()
+    scheduler = two_hosts(gnn(), clock)
+    fast_s, slow_s = gang_runtimes_s(scheduler, 36_000.0)
+    busy_fast_host(scheduler, ends_in_s=0.1 * (0.5 * slow_s - fast_s))
+    spec = ev.TaskSpec(id="g", workload_class="resnet50", work_ref_s=36_000.0, num_devices=2, memory_per_device_gb=4)
+    decision = scheduler.place(spec, dry_run=True)
+    assert decision.pending is not None
+    assert decision.pending.reason.startswith("waiting for 2 devices")
+    assert scheduler._queued_s == {}

@@ -155,7 +155,12 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
     waited = 0
     rules_of = {
         "gnn-no-rules": {},
-        "gnn": {"wait_for_faster": True, "queue_order": "shortest-first", "fit_services": True},
+        "gnn": {
+            "wait_for_faster": True,
+            "queue_order": "shortest-first",
+            "fit_services": True,
+            "gang_wait_factor": 0.5,
+        },
     }
     for workload in ("gavel", "mixed"):
         busy = train.Stage("mixed:8", workload, 1.2, 20)  # loaded enough that tasks have devices to wait for

@@ -95,18 +95,19 @@ def test_bad_arguments_are_clear_errors(
 
 
 @pytest.mark.parametrize(
-    ("name", "wait", "order", "fit"),
+    ("name", "wait", "order", "fit", "gang_factor"),
     [
-        ("gnn", True, "shortest-first", True),
-        ("gnn-no-wait", False, "shortest-first", True),
-        ("gnn-fifo", True, "arrival", True),
-        ("gnn-no-wait-fifo", False, "arrival", True),
-        ("gnn-no-fit", True, "shortest-first", False),
-        ("gnn-no-rules", False, "arrival", False),
+        ("gnn", True, "shortest-first", True, 0.5),
+        ("gnn-no-wait", False, "shortest-first", True, 0.5),
+        ("gnn-fifo", True, "arrival", True, 0.5),
+        ("gnn-no-wait-fifo", False, "arrival", True, 0.5),
+        ("gnn-no-fit", True, "shortest-first", False, 0.5),
+        ("gnn-no-gang-wait", True, "shortest-first", True, 0.0),
+        ("gnn-no-rules", False, "arrival", False, 0.0),
     ],
 )
 def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
-    name: str, wait: bool, order: str, fit: bool
+    name: str, wait: bool, order: str, fit: bool, gang_factor: float
 ) -> None:
     from daemon.gnn_policy import GnnPolicy
 
@@ -114,6 +115,7 @@ def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     assert isinstance(policy, GnnPolicy)
     assert (policy.settings.wait_for_faster, policy.settings.queue_order) == (wait, order)
     assert policy.settings.fit_services is fit
+    assert policy.settings.gang_wait_factor == gang_factor
     assert policy.settings.refresh.min_changed_rows == 256
     assert policy.mode == "sync"
 
