@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured calls first (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1000, help="tasks per PlaceBatch (default: %(default)s)")
     parser.add_argument("--batches", type=int, default=10, help="PlaceBatch calls (default: %(default)s)")
-    parser.add_argument("--policy", default="hetero-greedy", help="placement policy (default: %(default)s)")
+    parser.add_argument(
+        "--policy", type=policy_name, default="hetero-greedy", help="placement policy (default: %(default)s)"
+    )
     parser.add_argument(
         "--model", type=Path, default=None, help="with --policy gnn: model folder (default: shipped, else random)"
     )
@@ -70,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--journal", action="store_true", help="fsync decisions to a decision journal before answering, as the daemon"
     )
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
+
+
+def policy_name(text: str) -> str:
+    """An argparse ``type`` for ``--policy``: a name ``make_policy`` knows (the baselines or ``gnn``)."""
+    from daemon.policy import POLICY_NAMES  # here, not at the top: `hlb bench --help` stays cheap
+
+    names = (*POLICY_NAMES, "gnn")
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}: expected one of {', '.join(names)}")
+    return text
 
 
 def synthetic_devices(n: int) -> list[Any]:

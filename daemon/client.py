@@ -10,10 +10,12 @@ default, JSON with ``--json``.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -30,13 +32,66 @@ from hlb.v1 import scheduler_pb2_grpc as api_grpc
 KINDS = {name.removeprefix("DEVICE_KIND_").lower(): value for name, value in ev.DeviceKind.items() if value}
 TASK_KINDS = {name.removeprefix("TASK_KIND_").lower(): value for name, value in ev.TaskKind.items() if value}
 
+# The ranges of the protobuf fields the integer options fill (protobuf raises on anything outside).
+UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+UINT64_MAX = 2**64 - 1
+# gRPC turns a deadline much further out than this into one already past.
+MAX_TIMEOUT_S = 86_400.0
+# Exit status of a process whose reader went away (128 + SIGPIPE), as the shell reports it.
+EX_BROKEN_PIPE = 141
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to ``high`` (None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            allowed = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: expected an integer {allowed}")
+        return value
+
+    return parse
+
+
+def timeout(text: str) -> float:
+    """An argparse ``type``: a deadline in seconds, above 0 and at most ``MAX_TIMEOUT_S``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: expected seconds above 0, at most {MAX_TIMEOUT_S:g}")
+    return value
+
+
+def required(what: str) -> Callable[[str], str]:
+    """An argparse ``type``: a non-empty string; ``what`` names it in the error (an empty value
+    would otherwise read as the option left out)."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{what} is required")
+        return text
+
+    return parse
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Place a task, look up or explain a placement, score devices, or watch placements on a running daemon."
     )
-    parser.add_argument("--target", default="127.0.0.1:50051", help="daemon gRPC address (default: %(default)s)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
+    parser.add_argument(
+        "--target",
+        type=required("a host:port"),
+        default="127.0.0.1:50051",
+        help="daemon gRPC address (default: %(default)s)",
+    )
+    parser.add_argument("--timeout", type=timeout, default=10.0, help="deadline of each call, seconds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--cell", default="", help="the cell (default: the daemon's own; any instance forwards)")
     tls = parser.add_argument_group("TLS (the daemon's grpc.tls settings)")
@@ -44,28 +99,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--tls-ca", type=Path, help="CA bundle to verify the daemon with (default: the system's roots)")
     tls.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mutual TLS")
     tls.add_argument("--tls-key", type=Path, help="private key (PEM) of --tls-cert")
-    tls.add_argument("--tls-server-name", help="name the daemon's certificate must carry (default: the target's host)")
+    tls.add_argument(
+        "--tls-server-name",
+        type=required("a name"),
+        help="name the daemon's certificate must carry (default: the target's host)",
+    )
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--file", type=Path, help="task spec as JSON (protobuf JSON mapping of hlb.v1.TaskSpec)")
-    what.add_argument("--get", metavar="TASK_ID", help="show the placement of a task, or why it is pending")
+    what.add_argument(
+        "--get",
+        type=required("a task id"),
+        metavar="TASK_ID",
+        help="show the placement of a task, or why it is pending",
+    )
     what.add_argument("--watch", action="store_true", help="stream placements as they are made")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--explain", action="store_true", help="explain instead of placing (with --get: a known task)")
-    action.add_argument("--score", nargs="+", metavar="DEV", help="score these candidate devices for the task")
-    parser.add_argument("--top", type=int, default=5, help="with --explain: candidates to show (default: %(default)s)")
-    parser.add_argument("--from-sequence", type=int, default=1, help="with --watch: first sequence number")
-    parser.add_argument("--count", type=int, default=0, help="with --watch: stop after this many (0: never)")
-    parser.add_argument("--id", help="task id (default: a new random id)")
+    action.add_argument(
+        "--score",
+        nargs="+",
+        type=required("a device id"),
+        metavar="DEV",
+        help="score these candidate devices for the task",
+    )
+    parser.add_argument(
+        "--top", type=int_in(1, UINT32_MAX), default=5, help="with --explain: candidates to show (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--from-sequence", type=int_in(0, UINT64_MAX), default=1, help="with --watch: first sequence number"
+    )
+    parser.add_argument("--count", type=int_in(0), default=0, help="with --watch: stop after this many (0: never)")
+    parser.add_argument("--id", type=required("a task id"), help="task id (default: a new random id)")
     parser.add_argument("--job", default="", help="job id")
     parser.add_argument("--task-kind", choices=sorted(TASK_KINDS), help="training, inference or batch_stage")
-    parser.add_argument("--devices", type=int, default=1, help="gang size (default: %(default)s)")
+    parser.add_argument(
+        "--devices", type=int_in(1, UINT32_MAX), default=1, help="gang size, at least 1 (default: %(default)s)"
+    )
     parser.add_argument("--memory-gb", type=float, default=0.0, help="memory per device, GB")
     parser.add_argument("--work-s", type=float, default=0.0, help="estimated work: seconds on one reference V100")
     parser.add_argument("--kind", action="append", choices=sorted(KINDS), default=[], help="allowed device kind")
     parser.add_argument("--model", action="append", default=[], help="allowed device model (repeatable)")
     parser.add_argument("--workload", default="", help="workload class, e.g. resnet50 or resnet50-bs64")
-    parser.add_argument("--priority", type=int, default=0)
-    parser.add_argument("--after", action="append", default=[], metavar="TASK_ID", help="a dependency (repeatable)")
+    parser.add_argument(
+        "--priority", type=int_in(INT32_MIN, INT32_MAX), default=0, help="higher runs first (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        type=required("a task id"),
+        metavar="TASK_ID",
+        help="a dependency (repeatable)",
+    )
     parser.add_argument("--latency-slo-ms", type=float, default=0.0, help="a service's latency SLO, ms (0: none)")
     parser.add_argument(
         "--label",
@@ -81,11 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def task_from_args(args: argparse.Namespace) -> ev.TaskSpec:
     if args.file is not None:
         try:
-            return json_format.Parse(args.file.read_text(), ev.TaskSpec())
+            return json_format.Parse(args.file.read_text(encoding="utf-8"), ev.TaskSpec())
+        except UnicodeDecodeError as exc:
+            raise SystemExit(f"hlb place: {args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except (OSError, json_format.ParseError) as exc:
             raise SystemExit(f"hlb place: {args.file}: {exc}") from None
     return ev.TaskSpec(
-        id=args.id or f"task-{uuid.uuid4().hex[:12]}",
+        id=args.id if args.id is not None else f"task-{uuid.uuid4().hex[:12]}",
         job_id=args.job,
         kind=TASK_KINDS[args.task_kind] if args.task_kind else ev.TASK_KIND_UNSPECIFIED,
         num_devices=args.devices,
@@ -126,12 +213,19 @@ def run(args: argparse.Namespace) -> int:
     with open_channel(args) as channel:
         stub = api_grpc.SchedulerStub(channel)
         try:
-            return _run(stub, args, sys.stdout)
+            code = _run(stub, args, sys.stdout)
+            sys.stdout.flush()  # here, so that a reader gone away is caught below and not at exit
+            return code
         except grpc.RpcError as exc:
             print(f"hlb place: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130
+        except BrokenPipeError:
+            # The reader (`| head`) has gone: stop quietly. Python flushes stdout again at exit,
+            # which would fail the same way, so stdout goes nowhere from here on.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EX_BROKEN_PIPE
 
 
 def _run(stub: api_grpc.SchedulerStub, args: argparse.Namespace, out: TextIO) -> int:
@@ -139,14 +233,14 @@ def _run(stub: api_grpc.SchedulerStub, args: argparse.Namespace, out: TextIO) ->
         watch(stub, args.from_sequence, args.count, args.json, out, args.cell)
         return 0
     if args.explain:
-        request = api.ExplainRequest(top_k=max(1, args.top), cell=args.cell)
-        if args.get:
+        request = api.ExplainRequest(top_k=args.top, cell=args.cell)
+        if args.get is not None:
             request.task_id = args.get
         else:
             request.task.CopyFrom(task_from_args(args))
         print_explanation(stub.Explain(request, timeout=args.timeout), args.json, out)
         return 0
-    if args.get:
+    if args.get is not None:
         got = stub.GetPlacement(api.GetPlacementRequest(task_id=args.get, cell=args.cell), timeout=args.timeout)
         print_outcome(got.placement if got.HasField("placement") else got.pending, args.json, out)
         return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -81,6 +82,8 @@ class Agent:
         max_tasks: int = 0,
         clock: Clock = time.time,
     ) -> None:
+        if not (math.isfinite(rate_per_s) and rate_per_s > 0):
+            raise ValueError(f"rate_per_s must be a finite number above 0, got {rate_per_s}")
         self.publisher = publisher
         self.placements = placements
         self.topics = topics
@@ -213,10 +216,23 @@ def make_agent(bus: EventBus, topics: Topics, cell: str, seed: int, rate_per_s: 
     return Agent(bus.publisher(), placements, topics, cell, seed, rate_per_s, max_tasks=max_tasks)
 
 
+def submission_rate(text: str) -> float:
+    """An argparse ``type`` for ``--rate``: task submissions per second, a finite number above 0."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(rate) and rate > 0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: expected submissions per second above 0")
+    return rate
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Publish a small heterogeneous cluster's inventory, telemetry and tasks to Kafka."
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config (Kafka and topics)")
-    parser.add_argument("--rate", type=float, default=1.0, help="task submissions per second (Poisson)")
+    parser.add_argument(
+        "--rate", type=submission_rate, default=1.0, help="task submissions per second (Poisson; default: %(default)s)"
+    )
     parser.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
     parser.add_argument("--tasks", type=int, default=0, help="stop submitting after this many tasks (0: never)")
     parser.add_argument("--seed", type=int, default=0)

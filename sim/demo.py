@@ -28,7 +28,7 @@ from daemon.logs import configure_logging
 from daemon.service import Daemon, make_bus
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import make_agent
+from sim.agent import make_agent, submission_rate
 from sim.kafka_local import LocalBroker, free_port, java_available
 
 
@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Start Kafka, the daemon and a simulated agent, and show placements arriving."
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config to start from")
     parser.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
-    parser.add_argument("--rate", type=float, default=2.0, help="task submissions per second")
+    parser.add_argument(
+        "--rate", type=submission_rate, default=2.0, help="task submissions per second (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory", action="store_true", help="use the in-memory bus even if Kafka could run")
     parser.add_argument("--workdir", type=Path, default=Path(".demo"), help="broker data and logs")
@@ -60,12 +62,7 @@ def run(args: argparse.Namespace) -> int:
             print("hlb demo: starting a Kafka broker (the first run fetches its jars with Maven)...", flush=True)
             broker.start()
             print(f"hlb demo: Kafka broker ready on {broker.bootstrap}", flush=True)
-        overrides = {
-            "bus": "kafka" if broker else "memory",
-            "grpc": {"listen": f"127.0.0.1:{free_port()}"},
-            "kafka": {"bootstrap_servers": broker.bootstrap} if broker else {},
-        }
-        settings = load_settings(args.config if args.config.exists() else None, **overrides)
+        settings = demo_settings(settings, args.config, broker.bootstrap if broker else None)
         with log_path.open("a") as log_file:
             configure_logging(settings.log.level, "json", log_file)
             bus = make_bus(settings) if broker else MemoryBus()
@@ -81,6 +78,21 @@ def run(args: argparse.Namespace) -> int:
             broker.stop()
 
 
+def demo_settings(settings: Settings, config: Path, bootstrap: str | None) -> Settings:
+    """The daemon's settings for the demo: ``config``'s (``settings``, as loaded from it), on
+    ports of its own so that a daemon already running with the same config is no obstacle: gRPC
+    on a free loopback port, and the metrics endpoint, when the config has one, on another.
+    ``bootstrap``: the demo's broker, None for the in-memory bus."""
+    overrides = {
+        "bus": "kafka" if bootstrap else "memory",
+        "grpc": {"listen": f"127.0.0.1:{free_port()}"},
+        "kafka": {"bootstrap_servers": bootstrap} if bootstrap else {},
+        # Port 0: the endpoint binds a free one (the daemon says which: Daemon.metrics_port).
+        "metrics": {"listen": "127.0.0.1:0"} if settings.metrics.listen else {},
+    }
+    return load_settings(config if config.exists() else None, **overrides)
+
+
 async def _demo(settings: Settings, bus: EventBus, duration_s: float, rate: float, seed: int, out: TextIO) -> int:
     stop = asyncio.Event()
     daemon = Daemon(settings, bus)
@@ -94,7 +106,10 @@ async def _demo(settings: Settings, bus: EventBus, duration_s: float, rate: floa
     agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="hlb-agent", daemon=True)
     agent_thread.start()
     target = f"127.0.0.1:{daemon.port}"
-    print(f"hlb demo: daemon serving gRPC on {target}; bus: {settings.bus}; placements as they happen:", file=out)
+    metrics = f"; metrics on http://127.0.0.1:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
+    print(
+        f"hlb demo: daemon serving gRPC on {target}{metrics}; bus: {settings.bus}; placements as they happen:", file=out
+    )
     print(PLACEMENT_HEADER, file=out, flush=True)
     placed: Counter[str] = Counter()
     async with grpc.aio.insecure_channel(target) as channel:

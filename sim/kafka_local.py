@@ -8,7 +8,9 @@ ignored cache folder (``.cache/kafka``), so a fresh machine needs only Java 17 a
     python -m sim.kafka_local start --dir .cache/kafka/run --port 9092   # in the background
     python -m sim.kafka_local stop --dir .cache/kafka/run
 
-``exec`` sets ``HLB_TEST_KAFKA_BOOTSTRAP`` and ``HLB_KAFKA__BOOTSTRAP_SERVERS`` for the command.
+(``hlb broker ...`` is the same command.) The options go after the action, or before it; with
+``exec`` the command to run comes last, after ``--``. ``exec`` sets ``HLB_TEST_KAFKA_BOOTSTRAP``
+and ``HLB_KAFKA__BOOTSTRAP_SERVERS`` for the command.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -142,6 +145,12 @@ class LocalBroker:
         With ``keep_data`` a broker stopped earlier restarts on its existing data (same port, same
         topics and offsets), as after a broker outage; storage is formatted only when there is none.
         """
+        running = running_pid(self.work_dir)
+        if running is not None:  # formatting would wipe the data of the broker running there
+            raise BrokerError(
+                f"a broker already runs from {self.work_dir} (pid {running}); stop it first: "
+                f"hlb broker stop --dir {self.work_dir}"
+            )
         if not java_available():
             raise BrokerError("Java 17 or newer is needed to run the Kafka broker")
         libs = fetch(self.cache_dir)
@@ -214,12 +223,29 @@ class LocalBroker:
         self.stop()
 
 
+def running_pid(work_dir: Path) -> int | None:
+    """The process id in ``work_dir/broker.pid`` while that process is alive and (where ``/proc``
+    tells) a Kafka broker; None otherwise (no file, a stale one, or a reused id)."""
+    try:
+        pid = int((work_dir / "broker.pid").read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if cmdline.exists() and b"kafka.Kafka" not in cmdline.read_bytes():
+        return None
+    return pid
+
+
 def stop_by_pid_file(work_dir: Path, timeout_s: float = 30.0) -> bool:
     """Stop a broker started in the background by ``start``; False when none was running."""
     pid_file = work_dir / "broker.pid"
     if not pid_file.exists():
         return False
-    pid = int(pid_file.read_text())
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise BrokerError(f"{pid_file} holds no process id ({exc}); remove it if no broker runs there") from None
     try:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -233,13 +259,53 @@ def stop_by_pid_file(work_dir: Path, timeout_s: float = 30.0) -> bool:
     return True
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{port} is out of range: expected a port from 1 to 65535, or 0 for a free one"
+        )
+    return port
+
+
+# option -> (type, default, help); every action takes some of them, before or after its name.
+OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
+    "dir": (Path, DEFAULT_CACHE / "run", f"broker work folder (default: {DEFAULT_CACHE / 'run'})"),
+    "port": (_port, 0, "client port on 127.0.0.1 (default: a free one)"),
+    "cache": (Path, DEFAULT_CACHE, f"where the jars are cached (default: {DEFAULT_CACHE})"),
+}
+
+
+# action -> (the options it takes, one-line help)
+ACTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "fetch": (("cache",), "resolve the broker's jars with Maven (once)"),
+    "start": (("dir", "port", "cache"), "start a broker in the background and print its address"),
+    "stop": (("dir",), "stop the broker started in the background from --dir"),
+    "exec": (("dir", "port", "cache"), "start a broker, run the command after --, stop the broker"),
+}
+
+
+def _add_options(parser: argparse.ArgumentParser, names: Iterable[str], defaults: bool) -> None:
+    """The options ``names``; without ``defaults`` an option not given stays out of the namespace,
+    so that an action's options do not undo the same ones given before the action."""
+    for name in names:
+        kind, default, text = OPTIONS[name]
+        parser.add_argument(f"--{name}", type=kind, default=default if defaults else argparse.SUPPRESS, help=text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Fetch, start or stop a local single-node Kafka broker (KRaft) for tests and the demo."
-    parser.add_argument("action", choices=["fetch", "start", "stop", "exec"])
-    parser.add_argument("--dir", type=Path, default=DEFAULT_CACHE / "run", help="broker work folder")
-    parser.add_argument("--port", type=int, default=0, help="client port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the jars are cached")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="with exec: the command to run (after --)")
+    _add_options(parser, OPTIONS, defaults=True)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, (options, summary) in ACTIONS.items():
+        action = actions.add_parser(name, help=summary, description=summary)
+        _add_options(action, options, defaults=False)
+        if name == "exec":
+            action.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    parser.set_defaults(command=[])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,7 +314,10 @@ def run(args: argparse.Namespace) -> int:
             print(fetch(args.cache))
             return 0
         if args.action == "stop":
-            return 0 if stop_by_pid_file(args.dir) else 1
+            if stop_by_pid_file(args.dir):
+                return 0
+            print(f"hlb broker: nothing to stop: no broker runs from {args.dir} (no broker.pid there)", file=sys.stderr)
+            return 1
         broker = LocalBroker(args.dir, args.port, args.cache)
         broker.start()
         if args.action == "start":

@@ -3,6 +3,7 @@ speed is what the command reports, never what a test asserts)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -15,8 +16,9 @@ import pytest
 
 from daemon import config
 from daemon.bench import machine
-from daemon.bench_latency import synthetic_devices
+from daemon.bench_latency import add_arguments, synthetic_devices
 from daemon.cli import main
+from daemon.policy import POLICY_NAMES
 
 
 def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,3 +140,14 @@ def test_scale_prints_refresh_times_and_the_daemon_rss(capsys: pytest.CaptureFix
     assert rss["devices"] == 64
     assert 0 < rss["after_imports_mb"] < rss["rss_mb"] <= rss["peak_rss_mb"]
     assert result["met"] == {}  # the target is for 100,000 devices
+
+
+def test_an_unknown_policy_is_refused_naming_every_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "latency", "--policy", "nope"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"argument --policy: unknown policy 'nope': expected one of {', '.join(POLICY_NAMES)}, gnn")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert [parser.parse_args(["--policy", name]).policy for name in (*POLICY_NAMES, "gnn")] == [*POLICY_NAMES, "gnn"]

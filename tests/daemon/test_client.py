@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from daemon.api import GrpcServer, SchedulerService
@@ -17,6 +20,11 @@ from daemon.ledger import PlacementLedger
 from daemon.policy import make_policy
 from daemon.scheduler import Scheduler
 from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = "127.0.0.1:1"  # no daemon: where a refused command would have sent its call
 
 
 @pytest.fixture
@@ -142,3 +150,103 @@ def test_a_service_declares_its_load_in_labels(target: str, capsys: pytest.Captu
     assert "is not KEY=VALUE" in capsys.readouterr().err
     code, out, _ = place(target, capsys, "--get", "bad")
     assert code != 0  # refused: never submitted
+
+
+def cluster_state(target: str) -> api.ClusterState:
+    with grpc.insecure_channel(target) as channel:
+        return api_grpc.SchedulerStub(channel).GetClusterState(api.GetClusterStateRequest(), timeout=10)
+
+
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run ``hlb place ARGS``, expect argparse to refuse it (status 2); its error line."""
+    with pytest.raises(SystemExit) as exited:
+        main(["place", *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_an_empty_get_is_refused_and_places_nothing(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--get ""`` once read as "no --get" and placed a new task."""
+    assert refused(capsys, "--target", target, "--get", "").endswith("argument --get: a task id is required")
+    assert refused(capsys, "--target", target, "--get", "", "--explain").endswith("a task id is required")
+    state = cluster_state(target)
+    assert (state.last_sequence, state.pending_tasks, state.running_tasks) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("--id", ""), "argument --id: a task id is required"),
+        (("--after", ""), "argument --after: a task id is required"),
+        (("--score", "gpu0", ""), "argument --score: a device id is required"),
+        (("--target", ""), "argument --target: a host:port is required"),
+        (("--tls-server-name", ""), "argument --tls-server-name: a name is required"),
+    ],
+)
+def test_other_empty_strings_are_refused_not_read_as_left_out(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], error: str
+) -> None:
+    assert refused(capsys, "--target", NOBODY, *args).endswith(error)
+
+
+@pytest.mark.parametrize(
+    ("args", "allowed"),
+    [
+        (("--devices", "-3"), "from 1 to 4294967295"),
+        (("--devices", "0"), "from 1 to 4294967295"),  # proto's "0 means 1" is for an unset field
+        (("--devices", "4294967296"), "from 1 to 4294967295"),
+        (("--priority", "99999999999"), "from -2147483648 to 2147483647"),
+        (("--priority", "-2147483649"), "from -2147483648 to 2147483647"),
+        (("--watch", "--from-sequence", "-5"), "from 0 to 18446744073709551615"),
+        (("--explain", "--top", "0"), "from 1 to 4294967295"),
+        (("--watch", "--count", "-1"), "at least 0"),
+        (("--timeout", "0"), "above 0, at most 86400"),
+        (("--timeout", "nan"), "above 0, at most 86400"),
+        (("--timeout", "inf"), "above 0, at most 86400"),
+    ],
+)
+def test_out_of_range_numbers_are_refused_with_the_range(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], allowed: str
+) -> None:
+    """Protobuf raised ``ValueError: Value out of range`` from inside the call for these."""
+    error = refused(capsys, "--target", NOBODY, *args)
+    assert f"argument {args[-2]}: {args[-1]} is out of range" in error
+    assert error.endswith(allowed)
+
+
+def test_numbers_at_the_ends_of_their_range_are_sent(target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = place(target, capsys, "--id", "top", "--priority", "2147483647", "--json")
+    assert (code, json.loads(out)["task_id"]) == (0, "top")
+    code, out, _ = place(target, capsys, "--id", "bottom", "--priority", "-2147483648", "--json")
+    assert (code, json.loads(out)["task_id"]) == (0, "bottom")
+    code, out, _ = place(target, capsys, "--watch", "--from-sequence", "0", "--count", "1", "--json")
+    assert (code, json.loads(out)["sequence"]) == (0, "1")
+
+
+def test_a_file_that_is_not_utf8_is_refused_like_bad_json(
+    target: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = tmp_path / "bad.json"
+    spec.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(SystemExit) as exited:
+        place(target, capsys, "--file", str(spec))
+    assert exited.value.code == f"hlb place: {spec}: not UTF-8 text (invalid start byte at byte 0)"
+    spec.write_text("{")
+    with pytest.raises(SystemExit) as exited:
+        place(target, capsys, "--file", str(spec))
+    assert str(exited.value.code).startswith(f"hlb place: {spec}: ")
+    assert cluster_state(target).last_sequence == 0
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(target: str) -> None:
+    """``hlb place ... --explain | head -2``: no BrokenPipeError traceback, the shell's 141."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "place", "--target", target, "--explain", "--memory-gb", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    assert child.stdout is not None
+    child.stdout.close()  # before the child writes anything: its first write finds no reader
+    _, err = child.communicate(timeout=60)
+    assert (child.returncode, err.decode()) == (141, "")

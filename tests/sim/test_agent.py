@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from daemon.bus import MemoryBus
+from daemon.cli import main
 from daemon.config import Topics
 from daemon.graph import InfraGraph, TaskState
 from daemon.ingest import Ingestor, drain
@@ -68,3 +71,17 @@ def test_agent_is_deterministic_for_a_seed() -> None:
 
     assert tasks(7) == tasks(7)
     assert tasks(7) != tasks(8)
+
+
+@pytest.mark.parametrize("rate", ["0", "-1", "nan", "inf"])
+def test_a_rate_that_is_not_above_zero_is_refused_on_the_command_line(
+    rate: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rate 0`` divided by zero and ``--rate -1`` failed in numpy, both after connecting."""
+    with pytest.raises(SystemExit) as exited:
+        main(["agent", "--config", "/nonexistent.yaml", "--rate", rate])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --rate: {rate} is out of range: expected submissions per second above 0" in err
+    with pytest.raises(ValueError, match="rate_per_s must be a finite number above 0"):
+        Agent(MemoryBus(), MemoryBus().source([], "x"), TOPICS, "c", rate_per_s=float(rate))
