@@ -583,13 +583,17 @@ class InfraGraph:
         return ok
 
     def violations(self, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.int8]:
-        """For each row, the index into ``CONSTRAINTS`` of the first one it breaks, or -1. [N] -> [N]."""
+        """For each row, the index into ``CONSTRAINTS`` of the first one it breaks, or -1; a device
+        with less memory in all than the task needs breaks memory before capacity. [N] -> [N]."""
         d = self.devices
         out = np.full(len(rows), -1, dtype=np.int8)
         memory = self.free_memory_gb(rows) < spec.memory_per_device_gb
         out[memory] = 4
         if self.max_tasks_per_device > 0:
             out[d.n_tasks[rows] >= self.max_tasks_per_device] = 3
+        # A device too small for the task in all is ruled out by memory, whatever it runs now: the
+        # reason that lasts (a busy device's slot frees up, its memory does not grow).
+        out[d.memory_gb[rows] < spec.memory_per_device_gb] = 4
         if spec.allowed_models:
             models = [self._model_index[m] for m in spec.allowed_models if m in self._model_index]
             out[~np.isin(d.model[rows], models)] = 2
@@ -621,6 +625,8 @@ class InfraGraph:
                 detail = f"model {self.model_of(row)} not in allowed models"
             elif constraint == "capacity":
                 detail = f"runs {int(d.n_tasks[row])} task(s), the most a device may hold"
+            elif float(d.memory_gb[row]) < spec.memory_per_device_gb:
+                detail = f"{float(d.memory_gb[row]):.1f} GB in all < {spec.memory_per_device_gb:.1f} GB needed"
             else:
                 free = float(self.free_memory_gb(np.array([row]))[0])
                 detail = f"{free:.1f} GB free < {spec.memory_per_device_gb:.1f} GB needed"

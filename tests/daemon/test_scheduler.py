@@ -343,6 +343,20 @@ def test_explain_lists_best_candidates_and_what_ruled_devices_out() -> None:
         scheduler.explain("ghost")
 
 
+def test_a_busy_device_too_small_for_the_task_is_ruled_out_by_memory_not_by_its_slot() -> None:
+    """Every device busy: a task that fits once one frees up is told capacity; one too large for
+    any device is told memory, the reason that lasts."""
+    scheduler = make_scheduler()
+    for i in range(4):
+        submit(scheduler, ev.TaskSpec(id=f"busy-{i}", memory_per_device_gb=1))
+    assert len(scheduler.schedule_pending()) == 4
+    fits_later = scheduler.explain(ev.TaskSpec(id="later", memory_per_device_gb=8), top_k=1)
+    assert {e.constraint for e in fits_later.excluded} == {"capacity"}
+    never = scheduler.explain(ev.TaskSpec(id="never", memory_per_device_gb=500), top_k=1)
+    assert {e.constraint for e in never.excluded} == {"memory"}
+    assert all(" GB in all < 500.0 GB needed" in e.detail for e in never.excluded)
+
+
 # -- never violated: random clusters, tasks and events -----------------------------------------
 
 MODELS = ("m-a", "m-b")
