@@ -376,10 +376,13 @@ class GrpcServer:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
         self.tls = tls is not None and tls.enabled
-        if tls is not None and tls.enabled:
-            self.port = self.server.add_secure_port(listen, server_credentials(tls))
-        else:
-            self.port = self.server.add_insecure_port(listen)
+        try:
+            if tls is not None and tls.enabled:
+                self.port = self.server.add_secure_port(listen, server_credentials(tls))
+            else:
+                self.port = self.server.add_insecure_port(listen)
+        except RuntimeError as exc:  # grpcio's "Failed to bind": a host that does not resolve, say
+            raise OSError(f"cannot listen on {listen}: {exc}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {listen}")
 

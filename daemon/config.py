@@ -8,10 +8,13 @@ the start instead of being ignored.
 
 from __future__ import annotations
 
+import json
 import os
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -104,7 +107,18 @@ def _empty_or_host_port(value: str) -> str:
 
 def _is_host_port(address: str) -> bool:
     host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit()
+    return bool(host) and port.isascii() and port.isdigit() and int(port) <= 65535
+
+
+def _grpc_listen(value: str) -> str:
+    """host:port as the other addresses, with an IPv6 host in brackets (gRPC reads ``::1:50051`` as
+    a host without a port and binds 443), or a Unix socket, which gRPC binds as well."""
+    if value.startswith(("unix:", "unix-abstract:")) and value.partition(":")[2]:
+        return value
+    host = value.rpartition(":")[0]
+    if not _is_host_port(value) or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError("expected host:port with a port 0-65535 ([::]:50051 for IPv6) or unix:PATH")
+    return value
 
 
 class TlsSettings(_Section):
@@ -144,6 +158,8 @@ class GrpcSettings(_Section):
     max_requests_per_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     # Requests that may arrive at once after a quiet spell; 0 means one second's worth.
     request_burst: int = Field(0, ge=0)
+
+    _listen = field_validator("listen")(_grpc_listen)
 
 
 class MetricsSettings(_Section):
@@ -334,8 +350,38 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if cls._yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file))
+            sources.append(_YamlFile(settings_cls, yaml_file=cls._yaml_file))
         return (*sources, file_secret_settings)
+
+
+class _YamlFile(YamlConfigSettingsSource):
+    """The YAML source, raising ``ConfigError`` for a file that is not YAML or holds no mapping."""
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
+        try:
+            data: object = super()._read_file(file_path)  # typed a dict, but it is whatever the YAML holds
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file_path}: not valid YAML {_yaml_problem(exc)}") from None
+        if not isinstance(data, dict):  # not shown: a lone value may be a secret pasted in the wrong place
+            found = "a list" if isinstance(data, list) else "a single value"
+            raise ConfigError(
+                f"config file {file_path}: must hold a mapping of sections (kafka:, grpc:, log:, ...), found {found}"
+            )
+        return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's problem with its line and column (1-based, as editors count)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem is None or exc.problem_mark is None:
+        return f"({exc})"
+    mark = exc.problem_mark
+    text = f"at line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    start = exc.context_mark
+    if exc.context is not None and start is not None and (start.line, start.column) != (mark.line, mark.column):
+        text += f" ({exc.context} at line {start.line + 1}, column {start.column + 1})"
+    elif exc.context is not None:
+        text += f" ({exc.context})"
+    return text
 
 
 def default_config_path() -> Path:
@@ -358,7 +404,9 @@ def load_settings(path: Path | None, **overrides: Any) -> Settings:
         settings: Settings = bound(**overrides)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
-    except (SettingsError, OSError, ValueError) as exc:
+    except SettingsError as exc:  # the environment source's; the YAML source raises ConfigError
+        raise ConfigError(_describe_environment_error(exc)) from None
+    except (OSError, ValueError) as exc:  # the file cannot be read or decoded
         raise ConfigError(f"config file {path}: {exc}") from None
     return settings
 
@@ -367,7 +415,8 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
     where = f"config file {path}" if path else "configuration"
     lines = [f"{where}: {exc.error_count()} invalid value(s)"]
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        loc = error["loc"]
+        key = ".".join(str(part) for part in loc) or "(top level)"
         value = error.get("input")
         # A whole section (a model validator's error) may hold secrets: name its type only.
         if "client_config" in key:
@@ -376,5 +425,22 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
             shown = f"a {type(value).__name__}"
         else:
             shown = repr(value)
-        lines.append(f"  {key}: {error['msg']} (got {shown}; env HLB_{key.upper().replace('.', '__')})")
+        # Only the fields' own variables set anything: an unknown top-level HLB_ name is never read.
+        if not loc or (len(loc) == 1 and error["type"] == "extra_forbidden"):
+            lines.append(f"  {key}: {error['msg']} (got {shown})")
+        else:
+            lines.append(f"  {key}: {error['msg']} (got {shown}; env HLB_{key.upper().replace('.', '__')})")
     return "\n".join(lines)
+
+
+def _describe_environment_error(exc: SettingsError) -> str:
+    """Name the HLB_ variable whose JSON does not parse; pydantic-settings names only the section."""
+    cause = exc.__cause__
+    if isinstance(cause, json.JSONDecodeError):
+        prefix = Settings.model_config.get("env_prefix", "")
+        names = sorted(
+            name for name, value in os.environ.items() if name.upper().startswith(prefix) and value == cause.doc
+        )
+        if names:  # the value is not shown: it may be a secret (kafka.client_config)
+            return f"environment variable {' or '.join(names)}: not valid JSON ({cause})"
+    return f"environment: {exc}"

@@ -731,10 +731,11 @@ class Daemon:
     async def _reload(self) -> ReloadResult:
         try:
             new = await asyncio.to_thread(load_settings, self.config_path)
-        except ConfigError as exc:
-            log.error("reload refused: the config does not load; the running config is kept", error=str(exc))
+        except Exception as exc:  # whatever stops the load: a SIGHUP must not end in a task that died
+            error = str(exc) if isinstance(exc, ConfigError) else f"config file {self.config_path}: {exc!r}"
+            log.error("reload refused: the config does not load; the running config is kept", error=error)
             self.metrics.reloads.labels(result="invalid").inc()
-            return ReloadResult(error=str(exc))
+            return ReloadResult(error=error)
         old = self.settings
         changed = changed_keys(old, new)
         by_reloader: dict[Reloader, list[str]] = {}

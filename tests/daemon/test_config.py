@@ -136,3 +136,120 @@ def test_cells_need_kafka_and_a_static_instance_id() -> None:
         load_settings(None, cells={"advertise": "no-port"})
     settings = load_settings(None, cells={"enabled": True, "partitions": 12}, kafka={"group_instance_id": "i1"})
     assert settings.cells.partitions == 12
+
+
+def _serve(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("log: [\n", "line 2, column 1: expected the node content"),  # an unclosed flow list
+        ("log:\n\tlevel: info\n", "line 2, column 1: found character '\\t'"),  # YAML forbids tab indents
+        ("log:\n  level: info\n format: json\n", "line 3, column 2: expected <block end>"),
+    ],
+    ids=["unclosed", "tab", "indent"],
+)
+def test_a_file_that_is_not_yaml_is_a_config_error_with_line_and_column(tmp_path: Path, text: str, where: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^config file {config}: not valid YAML at ") as error:
+        load_settings(config)
+    assert where in str(error.value)
+
+
+@pytest.mark.parametrize(("text", "found"), [("- log\n- grpc\n", "a list"), ("hello\n", "a single value")])
+def test_a_file_without_a_mapping_of_sections_says_so(tmp_path: Path, text: str, found: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=f"must hold a mapping of sections .*, found {found}$"):
+        load_settings(config)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("log: [\n", "not valid YAML at line 2, column 1"),
+        ("- log\n", "must hold a mapping of sections"),
+        ("grpc:\n  listen: notanaddress\n", "grpc.listen"),
+    ],
+    ids=["syntax", "list", "grpc-listen"],
+)
+def test_serve_with_a_broken_file_exits_78_with_one_message(tmp_path: Path, text: str, says: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    result = _serve(config)
+    assert result.returncode == EX_CONFIG
+    assert result.stderr.startswith(f"hlb: config file {config}: ")
+    assert says in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "listen",
+    ["notanaddress", "", "127.0.0.1", "127.0.0.1:99999", "127.0.0.1:-1", ":50051", "::1:50051", "[::1", "unix:"],
+)
+def test_an_unusable_grpc_listen_address_names_its_key(listen: str) -> None:
+    with pytest.raises(ConfigError, match=r"grpc\.listen: Value error, expected host:port"):
+        load_settings(None, grpc={"listen": listen})
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [
+        "127.0.0.1:0",
+        "127.0.0.1:50051",
+        "0.0.0.0:50051",
+        "localhost:65535",
+        "[::]:50051",
+        "[::1]:0",
+        "unix:/run/hlb/grpc.sock",
+        "unix:///run/hlb/grpc.sock",
+        "unix-abstract:hlb",
+    ],
+)
+def test_grpc_listen_takes_host_port_bracketed_ipv6_and_unix_sockets(listen: str) -> None:
+    assert load_settings(None, grpc={"listen": listen}).grpc.listen == listen
+
+
+def test_every_host_port_address_refuses_a_port_beyond_65535() -> None:
+    for key, section in [
+        ("metrics.listen", {"metrics": {"listen": "127.0.0.1:65536"}}),
+        ("kafka.bootstrap_servers", {"kafka": {"bootstrap_servers": "a:9092,b:70000"}}),
+        ("cells.advertise", {"cells": {"advertise": "10.0.0.1:123456"}}),
+    ]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_settings(None, **section)
+    assert load_settings(None, metrics={"listen": "[::]:9464"}).metrics.listen == "[::]:9464"
+
+
+def test_an_unknown_top_level_key_does_not_point_at_an_environment_variable(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("bogus: 1\nlog:\n  bogus: 2\n")
+    with pytest.raises(ConfigError) as error:
+        load_settings(config)
+    lines = str(error.value).splitlines()
+    assert "  bogus: Extra inputs are not permitted (got 1)" in lines  # HLB_BOGUS would set nothing
+    assert "  log.bogus: Extra inputs are not permitted (got 2; env HLB_LOG__BOGUS)" in lines
+
+
+def test_malformed_json_in_an_environment_variable_names_the_variable_not_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("log:\n  level: info\n")
+    monkeypatch.setenv("HLB_KAFKA__CLIENT_CONFIG", '{"sasl.password": s3cr3t')
+    with pytest.raises(ConfigError) as error:
+        load_settings(config)
+    message = str(error.value)
+    assert message.startswith("environment variable HLB_KAFKA__CLIENT_CONFIG: not valid JSON")
+    assert str(config) not in message
+    assert "s3cr3t" not in message

@@ -306,6 +306,68 @@ def test_reload_of_an_invalid_config_keeps_the_running_one(
     assert "not found" in (asyncio.run(daemon.reload()).error or "")
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("log: [\n", "not valid YAML at line 2, column 1"),
+        ("log:\n\tlevel: debug\n", "not valid YAML at line 2, column 1"),
+        ("- log\n", "must hold a mapping of sections"),
+    ],
+    ids=["syntax", "tab", "list"],
+)
+def test_reload_of_a_file_that_does_not_parse_keeps_the_running_config(
+    tmp_path: Path, logging_calls: list[tuple[str, str]], text: str, expected: str
+) -> None:
+    path = _write_config(tmp_path / "config.yaml", log={"level": "warning"}, scheduler={"policy": "least-loaded"})
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    path.write_text(text)
+    with capture_logs() as logs:
+        result = asyncio.run(daemon.reload())
+    assert expected in (result.error or "")
+    assert daemon.settings.log.level == "warning"
+    assert logging_calls == []
+    assert [entry["event"] for entry in logs] == [
+        "reload refused: the config does not load; the running config is kept"
+    ]
+    assert daemon.metrics.registry.get_sample_value("hlb_config_reloads_total", {"result": "invalid"}) == 1.0
+
+
+def test_reload_of_an_unreadable_file_keeps_the_running_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write_config(tmp_path / "config.yaml", log={"level": "warning"}, scheduler={"policy": "least-loaded"})
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+    _write_config(path, log={"level": "debug"})
+    real_open = Path.open
+
+    def unreadable(self: Path, *args: Any, **kwargs: Any) -> Any:  # as chmod 000 would, also for root
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", unreadable)
+    result = asyncio.run(daemon.reload())
+    assert "Permission denied" in (result.error or "")
+    assert daemon.settings.log.level == "warning"
+
+
+def test_reload_keeps_the_running_config_whatever_the_loader_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write_config(tmp_path / "config.yaml", log={"level": "warning"}, scheduler={"policy": "least-loaded"})
+    daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
+
+    def broken(config_path: Path | None) -> Settings:
+        raise RuntimeError("a loader bug")
+
+    monkeypatch.setattr(service_module, "load_settings", broken)
+    with capture_logs() as logs:
+        result = asyncio.run(daemon.reload())
+    assert "a loader bug" in (result.error or "")
+    assert daemon.settings.log.level == "warning"
+    assert [entry["event"] for entry in logs] == [
+        "reload refused: the config does not load; the running config is kept"
+    ]
+
+
 def test_how_long_ended_tasks_are_kept_is_passed_on_and_reloadable(tmp_path: Path) -> None:
     path = _write_config(tmp_path / "config.yaml", scheduler={"policy": "least-loaded", "keep_ended_s": 120})
     daemon = Daemon(load_settings(path), MemoryBus(), config_path=path)
@@ -414,6 +476,10 @@ def test_sighup_reloads_says_what_needs_a_restart_and_never_logs_a_secret(tmp_pa
         process.send_signal(signal.SIGHUP)
         notify.until("RELOADING=1")
         notify.until("READY=1")
+        (tmp_path / "config.yaml").write_text("log: [\n")  # not YAML: kept out the same way
+        process.send_signal(signal.SIGHUP)
+        notify.until("RELOADING=1")
+        notify.until("READY=1")
         process.send_signal(signal.SIGTERM)
         notify.until("STOPPING=1")
         assert process.wait(30) == 0
@@ -428,8 +494,10 @@ def test_sighup_reloads_says_what_needs_a_restart_and_never_logs_a_secret(tmp_pa
         (["log.level"], ["kafka.bootstrap_servers", "kafka.client_config"])
     ]
     refused = [e for e in events if e["event"].startswith("reload refused")]
-    assert len(refused) == 1
+    assert len(refused) == 2
     assert "kafka.batch_size" in refused[0]["error"]
+    assert "not valid YAML at line 2, column 1" in refused[1]["error"]
+    assert "Task exception was never retrieved" not in output
     for secret in secrets:
         assert secret not in output
 
@@ -537,3 +605,14 @@ def test_decisions_are_published_to_their_topics_and_counted_per_policy() -> Non
     assert (event.cell, event.event_time_ms, event.submitted.id) == ("cell-a", 12_500, "s1")
     assert registry.get_sample_value("hlb_placements_total", {"policy": "gnn"}) == 3.0
     assert registry.get_sample_value("hlb_placements_total", {"policy": "hetero-greedy"}) == 1.0
+
+
+def test_an_address_the_server_cannot_bind_is_an_oserror_naming_it() -> None:
+    """grpcio raises RuntimeError for a host that does not resolve; the daemon logs an OSError."""
+
+    async def bind() -> None:
+        service = SchedulerService(_scheduler(), threading.RLock(), lambda _: None)
+        with pytest.raises(OSError, match=r"cannot listen on nosuchhost\.invalid:50051"):
+            GrpcServer(service, "nosuchhost.invalid:50051", 1 << 20, False)
+
+    asyncio.run(bind())
