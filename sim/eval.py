@@ -497,6 +497,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtbf-h", type=float, default=math.inf, help="mean hours between failures per device")
     parser.add_argument("--mttr-h", type=float, default=1.0, help="mean hours to repair a device")
     parser.add_argument("--max-time-h", type=float, default=math.inf, help="stop each run at this simulated time")
+    parser.add_argument(
+        "--estimate-error",
+        type=float,
+        default=0.0,
+        metavar="SIGMA",
+        help="run-time estimates off by a factor exp(N(0, SIGMA^2)) per task (0: exact, the default)",
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
@@ -653,6 +660,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     seeds = _seeds(args.seeds)
     if args.refresh_rows < 1:
         raise ValueError("--refresh-rows needs at least 1")
+    if not (math.isfinite(args.estimate_error) and 0 <= args.estimate_error <= 5):
+        raise ValueError("--estimate-error needs a sigma from 0 to 5")
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
     config = SimConfig(
@@ -663,6 +672,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         ),
         failures=FailureConfig(mtbf_s=args.mtbf_h * 3600.0, mttr_s=args.mttr_h * 3600.0),
         max_time_s=args.max_time_h * 3600.0,
+        estimate_sigma=args.estimate_error,
     )
     return [
         RunSpec(

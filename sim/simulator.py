@@ -104,6 +104,9 @@ class SimConfig:
     max_time_s: float = math.inf  # stop here even if work remains (it is reported as pending)
     restrict_to_runnable: bool = True
     max_tasks_per_device: int = 1  # the daemon's hard capacity constraint (scheduler.max_tasks_per_device)
+    # The run-time estimates the scheduler is given: each task's work_ref_s times exp(N(0, sigma^2)),
+    # drawn once per task (its retries keep it), while the simulation runs the true work; 0: exact.
+    estimate_sigma: float = 0.0
 
 
 @dataclass
@@ -256,6 +259,12 @@ class Simulation:
         self._runnable = {t.id: self._runnable_models(t, cluster_models) for t in tasks}
         self._current: dict[str, _Attempt] = {}
         self._attempts: dict[str, _Attempt] = {}
+        # Per task, the factor its work estimate is off by (a stream of its own: the other draws stay).
+        self._estimate_factor: dict[str, float] = {}
+        if self.config.estimate_sigma > 0:
+            draws = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+            factors = np.exp(draws.normal(0.0, self.config.estimate_sigma, size=len(tasks)))
+            self._estimate_factor = {t.id: float(f) for t, f in zip(tasks, factors, strict=True)}
 
         self._heap: list[tuple[float, int, int, Any]] = []
         self._sequence = 0
@@ -475,6 +484,8 @@ class Simulation:
         attempt_id = self._attempt_id(task, record.attempts)
         spec = task.to_task_spec(self.clock.epoch_ms)
         spec.id = attempt_id
+        if task.id in self._estimate_factor:
+            spec.work_ref_s = task.work_ref_s * self._estimate_factor[task.id]
         spec.submit_time_ms = self.clock.now_ms()
         del spec.dependencies[:]
         for dep in task.dependencies:
