@@ -72,14 +72,7 @@ def test_secrets_in_client_config_are_not_shown_in_errors(tmp_path: Path) -> Non
 def test_serve_with_a_bad_value_exits_78_naming_the_key(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("log:\n  level: loud\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        check=False,
-    )
+    result = _serve(config)
     assert result.returncode == EX_CONFIG
     assert "log.level" in result.stderr
 
