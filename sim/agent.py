@@ -22,6 +22,7 @@ import numpy as np
 import structlog
 
 from daemon.bus import EventBus, EventSource, Publisher
+from daemon.client import int_in
 from daemon.codec import decode
 from daemon.config import Topics
 from daemon.errors import EventError
@@ -227,14 +228,25 @@ def submission_rate(text: str) -> float:
     return rate
 
 
+def duration_s(text: str) -> float:
+    """An argparse ``type`` for ``--duration``: seconds, a finite number of 0 (until Ctrl-C) or more."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: expected seconds, 0 (until Ctrl-C) or more")
+    return seconds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Publish a small heterogeneous cluster's inventory, telemetry and tasks to Kafka."
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config (Kafka and topics)")
     parser.add_argument(
         "--rate", type=submission_rate, default=1.0, help="task submissions per second (Poisson; default: %(default)s)"
     )
-    parser.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
-    parser.add_argument("--tasks", type=int, default=0, help="stop submitting after this many tasks (0: never)")
+    parser.add_argument("--duration", type=duration_s, default=0.0, help="seconds to run (0: until Ctrl-C)")
+    parser.add_argument("--tasks", type=int_in(0), default=0, help="stop submitting after this many tasks (0: never)")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -28,14 +28,14 @@ from daemon.logs import configure_logging
 from daemon.service import Daemon, make_bus
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import make_agent, submission_rate
+from sim.agent import duration_s, make_agent, submission_rate
 from sim.kafka_local import LocalBroker, free_port, java_available
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Start Kafka, the daemon and a simulated agent, and show placements arriving."
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config to start from")
-    parser.add_argument("--duration", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)")
+    parser.add_argument("--duration", type=duration_s, default=0.0, help="seconds to run (0: until Ctrl-C)")
     parser.add_argument(
         "--rate", type=submission_rate, default=2.0, help="task submissions per second (default: %(default)s)"
     )

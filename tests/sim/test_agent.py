@@ -85,3 +85,24 @@ def test_a_rate_that_is_not_above_zero_is_refused_on_the_command_line(
     assert f"argument --rate: {rate} is out of range: expected submissions per second above 0" in err
     with pytest.raises(ValueError, match="rate_per_s must be a finite number above 0"):
         Agent(MemoryBus(), MemoryBus().source([], "x"), TOPICS, "c", rate_per_s=float(rate))
+
+
+DURATION_ERROR = "argument --duration: -1 is out of range: expected seconds, 0 (until Ctrl-C) or more"
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "error"),
+    [
+        ("agent", ["--duration", "-1"], DURATION_ERROR),
+        ("agent", ["--duration", "nan"], "argument --duration: nan is out of range"),
+        ("agent", ["--tasks", "-5"], "argument --tasks: -5 is out of range: expected an integer at least 0"),
+        ("demo", ["--duration", "-1"], DURATION_ERROR),
+    ],
+)
+def test_a_negative_duration_or_task_count_is_refused(
+    command: str, args: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--config", "/nonexistent.yaml", *args])
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err
