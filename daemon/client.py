@@ -58,15 +58,24 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def timeout(text: str) -> float:
-    """An argparse ``type``: a deadline in seconds, above 0 and at most ``MAX_TIMEOUT_S``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-        raise argparse.ArgumentTypeError(f"{text} is out of range: expected seconds above 0, at most {MAX_TIMEOUT_S:g}")
-    return value
+def float_in(low: float, high: float = math.inf, *, above: bool = False, expected: str) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number from ``low`` (above it with ``above``) to ``high``;
+    ``expected`` says in the error what is."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")
+        return value
+
+    return parse
+
+
+# A deadline in seconds, above 0 and at most ``MAX_TIMEOUT_S``.
+timeout = float_in(0.0, MAX_TIMEOUT_S, above=True, expected=f"seconds above 0, at most {MAX_TIMEOUT_S:g}")
 
 
 def required(what: str) -> Callable[[str], str]:

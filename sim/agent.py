@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from daemon.bus import EventBus, EventSource, Publisher
-from daemon.client import int_in
+from daemon.client import float_in, int_in
 from daemon.codec import decode
 from daemon.config import Topics
 from daemon.errors import EventError
@@ -217,26 +217,10 @@ def make_agent(bus: EventBus, topics: Topics, cell: str, seed: int, rate_per_s: 
     return Agent(bus.publisher(), placements, topics, cell, seed, rate_per_s, max_tasks=max_tasks)
 
 
-def submission_rate(text: str) -> float:
-    """An argparse ``type`` for ``--rate``: task submissions per second, a finite number above 0."""
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(rate) and rate > 0):
-        raise argparse.ArgumentTypeError(f"{text} is out of range: expected submissions per second above 0")
-    return rate
-
-
-def duration_s(text: str) -> float:
-    """An argparse ``type`` for ``--duration``: seconds, a finite number of 0 (until Ctrl-C) or more."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is out of range: expected seconds, 0 (until Ctrl-C) or more")
-    return seconds
+# argparse types: task submissions per second, a finite number above 0; seconds to run, 0 (until
+# Ctrl-C) or more.
+submission_rate = float_in(0.0, above=True, expected="submissions per second above 0")
+duration_s = float_in(0.0, expected="seconds, 0 (until Ctrl-C) or more")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
