@@ -126,6 +126,18 @@ class WaitOptions:
         return Wait(row, device_id, float(self.wait_s[index]), float(self.runtime_s[index]), self.free_finish_s)
 
 
+def free_in_s(graph: InfraGraph, busy: Rows, now_ms: int) -> NDArray[np.float64]:
+    """Seconds until each of the ``busy`` rows is expected free (``free_at_ms``); a device that
+    overran its expected end counts as free in as long as it has overrun. [B] -> [B]."""
+    free_in: NDArray[np.float64] = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
+    return free_in
+
+
+def queued_behind_s(rows: Rows, queued_s: Mapping[int, float]) -> NDArray[np.float64]:
+    """The run time (s) of the tasks already waiting for each of ``rows``. [N] -> [N]."""
+    return np.array([queued_s.get(r, 0.0) for r in rows.tolist()])
+
+
 def wait_options(
     spec: ev.TaskSpec,
     graph: InfraGraph,
@@ -149,9 +161,9 @@ def wait_options(
     if not len(busy):
         return None
     runtime = runtimes.of_rows(spec, graph, busy)
-    wait_s = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
+    wait_s = free_in_s(graph, busy, now_ms)
     if queued_s:
-        wait_s += np.array([queued_s.get(r, 0.0) for r in busy.tolist()])
+        wait_s += queued_behind_s(busy, queued_s)
     finish = wait_s + runtime
     better = np.flatnonzero(finish < free_finish)
     if not len(better):
@@ -193,9 +205,9 @@ def gang_wait(
     free_finish = float(profiles.runtime_s(graph, gang, spec, size, one_host).max())
     rows = np.concatenate([free, busy])
     ready_s = np.zeros(len(rows))
-    ready_s[len(free) :] = np.abs(d.free_at_ms[busy] - now_ms) / 1000.0
+    ready_s[len(free) :] = free_in_s(graph, busy, now_ms)
     if queued_s:
-        ready_s += np.array([queued_s.get(r, 0.0) for r in rows.tolist()])
+        ready_s += queued_behind_s(rows, queued_s)
     runtime = profiles.runtime_s(graph, rows, spec, size, True)
     hosts = d.host[rows]
     order = np.lexsort((ready_s + runtime, hosts))  # by host, then by finish on the device (stable)
@@ -277,7 +289,7 @@ def service_wait(
     busy = busy[request_latency_ms(spec, graph, busy, profiles, load) <= slo]
     if not len(busy):
         return None
-    wait_s = np.abs(graph.devices.free_at_ms[busy] - now_ms) / 1000.0
+    wait_s = free_in_s(graph, busy, now_ms)
     best = int(np.argmin(wait_s))
     row = int(busy[best])
     lifetime = service_lifetime_s(spec, load)
@@ -306,7 +318,9 @@ __all__ = [
     "RunTimes",
     "WaitOptions",
     "declared_load",
+    "free_in_s",
     "gang_wait",
+    "queued_behind_s",
     "request_latency_ms",
     "service_lifetime_s",
     "service_wait",

@@ -218,7 +218,7 @@ class Simulation:
             self.clock.now,
         )
         self.decider: Decider = decider or _schedule_pending
-        streams = np.random.SeedSequence(seed).spawn(2)
+        streams = np.random.SeedSequence(seed).spawn(3)  # telemetry noise, failures, estimate errors
         self._noise_rng = np.random.default_rng(streams[0])
         self._failure_rng = np.random.default_rng(streams[1])
 
@@ -262,7 +262,7 @@ class Simulation:
         # Per task, the factor its work estimate is off by (a stream of its own: the other draws stay).
         self._estimate_factor: dict[str, float] = {}
         if self.config.estimate_sigma > 0:
-            draws = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+            draws = np.random.default_rng(streams[2])
             factors = np.exp(draws.normal(0.0, self.config.estimate_sigma, size=len(tasks)))
             self._estimate_factor = {t.id: float(f) for t, f in zip(tasks, factors, strict=True)}
 
