@@ -504,6 +504,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIGMA",
         help="run-time estimates off by a factor exp(N(0, SIGMA^2)) per task (0: exact, the default)",
     )
+    parser.add_argument(
+        "--estimate-bias",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="every run-time estimate times FACTOR (above 1: overstated, as by users' time limits; 1: the default)",
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
@@ -662,6 +669,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError("--refresh-rows needs at least 1")
     if not (math.isfinite(args.estimate_error) and 0 <= args.estimate_error <= 5):
         raise ValueError("--estimate-error needs a sigma from 0 to 5")
+    if not (math.isfinite(args.estimate_bias) and 0.01 <= args.estimate_bias <= 100):
+        raise ValueError("--estimate-bias needs a factor from 0.01 to 100")
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
     config = SimConfig(
@@ -673,6 +682,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         failures=FailureConfig(mtbf_s=args.mtbf_h * 3600.0, mttr_s=args.mttr_h * 3600.0),
         max_time_s=args.max_time_h * 3600.0,
         estimate_sigma=args.estimate_error,
+        estimate_bias=args.estimate_bias,
     )
     return [
         RunSpec(

@@ -104,9 +104,12 @@ class SimConfig:
     max_time_s: float = math.inf  # stop here even if work remains (it is reported as pending)
     restrict_to_runnable: bool = True
     max_tasks_per_device: int = 1  # the daemon's hard capacity constraint (scheduler.max_tasks_per_device)
-    # The run-time estimates the scheduler is given: each task's work_ref_s times exp(N(0, sigma^2)),
-    # drawn once per task (its retries keep it), while the simulation runs the true work; 0: exact.
+    # The run-time estimates the scheduler is given: each task's work_ref_s times
+    # estimate_bias * exp(N(0, sigma^2)), drawn once per task (its retries keep it), while the
+    # simulation runs the true work; sigma 0 and bias 1: exact. A bias above 1 overstates every
+    # run time, as users' time limits do.
     estimate_sigma: float = 0.0
+    estimate_bias: float = 1.0
 
 
 @dataclass
@@ -261,9 +264,10 @@ class Simulation:
         self._attempts: dict[str, _Attempt] = {}
         # Per task, the factor its work estimate is off by (a stream of its own: the other draws stay).
         self._estimate_factor: dict[str, float] = {}
-        if self.config.estimate_sigma > 0:
+        sigma, bias = self.config.estimate_sigma, self.config.estimate_bias
+        if sigma > 0 or bias != 1.0:
             draws = np.random.default_rng(streams[2])
-            factors = np.exp(draws.normal(0.0, self.config.estimate_sigma, size=len(tasks)))
+            factors = bias * np.exp(draws.normal(0.0, sigma, size=len(tasks)))
             self._estimate_factor = {t.id: float(f) for t, f in zip(tasks, factors, strict=True)}
 
         self._heap: list[tuple[float, int, int, Any]] = []

@@ -84,6 +84,9 @@ def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
         (["--cluster", "mixed:x"], "expected NAME:DEVICES"),
         (["--load", "0"], "loads > 0"),
         (["--refresh-rows", "0"], "--refresh-rows needs at least 1"),
+        (["--estimate-error", "nan"], "--estimate-error needs a sigma from 0 to 5"),
+        (["--estimate-bias", "0"], "--estimate-bias needs a factor from 0.01 to 100"),
+        (["--estimate-bias", "inf"], "--estimate-bias needs a factor from 0.01 to 100"),
     ],
 )
 def test_bad_arguments_are_clear_errors(

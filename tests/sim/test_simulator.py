@@ -279,6 +279,38 @@ def test_estimate_error_changes_what_the_scheduler_is_told_not_the_work_that_run
     assert gnn[0]["jct_mean_s"] != gnn[1]["jct_mean_s"]
 
 
+def test_estimate_bias_overstates_every_estimate_by_its_factor(catalogue: Catalogue) -> None:
+    """``estimate_bias`` multiplies every estimate the scheduler is told (alone, exactly that factor;
+    with ``estimate_sigma``, the same random factors as without the bias, times it). The true work
+    runs: least-loaded, which never reads estimates, runs as with exact ones; the GNN, whose waiting
+    weighs a busy device's expected free time, decides otherwise."""
+    inventory = build_cluster("mixed:16", catalogue)
+    tasks = build_workload("gavel", 4, 40, catalogue, inventory, 0.8)
+    truth = {t.id: t.work_ref_s for t in tasks}
+
+    def told(config: SimConfig) -> dict[str, float]:
+        sim = Simulation(catalogue, inventory, tasks, "least-loaded", 4, config)
+        sim.run()
+        return {i: t.spec.work_ref_s / truth[i] for i, t in sim.scheduler.graph.tasks.items() if truth.get(i, 0) > 0}
+
+    biased = told(SimConfig(estimate_bias=3.0))
+    assert len(biased) > 10
+    assert np.allclose(list(biased.values()), 3.0)
+    noisy, both = told(SimConfig(estimate_sigma=0.5)), told(SimConfig(estimate_sigma=0.5, estimate_bias=3.0))
+    assert both.keys() == noisy.keys()
+    assert np.allclose([both[i] for i in noisy], [3.0 * noisy[i] for i in noisy])
+    exact = compute_metrics(Simulation(catalogue, inventory, tasks, "least-loaded", 4, SimConfig()).run())
+    assert (
+        compute_metrics(Simulation(catalogue, inventory, tasks, "least-loaded", 4, SimConfig(estimate_bias=3.0)).run())
+        == exact
+    )
+    gnn = [
+        compute_metrics(simulate(catalogue, inventory, tasks, make_sim_policy("gnn"), 4, SimConfig(estimate_bias=b)))
+        for b in (3.0, 1.0)
+    ]
+    assert gnn[0]["jct_mean_s"] != gnn[1]["jct_mean_s"]
+
+
 def test_a_service_misses_its_slo_when_its_device_is_too_slow(catalogue: Catalogue) -> None:
     inventory = two_host_inventory(catalogue)
     reference_ms = 1000.0 / catalogue.throughput(V100, "resnet50-bs16", 1)
