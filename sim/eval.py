@@ -511,6 +511,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FACTOR",
         help="every run-time estimate times FACTOR (above 1: overstated, as by users' time limits; 1: the default)",
     )
+    parser.add_argument(
+        "--estimate-limits",
+        default="",
+        metavar="H,H,...",
+        help="time limits in hours, ascending: each batch task's estimate rounded up to the first at or above it",
+    )
+
+
+def _limits_h(text: str) -> tuple[float, ...]:
+    """``--estimate-limits``: positive, finite hours in ascending order; none for an empty text."""
+    if not text:
+        return ()
+    try:
+        limits = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--estimate-limits needs hours separated by commas, got {text!r}") from None
+    if not all(math.isfinite(h) and h > 0 for h in limits) or list(limits) != sorted(set(limits)):
+        raise ValueError(f"--estimate-limits needs positive hours in ascending order, got {text!r}")
+    return limits
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
@@ -683,6 +702,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         max_time_s=args.max_time_h * 3600.0,
         estimate_sigma=args.estimate_error,
         estimate_bias=args.estimate_bias,
+        estimate_limits_h=_limits_h(args.estimate_limits),
     )
     return [
         RunSpec(

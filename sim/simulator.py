@@ -44,6 +44,7 @@ Model (units: s, steps/s, W, J, GB):
 
 from __future__ import annotations
 
+import bisect
 import copy
 import heapq
 import math
@@ -110,6 +111,10 @@ class SimConfig:
     # run time, as users' time limits do.
     estimate_sigma: float = 0.0
     estimate_bias: float = 1.0
+    # Time limits (hours, ascending): a batch task's estimate (after the factors above) rounded up
+    # to the first limit at or above it, as a user asks for a round time limit, so the shortest
+    # tasks are overstated most; an estimate above the last limit stays as it is. Empty: none.
+    estimate_limits_h: tuple[float, ...] = ()
 
 
 @dataclass
@@ -490,6 +495,11 @@ class Simulation:
         spec.id = attempt_id
         if task.id in self._estimate_factor:
             spec.work_ref_s = task.work_ref_s * self._estimate_factor[task.id]
+        limits = self.config.estimate_limits_h
+        if limits and spec.latency_slo_ms <= 0 and spec.work_ref_s > 0:
+            at = bisect.bisect_left(limits, spec.work_ref_s / 3600.0)
+            if at < len(limits):
+                spec.work_ref_s = limits[at] * 3600.0
         spec.submit_time_ms = self.clock.now_ms()
         del spec.dependencies[:]
         for dep in task.dependencies:

@@ -87,6 +87,8 @@ def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
         (["--estimate-error", "nan"], "--estimate-error needs a sigma from 0 to 5"),
         (["--estimate-bias", "0"], "--estimate-bias needs a factor from 0.01 to 100"),
         (["--estimate-bias", "inf"], "--estimate-bias needs a factor from 0.01 to 100"),
+        (["--estimate-limits", "4,2"], "--estimate-limits needs positive hours in ascending order, got '4,2'"),
+        (["--estimate-limits", "1,x"], "--estimate-limits needs hours separated by commas, got '1,x'"),
     ],
 )
 def test_bad_arguments_are_clear_errors(

@@ -311,6 +311,25 @@ def test_estimate_bias_overstates_every_estimate_by_its_factor(catalogue: Catalo
     assert gnn[0]["jct_mean_s"] != gnn[1]["jct_mean_s"]
 
 
+def test_estimate_limits_round_a_batch_estimate_up_to_the_next_limit(catalogue: Catalogue) -> None:
+    """``estimate_limits_h`` rounds each batch task's estimate up to the first limit at or above it
+    (an estimate above the last stays); the true work runs."""
+    inventory = build_cluster("mixed:16", catalogue)
+    tasks = build_workload("gavel", 4, 40, catalogue, inventory, 0.8)
+    truth = {t.id: t.work_ref_s for t in tasks}
+    limits = (1.0, 4.0, 24.0)
+    sim = Simulation(catalogue, inventory, tasks, "least-loaded", 4, SimConfig(estimate_limits_h=limits))
+    metrics = compute_metrics(sim.run())
+    told = {i: t.spec.work_ref_s for i, t in sim.scheduler.graph.tasks.items() if truth.get(i, 0) > 0}
+    assert len(told) > 10
+    for task_id, estimate in told.items():
+        hours = truth[task_id] / 3600.0
+        expected = next((h * 3600.0 for h in limits if h >= hours), truth[task_id])
+        assert estimate == pytest.approx(expected)
+    assert {e / 3600.0 for e in told.values()} & set(limits)  # some were rounded
+    assert metrics == compute_metrics(Simulation(catalogue, inventory, tasks, "least-loaded", 4, SimConfig()).run())
+
+
 def test_a_service_misses_its_slo_when_its_device_is_too_slow(catalogue: Catalogue) -> None:
     inventory = two_host_inventory(catalogue)
     reference_ms = 1000.0 / catalogue.throughput(V100, "resnet50-bs16", 1)
