@@ -1,0 +1,264 @@
+"""One step of policy improvement over the shipped GNN by rollouts: is there anything left to learn
+for the scorer's corrections?
+
+The shipped policy (the GNN with its four rules) decides every task; at each decision of a task
+that has a choice, :class:`RolloutGnn` also forks the whole simulation and rolls it forward
+``--horizon-h`` hours for each of up to ``--k`` actions: the shipped policy's own (which may be a
+wait), and the best gang of each other device model by the shipped scores, taken now. The action
+whose fork has the least projected flow time (the lookahead oracle's cost, ``sim.lookahead``) is
+taken. Every fork is decided by the shipped policy itself. If this improved policy does not beat
+the shipped one, no correction of the scorer's single-decision ranking can be learned from such a
+teacher. One JSON line per run, then per family the per-seed ratio of mean JCT (rollout / shipped)
+with its mean and standard error. Training seeds only (1000..)::
+
+    .venv/bin/python docs/eval/gnn-rollout/rollout.py --record /tmp/rdata > docs/eval/gnn-rollout/rollout.jsonl
+
+(about 13 minutes on 2 cores; ``--record`` keeps each decision with the teacher's label for
+``distill.py``). The defaults: ``mixed:64``, ``gavel`` 100 jobs and ``pipelines`` 40 jobs, load 0.8,
+seeds 1000-1004, ``k`` 3, a 6-hour horizon (the lookahead teacher's in ``hlb train``). A fork knows
+the arrivals of the next hours, so the teacher is clairvoyant: an upper reference, not a policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import pickle
+import time
+from collections.abc import Mapping, Sequence
+from functools import partial
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from daemon.bench_latency import logs_to_stderr
+from daemon.gnn_policy import GnnPolicy
+from daemon.graph import InfraGraph, Rows, Task
+from daemon.policy import Policy, Scores, Wait
+from daemon.waiting import RunTimes
+from hlb.v1 import events_pb2 as ev
+from sim.eval import _catalogue, _inventory, make_sim_policy
+from sim.metrics import compute_metrics
+from sim.scenarios import build_workload
+from sim.simulator import SimConfig, Simulation
+
+
+def fresh_copy(policy: GnnPolicy) -> GnnPolicy:
+    """The shipped policy for a fork: the same loaded model (re-encoded on the fork's graph at its
+    first decision, as the cache belongs to another graph), nothing else shared."""
+    twin = copy.copy(policy)
+    twin._task_x = None
+    twin._runtimes = RunTimes(twin.fallback.profiles)
+    return twin
+
+
+class Pinned(Policy):
+    """The shipped policy, but ``task_id`` takes ``rows`` now (no wait) when they are still free."""
+
+    def __init__(self, base: GnnPolicy, task_id: str, rows: Rows | None) -> None:
+        self.base, self.task_id, self.rows = base, task_id, rows
+        self.name = "gnn"
+
+    @property
+    def waits(self) -> bool:
+        return self.base.waits
+
+    def attach(self, sim: Simulation) -> None:
+        self.base.attach(sim)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pinned:
+        return Pinned(fresh_copy(self.base), self.task_id, self.rows)
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        return self.base.score(spec, graph, rows)
+
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
+    ) -> tuple[Rows, float]:
+        if self.rows is not None and spec.id == self.task_id and np.isin(self.rows, feasible).all():
+            return self.rows, math.inf
+        return self.base.choose_gang(spec, graph, feasible, scores)
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        if self.rows is not None and spec.id == self.task_id:
+            return None
+        return self.base.wait_for(spec, graph, gang, score, now_ms, queued_s)
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        return self.base.rank(graph, tasks)
+
+    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
+        self.base.placed(spec, graph, rows)
+
+
+class RolloutGnn(Pinned):
+    """The shipped policy improved by one step of rollouts (see the module docstring)."""
+
+    def __init__(self, base: GnnPolicy, k: int, horizon_s: float) -> None:
+        super().__init__(base, "", None)
+        self.k, self.horizon_s = k, horizon_s
+        self._sim: Simulation | None = None
+        self.forced: set[str] = set()
+        self.decisions = self.changed = 0
+        self.recorder: Any = None  # export.train.TorchGnnPolicy: records each decision with its label
+        self.data: list[Any] = []
+
+    def attach(self, sim: Simulation) -> None:
+        self._sim = sim
+        self.base.attach(sim)
+        if self.recorder is not None:
+            self.recorder.attach(sim)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pinned:  # a fork decides as the shipped policy
+        return Pinned(fresh_copy(self.base), "", None)
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        if spec.id in self.forced:
+            return None
+        return self.base.wait_for(spec, graph, gang, score, now_ms, queued_s)
+
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
+    ) -> tuple[Rows, float]:
+        self.forced.discard(spec.id)
+        choice = self.base.choose_gang(spec, graph, feasible, scores)
+        if self._sim is None or not len(choice[0]):
+            return choice
+        rows = self.base.shortlist(spec, graph, feasible)
+        alternatives = self.alternatives(spec, graph, rows, self.base.score(spec, graph, rows), choice[0])
+        if not alternatives:
+            return choice
+        self.decisions += 1
+        costs = [self.rollout_cost(spec.id, None)] + [self.rollout_cost(spec.id, a) for a in alternatives]
+        best = int(np.argmin(costs))
+        if costs[best] >= costs[0]:
+            best = 0
+        if self.recorder is not None:
+            gang = choice[0] if best == 0 else alternatives[best - 1]
+            decision = self.recorder.decision(spec, graph, rows, np.searchsorted(rows, np.sort(gang)))
+            decision.advantage = (costs[0] - costs[best]) / 3600.0  # flow time saved (h) by the label
+            self.data.append(decision)
+        if best == 0:
+            return choice
+        self.changed += 1
+        self.forced.add(spec.id)
+        return alternatives[best - 1], math.inf
+
+    def alternatives(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores, first: Rows) -> list[Rows]:
+        """Up to ``k - 1`` gangs other than ``first``: the best of each device model, best first."""
+        gang = max(1, spec.num_devices)
+        order = np.argsort(-scores, kind="stable")
+        models = graph.devices.model[rows]
+        found: list[tuple[float, Rows]] = []
+        for model in np.unique(models):
+            members = order[models[order] == model][:gang]
+            candidate = np.sort(rows[members])
+            if len(members) == gang and not np.array_equal(candidate, np.sort(first)):
+                found.append((float(scores[members].mean()), candidate))
+        found.sort(key=lambda item: -item[0])
+        return [c for _, c in found[: self.k - 1]]
+
+    def rollout_cost(self, task_id: str, rows: Rows | None) -> float:
+        """Projected total flow time (s) at the horizon of a fork where ``task_id`` takes ``rows``
+        (None: as the shipped policy decides)."""
+        assert self._sim is not None
+        fork = self._sim.fork()
+        fork.policy = fork.scheduler.policy = Pinned(fresh_copy(self.base), task_id, rows)
+        fork.policy.attach(fork)
+        fork.apply_new_placements()
+        end_s = fork.now_s + self.horizon_s
+        fork.decide_now()
+        fork.run_until(end_s)
+        total = 0.0
+        for record in fork.records.values():
+            if record.arrival_s <= end_s and record.state != "unrunnable":
+                finish = fork.projected_finish_s(record.task_id)
+                total += (finish if math.isfinite(finish) else end_s + self.horizon_s) - record.arrival_s
+        return total
+
+
+def recorder() -> Any:
+    """The shipped model in torch (the untrained model of the default preset, whose corrections are
+    zero: the same scores as the shipped ONNX files), to record decisions with."""
+    import torch
+
+    from export.train import TrainConfig, Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(TrainConfig(), Path("/nonexistent"), lambda _: None, progress=False)
+    return trainer.student()
+
+
+def run(args: argparse.Namespace, job: tuple[str, int, str]) -> dict[str, Any]:
+    workload, seed, policy_name = job
+    catalogue, inventory = _catalogue(), _inventory(args.cluster)
+    tasks = build_workload(workload, seed, args.jobs[workload], catalogue, inventory, args.load)
+    base = make_sim_policy("gnn")
+    assert isinstance(base, GnnPolicy)
+    policy: Policy = base
+    if policy_name == "gnn-rollout":
+        policy = RolloutGnn(base, args.k, args.horizon_h * 3600.0)
+        if args.record:
+            policy.recorder = recorder()
+    started = time.perf_counter()
+    with logs_to_stderr():
+        sim = Simulation(catalogue, inventory, tasks, policy, seed, SimConfig())
+        result = sim.run()
+    metrics = compute_metrics(result)
+    row = {
+        "workload": workload,
+        "seed": seed,
+        "policy": policy_name,
+        "jct_mean_h": round(metrics["jct_mean_s"] / 3600.0, 4),
+        "jct_p99_h": round(metrics["jct_p99_s"] / 3600.0, 4),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    if isinstance(policy, RolloutGnn):
+        row.update(decisions=policy.decisions, changed=policy.changed)
+        if args.record:
+            args.record.mkdir(parents=True, exist_ok=True)
+            with open(args.record / f"{workload}-{seed}.pkl", "wb") as out:
+                pickle.dump(policy.data, out)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", default="mixed:64")
+    parser.add_argument("--workloads", default="gavel:100,pipelines:40", help="family:jobs,...")
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 1000 to 1000 + N - 1")
+    parser.add_argument("--k", type=int, default=3, help="actions tried per decision")
+    parser.add_argument("--horizon-h", type=float, default=6.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--record", type=Path, help="pickle each run's labelled decisions into this folder")
+    args = parser.parse_args()
+    args.jobs = {w.split(":")[0]: int(w.split(":")[1]) for w in args.workloads.split(",")}
+    jobs = [(w, 1000 + s, p) for w in args.jobs for s in range(args.seeds) for p in ("gnn", "gnn-rollout")]
+    with Pool(args.workers, maxtasksperchild=1) as pool:
+        rows = pool.map(partial(run, args), jobs, chunksize=1)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    for workload in args.jobs:
+        by = {(r["seed"], r["policy"]): r["jct_mean_h"] for r in rows if r["workload"] == workload}
+        ratios = [by[(s, "gnn-rollout")] / by[(s, "gnn")] - 1.0 for s in sorted({s for s, _ in by})]
+        mean = float(np.mean(ratios))
+        se = float(np.std(ratios, ddof=1) / math.sqrt(len(ratios))) if len(ratios) > 1 else math.nan
+        print(
+            json.dumps(
+                {"workload": workload, "seeds": len(ratios), "rollout_vs_gnn_mean": round(mean, 4), "se": round(se, 4)}
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
