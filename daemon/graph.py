@@ -1016,17 +1016,29 @@ class InfraGraph:
                 d.placed_gb[row] = max(0.0, d.placed_gb[row] - task.spec.memory_per_device_gb)
 
     def release(self, task: Task, final_state: TaskState) -> None:
-        """Return the task's reservations and move it to a final state."""
+        """Return the task's reservations and move it to a final state.
+
+        A device the task ran on reads as its last report less the task until the next report
+        comes: the report counted the task's memory, and, once no task hlb placed is left on the
+        device, its utilization was the task's (a device freed between reports otherwise looks
+        busy for up to a telemetry interval, and a gang ready for a fast host that just emptied
+        would take slow devices instead)."""
         d = self.devices
+        ran = task.state == TaskState.RUNNING
         if task.state == TaskState.PLACED:
             self._unplace(task)
+        memory = task.spec.memory_per_device_gb
         for row, device_id in zip(task.device_rows, task.device_ids, strict=True):
             if d.ids[row] == device_id and task.spec.id in self._tasks_on_device.get(row, ()):
                 self._tasks_on_device[row].discard(task.spec.id)
                 if not self._tasks_on_device[row]:
                     del self._tasks_on_device[row]
                 d.n_tasks[row] -= 1
-                d.reserved_gb[row] = max(0.0, d.reserved_gb[row] - task.spec.memory_per_device_gb)
+                d.reserved_gb[row] = max(0.0, d.reserved_gb[row] - memory)
+                if ran:
+                    d.memory_used_gb[row] = max(0.0, d.memory_used_gb[row] - memory)
+                    if d.n_tasks[row] == 0:
+                        d.utilization[row] = 0.0
         self._set_state(task, final_state)
         self.changes += len(task.device_rows)
 

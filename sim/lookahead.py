@@ -135,9 +135,16 @@ class LookaheadPolicy(Policy):
         fork.decide_now()
         fork.run_until(end_s)
         self.rollouts += 1
-        total = 0.0
-        for record in fork.records.values():
-            if record.arrival_s <= end_s and record.state != "unrunnable":
-                finish = fork.projected_finish_s(record.task_id)
-                total += (finish if math.isfinite(finish) else end_s + self.horizon_s) - record.arrival_s
-        return total
+        return projected_flow_time_s(fork, end_s, self.horizon_s)
+
+
+def projected_flow_time_s(sim: Simulation, end_s: float, penalty_s: float) -> float:
+    """Total flow time (s) of the tasks that arrived by ``end_s``, each to its projected finish
+    (:meth:`sim.simulator.Simulation.projected_finish_s`); one that cannot finish counts as ending
+    ``penalty_s`` after ``end_s``. Unrunnable tasks are left out."""
+    total = 0.0
+    for record in sim.records.values():
+        if record.arrival_s <= end_s and record.state != "unrunnable":
+            finish = sim.projected_finish_s(record.task_id)
+            total += (finish if math.isfinite(finish) else end_s + penalty_s) - record.arrival_s
+    return total

@@ -279,3 +279,35 @@ def test_the_graph_matches_a_dictionary_model(
     assert {d.ids[r] for r in feasible} == expected
     assert np.all(np.diff(feasible) > 0)
     assert graph.exclusion_counts(spec).total() == len(model) - len(expected)
+
+
+def test_a_device_left_without_tasks_reads_its_last_report_less_the_task_until_the_next() -> None:
+    graph = InfraGraph()
+    for i in range(2):
+        graph.apply_telemetry(upsert(f"d{i}", "h0"))
+    ran = graph.add_task(ev.TaskSpec(id="ran", memory_per_device_gb=20, num_devices=2), "c")
+    shared = graph.add_task(ev.TaskSpec(id="shared", memory_per_device_gb=4), "c")
+    never = graph.add_task(ev.TaskSpec(id="never", memory_per_device_gb=6), "c")
+    graph.bind(ran, [0, 1])
+    graph.bind(shared, [1])
+    graph.mark_running(ran)
+    graph.mark_running(shared)
+    busy = [ev.DeviceMetrics(device_id=f"d{i}", utilization=0.9, memory_used_gb=21 + 4 * i) for i in range(2)]
+    graph.apply_telemetry(ev.TelemetryEvent(event_time_ms=1000, metrics_batch=ev.MetricsBatch(devices=busy)))
+    d = graph.devices
+    assert list(graph.feasible_rows(ev.TaskSpec(id="t", memory_per_device_gb=16))) == []
+    graph.release(ran, TaskState.FINISHED)
+    # d0 has no task left: idle, its memory less the task's; d1 still runs "shared", so it stays busy.
+    assert list(d.utilization[:2]) == [0.0, 0.9]
+    assert list(d.memory_used_gb[:2]) == [1.0, 5.0]
+    assert list(graph.free_memory_gb(np.array([0, 1]))) == [31.0, 27.0]
+    assert list(graph.feasible_rows(ev.TaskSpec(id="t", memory_per_device_gb=16))) == [0]  # d1 holds "shared"
+    # A task released before it ran is not in any report: nothing changes but its reservation.
+    graph.bind(never, [0])
+    graph.release(never, TaskState.CANCELLED)
+    assert d.memory_used_gb[0] == 1.0
+    assert d.reserved_gb[0] == 0.0
+    # The next report is taken as it comes.
+    again = ev.DeviceMetrics(device_id="d0", utilization=0.3, memory_used_gb=2)
+    graph.apply_telemetry(ev.TelemetryEvent(event_time_ms=2000, device_metrics=again))
+    assert (d.utilization[0], d.memory_used_gb[0]) == (0.3, 2.0)

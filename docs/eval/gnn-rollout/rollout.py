@@ -43,6 +43,7 @@ from daemon.policy import Policy, Scores, Wait
 from daemon.waiting import RunTimes
 from hlb.v1 import events_pb2 as ev
 from sim.eval import _catalogue, _inventory, make_sim_policy
+from sim.lookahead import projected_flow_time_s
 from sim.metrics import compute_metrics
 from sim.scenarios import build_workload
 from sim.simulator import SimConfig, Simulation
@@ -178,12 +179,7 @@ class RolloutGnn(Pinned):
         end_s = fork.now_s + self.horizon_s
         fork.decide_now()
         fork.run_until(end_s)
-        total = 0.0
-        for record in fork.records.values():
-            if record.arrival_s <= end_s and record.state != "unrunnable":
-                finish = fork.projected_finish_s(record.task_id)
-                total += (finish if math.isfinite(finish) else end_s + self.horizon_s) - record.arrival_s
-        return total
+        return projected_flow_time_s(fork, end_s, self.horizon_s)
 
 
 def recorder() -> Any:
