@@ -342,9 +342,6 @@ class DaggerPolicy(Policy):
         self.teacher.attach(sim)
         self.student.attach(sim)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> DaggerPolicy:
-        return self  # forks (the teacher's rollouts) replace their policy before deciding
-
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
         return self.teacher.score(spec, graph, rows)
 

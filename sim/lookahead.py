@@ -4,8 +4,9 @@ An expensive policy, used as a teacher for the GNN and as an upper reference in 
 an ordinary daemon policy (``score(task, graph, rows)``), so it decides through the same
 scheduler, graph and ledger as every other policy. For each decision it:
 
-1. ranks the feasible rows with a cheap base policy and forms up to ``k`` candidate gangs: the
-   base policy's own choice, then the best ``gang`` rows of each device model, best first;
+1. ranks the base policy's shortlist of the feasible rows with the base policy and forms up to
+   ``k`` candidate gangs: the base policy's own choice, then the best ``gang`` rows of each device
+   model, best first;
 2. for each candidate, forks the whole simulation (scheduler included), pins this task to the
    candidate, and rolls the fork forward ``horizon_s`` with the base policy deciding;
 3. keeps the candidate with the least total flow time in the fork: the sum over tasks that have
@@ -13,46 +14,79 @@ scheduler, graph and ledger as every other policy. For each decision it:
    projected to finish at its current rate and a queued one after its ideal run time
    (:meth:`sim.simulator.Simulation.projected_finish_s`).
 
+The base is hetero-greedy by default; any policy object can be, one that may wait for a busy device
+included (the GNN): the base's own candidate is then not pinned, so its fork decides the task as
+the base would (perhaps a wait), and taking it leaves the wait to the base; another candidate, when
+it wins, is taken now.
+
 The decision is made in :meth:`choose_gang` (the scheduler's seam for a gang); :meth:`score`
 gives the base policy's scores. It needs the simulation it decides in (:meth:`attach`, done by
-:class:`sim.simulator.Simulation`); outside one it falls back to the base policy.
+:class:`sim.simulator.Simulation`); outside one it decides as the base policy.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
 from daemon.graph import InfraGraph, Rows, Task
-from daemon.policy import Policy, make_policy
+from daemon.policy import Policy, Scores, Wait, make_policy
 from hlb.v1 import events_pb2 as ev
-from sim.simulator import Simulation
+from sim.simulator import Simulation, SimulationAware
 
 
 class PinnedPolicy(Policy):
-    """Gives one task exactly the given rows; ``base`` decides everything else."""
+    """Decides as ``base`` does, except that task ``task_id`` takes ``rows`` now (no wait) while they
+    are all feasible; ``rows`` None leaves that task to ``base`` too. Each decision is made alone (no
+    batch chooser), so the pin holds whatever the shape of the task."""
 
-    def __init__(self, task_id: str, rows: Rows, base: Policy) -> None:
+    def __init__(self, task_id: str, rows: Rows | None, base: Policy) -> None:
         self.task_id = task_id
         self.rows = rows
         self.base = base
         self.name = base.name
 
-    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        if spec.id != self.task_id:
-            return self.base.score(spec, graph, rows)
-        return np.isin(rows, self.rows).astype(np.float64)
+    def _pin(self, spec: ev.TaskSpec) -> Rows | None:
+        """The rows ``spec`` is pinned to, or None."""
+        return self.rows if spec.id == self.task_id else None
+
+    @property
+    def waits(self) -> bool:
+        return self.base.waits
+
+    def attach(self, sim: Simulation) -> None:
+        if isinstance(self.base, SimulationAware):
+            self.base.attach(sim)
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        pin = self._pin(spec)
+        if pin is not None:
+            return np.isin(rows, pin).astype(np.float64)
+        return self.base.score(spec, graph, rows)
+
+    def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
+        return feasible if self._pin(spec) is not None else self.base.shortlist(spec, graph, feasible)
 
     def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
     ) -> tuple[Rows, float]:
-        if spec.id == self.task_id and np.isin(self.rows, feasible).all():
-            return self.rows, 1.0
-        return self.base.choose_gang(spec, graph, feasible, None if spec.id == self.task_id else scores)
+        pin = self._pin(spec)
+        if pin is not None:
+            if np.isin(pin, feasible).all():
+                return pin, 1.0
+            scores = None  # scores given for the pin say nothing about the other rows
+        return self.base.choose_gang(spec, graph, feasible, scores)
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        if self._pin(spec) is not None:
+            return None
+        return self.base.wait_for(spec, graph, gang, score, now_ms, queued_s)
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.base.placed(spec, graph, rows)
@@ -66,36 +100,74 @@ class LookaheadPolicy(Policy):
 
     name = "lookahead"
 
-    def __init__(self, base: str = "hetero-greedy", k: int = 3, horizon_s: float = 6 * 3600.0) -> None:
+    def __init__(self, base: str | Policy = "hetero-greedy", k: int = 3, horizon_s: float = 6 * 3600.0) -> None:
         if k < 1 or horizon_s <= 0:
             raise ValueError("lookahead needs k >= 1 and horizon_s > 0")
-        self.base = make_policy(base)
+        self.base = make_policy(base) if isinstance(base, str) else base
         self.k = k
         self.horizon_s = horizon_s
         self._sim: Simulation | None = None
+        self._taken: set[str] = set()  # tasks whose rolled-out winner is taken now: no wait for them
         self.rollouts = 0
+        self.decisions = 0  # decisions with at least two candidates
+        self.changed = 0  # of those, decided otherwise than the base policy would have
+
+    @property
+    def waits(self) -> bool:
+        return self.base.waits
 
     def attach(self, sim: Simulation) -> None:
         self._sim = sim
+        if isinstance(self.base, SimulationAware):
+            self.base.attach(sim)
 
-    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+    def copy_base(self) -> Policy:
+        """The base policy for a fork: a copy that decides independently of this one."""
+        return copy.deepcopy(self.base)
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         """The base policy's scores (what Explain and ScoreDevices see); the decision is :meth:`choose_gang`."""
         return self.base.score(spec, graph, rows)
 
+    def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
+        return self.base.shortlist(spec, graph, feasible)
+
     def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
     ) -> tuple[Rows, float]:
         """The candidate gang whose rollout has the least flow time; the base's choice outside a simulation."""
+        self._taken.discard(spec.id)
         base_choice = self.base.choose_gang(spec, graph, feasible)
         if self._sim is None or not len(base_choice[0]):
             return base_choice
-        base_scores = self.base.score(spec, graph, feasible)
-        candidates = self.candidates(spec, graph, feasible, base_scores, base_choice[0])
+        rows = self.base.shortlist(spec, graph, feasible)
+        candidates = self.candidates(spec, graph, rows, self.base.score(spec, graph, rows), base_choice[0])
         if len(candidates) < 2:
             return base_choice
-        costs = [self.rollout_cost(spec.id, c) for c in candidates]
+        # A base that may wait decides its own candidate in the fork as it would here (perhaps a wait).
+        own = None if self.base.waits else candidates[0]
+        costs = [self.rollout_cost(spec.id, own)] + [self.rollout_cost(spec.id, c) for c in candidates[1:]]
         best = int(np.argmin(costs))
+        self.decisions += 1
+        self.changed += best > 0
+        self.decided(spec, graph, rows, candidates, costs)
+        if own is None and best == 0:
+            return base_choice  # the base's wait_for still has its say
+        self._taken.add(spec.id)
         return candidates[best], -float(costs[best])
+
+    def decided(
+        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, candidates: list[Rows], costs: list[float]
+    ) -> None:
+        """Told every rolled-out decision: the ranked ``rows``, the ``candidates`` (the base's own
+        first) and their projected flow times (s). For subclasses that record a teacher's labels."""
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        if spec.id in self._taken:
+            return None
+        return self.base.wait_for(spec, graph, gang, score, now_ms, queued_s)
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.base.placed(spec, graph, rows)
@@ -103,9 +175,7 @@ class LookaheadPolicy(Policy):
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         return self.base.rank(graph, tasks)
 
-    def candidates(
-        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: NDArray[np.float64], first: Rows
-    ) -> list[Rows]:
+    def candidates(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores, first: Rows) -> list[Rows]:
         """Up to ``k`` distinct gangs: ``first`` (the base policy's choice), then the best of each model."""
         gang = max(1, spec.num_devices)
         if len(rows) < gang:
@@ -124,12 +194,11 @@ class LookaheadPolicy(Policy):
                 distinct.append(gang_rows)
         return distinct[: self.k]
 
-    def rollout_cost(self, task_id: str, rows: Rows) -> float:
-        """Projected total flow time (s) at the horizon in a fork where ``task_id`` goes to ``rows``."""
+    def rollout_cost(self, task_id: str, rows: Rows | None) -> float:
+        """Projected total flow time (s) at the horizon in a fork where ``task_id`` goes to ``rows``
+        (None: as the base policy decides)."""
         assert self._sim is not None
-        fork = self._sim.fork()
-        # A fresh policy object (the setter also makes the fork's scheduler take a new pass now).
-        fork.policy = fork.scheduler.policy = PinnedPolicy(task_id, rows, copy.deepcopy(self.base))
+        fork = self._sim.fork(PinnedPolicy(task_id, rows, self.copy_base()))
         fork.apply_new_placements()
         end_s = fork.now_s + self.horizon_s
         fork.decide_now()

@@ -314,11 +314,20 @@ class Simulation:
             self.decide_now()
             self._record()
 
-    def fork(self) -> Simulation:
-        """An independent copy of the whole state (scheduler included) sharing the immutable inputs."""
+    def fork(self, policy: Policy | None = None) -> Simulation:
+        """An independent copy of the whole state (scheduler included) sharing the immutable inputs,
+        deciding with ``policy`` (attached to the fork, and its scheduler's next pass starts afresh)
+        or, by default, with a copy of this one's."""
         shared: dict[int, Any] = {id(x): x for x in (self.catalogue, self.inventory, self.network, self.config)}
         shared.update({id(t): t for t in self._tasks.values()})
-        return copy.deepcopy(self, shared)
+        if policy is not None:
+            shared[id(self.policy)] = policy  # every reference to this one's policy becomes ``policy``
+        fork = copy.deepcopy(self, shared)
+        if policy is not None:
+            fork.scheduler.policy = policy
+            if isinstance(policy, SimulationAware):
+                policy.attach(fork)
+        return fork
 
     def result(self) -> SimResult:
         return SimResult(

@@ -15,7 +15,7 @@ from daemon.policy import make_policy
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
 from sim.eval import make_sim_policy
-from sim.lookahead import LookaheadPolicy
+from sim.lookahead import LookaheadPolicy, PinnedPolicy
 from sim.metrics import compute_metrics
 from sim.network import Network
 from sim.scenarios import build_cluster, build_workload
@@ -380,6 +380,60 @@ def test_lookahead_decides_through_the_same_scheduler(catalogue: Catalogue) -> N
     assert policy.rollouts > 0
     assert all(r.state == "finished" for r in result.tasks)
     assert {p.policy for p in sim.scheduler.ledger.since(1)} == {"lookahead"}
+
+
+def test_a_fork_decides_with_the_policy_it_is_given(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:8", catalogue)
+    sim = Simulation(catalogue, inventory, build_workload("gavel", 1, 6, catalogue, inventory, 0.9), "least-loaded")
+    sim.run_until(600.0)
+    pinned = PinnedPolicy("nobody", None, make_policy("hetero-greedy"))
+    fork = sim.fork(pinned)
+    assert fork.policy is pinned
+    assert fork.scheduler.policy is pinned
+    assert sim.policy.name == sim.scheduler.policy.name == "least-loaded"
+    assert fork.scheduler.graph is not sim.scheduler.graph
+    default = sim.fork()
+    assert default.policy is not sim.policy
+    assert default.scheduler.policy is default.policy
+
+
+def test_a_pinned_task_takes_its_rows_now_and_the_base_decides_the_rest_waits_included(
+    catalogue: Catalogue,
+) -> None:
+    inventory = build_cluster("mixed:8", catalogue)
+    tasks = build_workload("gavel", 1, 12, catalogue, inventory, 0.9)
+    alone = Simulation(catalogue, inventory, tasks, make_sim_policy("gnn"), seed=1)
+    expected = alone.run()
+    assert alone.scheduler.waits_decided > 0  # the GNN waits for faster devices here
+    unpinned = Simulation(catalogue, inventory, tasks, PinnedPolicy("", None, make_sim_policy("gnn")), seed=1)
+    assert unpinned.run().tasks == expected.tasks
+    assert unpinned.scheduler.waits_decided == alone.scheduler.waits_decided
+    # The first task (every device free then), pinned to devices of one host of another model
+    # than the GNN's choice.
+    first = min(tasks, key=lambda t: t.arrival_s)
+    chosen = {r.task_id: r for r in expected.tasks}[first.id].models[0]
+    fits = [d for d in inventory.devices if d.model != chosen and d.memory_gb >= first.memory_per_device_gb]
+    hosts = {d.host_id: [e.id for e in fits if e.host_id == d.host_id] for d in fits}
+    other = next(ids for ids in hosts.values() if len(ids) >= first.num_devices)[: first.num_devices]
+    rows = alone.scheduler.graph.device_rows(other)
+    pinned = Simulation(catalogue, inventory, tasks, PinnedPolicy(first.id, rows, make_sim_policy("gnn")), seed=1)
+    records = {r.task_id: r for r in pinned.run().tasks}
+    assert records[first.id].device_ids == tuple(other)
+    assert pinned.scheduler.waits_decided > 0
+
+
+def test_lookahead_over_a_base_that_waits_leaves_its_own_choice_to_it(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:8", catalogue)
+    tasks = build_workload("gavel", 1, 12, catalogue, inventory, 0.9)
+    alone = Simulation(catalogue, inventory, tasks, make_sim_policy("gnn"), seed=1)
+    expected = alone.run()
+    # One candidate only: the base's own choice, with its wait; no rollout.
+    policy = LookaheadPolicy(make_sim_policy("gnn"), k=1)
+    sim = Simulation(catalogue, inventory, tasks, policy, seed=1)
+    assert sim.run().tasks == expected.tasks
+    assert sim.scheduler.waits_decided == alone.scheduler.waits_decided > 0
+    assert policy.waits
+    assert policy.rollouts == 0
 
 
 def replay(catalogue: Catalogue, trace: Sequence[Task]) -> SimResult:

@@ -2,11 +2,11 @@
 for the scorer's corrections?
 
 The shipped policy (the GNN with its four rules) decides every task; at each decision of a task
-that has a choice, :class:`RolloutGnn` also forks the whole simulation and rolls it forward
-``--horizon-h`` hours for each of up to ``--k`` actions: the shipped policy's own (which may be a
-wait), and the best gang of each other device model by the shipped scores, taken now. The action
-whose fork has the least projected flow time (the lookahead oracle's cost, ``sim.lookahead``) is
-taken. Every fork is decided by the shipped policy itself. If this improved policy does not beat
+that has a choice, :class:`RolloutGnn` (the lookahead oracle of ``sim.lookahead`` with the shipped
+policy as its base) also forks the whole simulation and rolls it forward ``--horizon-h`` hours for
+each of up to ``--k`` actions: the shipped policy's own (which may be a wait), and the best gang of
+each other device model by the shipped scores, taken now. The action whose fork has the least
+projected flow time is taken. Every fork is decided by the shipped policy itself. If this improved policy does not beat
 the shipped one, no correction of the scorer's single-decision ranking can be learned from such a
 teacher. One JSON line per run, then per family the per-seed ratio of mean JCT (rollout / shipped)
 with its mean and standard error. Training seeds only (1000..)::
@@ -27,23 +27,21 @@ import json
 import math
 import pickle
 import time
-from collections.abc import Mapping, Sequence
 from functools import partial
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
 from daemon.bench_latency import logs_to_stderr
 from daemon.gnn_policy import GnnPolicy
-from daemon.graph import InfraGraph, Rows, Task
-from daemon.policy import Policy, Scores, Wait
+from daemon.graph import InfraGraph, Rows
+from daemon.policy import Policy
 from daemon.waiting import RunTimes
 from hlb.v1 import events_pb2 as ev
 from sim.eval import _catalogue, _inventory, make_sim_policy
-from sim.lookahead import projected_flow_time_s
+from sim.lookahead import LookaheadPolicy
 from sim.metrics import compute_metrics
 from sim.scenarios import build_workload
 from sim.simulator import SimConfig, Simulation
@@ -58,128 +56,35 @@ def fresh_copy(policy: GnnPolicy) -> GnnPolicy:
     return twin
 
 
-class Pinned(Policy):
-    """The shipped policy, but ``task_id`` takes ``rows`` now (no wait) when they are still free."""
+class RolloutGnn(LookaheadPolicy):
+    """The shipped policy improved by one step of rollouts (see the module docstring): the lookahead
+    oracle over the shipped GNN, each fork deciding with a fresh copy of it."""
 
-    def __init__(self, base: GnnPolicy, task_id: str, rows: Rows | None) -> None:
-        self.base, self.task_id, self.rows = base, task_id, rows
-        self.name = "gnn"
-
-    @property
-    def waits(self) -> bool:
-        return self.base.waits
-
-    def attach(self, sim: Simulation) -> None:
-        self.base.attach(sim)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Pinned:
-        return Pinned(fresh_copy(self.base), self.task_id, self.rows)
-
-    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
-        return self.base.score(spec, graph, rows)
-
-    def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
-    ) -> tuple[Rows, float]:
-        if self.rows is not None and spec.id == self.task_id and np.isin(self.rows, feasible).all():
-            return self.rows, math.inf
-        return self.base.choose_gang(spec, graph, feasible, scores)
-
-    def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
-    ) -> Wait | None:
-        if self.rows is not None and spec.id == self.task_id:
-            return None
-        return self.base.wait_for(spec, graph, gang, score, now_ms, queued_s)
-
-    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        return self.base.rank(graph, tasks)
-
-    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
-        self.base.placed(spec, graph, rows)
-
-
-class RolloutGnn(Pinned):
-    """The shipped policy improved by one step of rollouts (see the module docstring)."""
+    name = "gnn"
 
     def __init__(self, base: GnnPolicy, k: int, horizon_s: float) -> None:
-        super().__init__(base, "", None)
-        self.k, self.horizon_s = k, horizon_s
-        self._sim: Simulation | None = None
-        self.forced: set[str] = set()
-        self.decisions = self.changed = 0
+        super().__init__(base, k, horizon_s)
+        self.gnn = base
         self.recorder: Any = None  # export.train.TorchGnnPolicy: records each decision with its label
         self.data: list[Any] = []
 
     def attach(self, sim: Simulation) -> None:
-        self._sim = sim
-        self.base.attach(sim)
+        super().attach(sim)
         if self.recorder is not None:
             self.recorder.attach(sim)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Pinned:  # a fork decides as the shipped policy
-        return Pinned(fresh_copy(self.base), "", None)
+    def copy_base(self) -> Policy:
+        return fresh_copy(self.gnn)
 
-    def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
-    ) -> Wait | None:
-        if spec.id in self.forced:
-            return None
-        return self.base.wait_for(spec, graph, gang, score, now_ms, queued_s)
-
-    def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
-    ) -> tuple[Rows, float]:
-        self.forced.discard(spec.id)
-        choice = self.base.choose_gang(spec, graph, feasible, scores)
-        if self._sim is None or not len(choice[0]):
-            return choice
-        rows = self.base.shortlist(spec, graph, feasible)
-        alternatives = self.alternatives(spec, graph, rows, self.base.score(spec, graph, rows), choice[0])
-        if not alternatives:
-            return choice
-        self.decisions += 1
-        costs = [self.rollout_cost(spec.id, None)] + [self.rollout_cost(spec.id, a) for a in alternatives]
+    def decided(
+        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, candidates: list[Rows], costs: list[float]
+    ) -> None:
+        if self.recorder is None:
+            return
         best = int(np.argmin(costs))
-        if costs[best] >= costs[0]:
-            best = 0
-        if self.recorder is not None:
-            gang = choice[0] if best == 0 else alternatives[best - 1]
-            decision = self.recorder.decision(spec, graph, rows, np.searchsorted(rows, np.sort(gang)))
-            decision.advantage = (costs[0] - costs[best]) / 3600.0  # flow time saved (h) by the label
-            self.data.append(decision)
-        if best == 0:
-            return choice
-        self.changed += 1
-        self.forced.add(spec.id)
-        return alternatives[best - 1], math.inf
-
-    def alternatives(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores, first: Rows) -> list[Rows]:
-        """Up to ``k - 1`` gangs other than ``first``: the best of each device model, best first."""
-        gang = max(1, spec.num_devices)
-        order = np.argsort(-scores, kind="stable")
-        models = graph.devices.model[rows]
-        found: list[tuple[float, Rows]] = []
-        for model in np.unique(models):
-            members = order[models[order] == model][:gang]
-            candidate = np.sort(rows[members])
-            if len(members) == gang and not np.array_equal(candidate, np.sort(first)):
-                found.append((float(scores[members].mean()), candidate))
-        found.sort(key=lambda item: -item[0])
-        return [c for _, c in found[: self.k - 1]]
-
-    def rollout_cost(self, task_id: str, rows: Rows | None) -> float:
-        """Projected total flow time (s) at the horizon of a fork where ``task_id`` takes ``rows``
-        (None: as the shipped policy decides)."""
-        assert self._sim is not None
-        fork = self._sim.fork()
-        fork.policy = fork.scheduler.policy = Pinned(fresh_copy(self.base), task_id, rows)
-        fork.policy.attach(fork)
-        fork.apply_new_placements()
-        end_s = fork.now_s + self.horizon_s
-        fork.decide_now()
-        fork.run_until(end_s)
-        return projected_flow_time_s(fork, end_s, self.horizon_s)
+        decision = self.recorder.decision(spec, graph, rows, np.searchsorted(rows, candidates[best]))
+        decision.advantage = (costs[0] - costs[best]) / 3600.0  # flow time saved (h) by the label
+        self.data.append(decision)
 
 
 def recorder() -> Any:
