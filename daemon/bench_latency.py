@@ -26,7 +26,9 @@ else one exported now with random weights (needs the export extra: torch); the J
 
 ``--journal`` runs the server as the daemon runs with Kafka: every decision and API submission
 goes to the decision journal (``daemon.journal``, in a temporary directory) and each ``Place`` or
-``PlaceBatch`` answers only once the journal is on disk (one fsync per call, group commit).
+``PlaceBatch`` answers only once the journal has its decisions: in the file, fsynced off the
+request path (``--journal-sync write``, the default, as the daemon's ``journal.sync``), or on disk
+(``--journal-sync fsync``: one fsync per call, group commit).
 Nothing is sent to a broker either way.
 """
 
@@ -69,7 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=None, help="with --policy gnn: model folder (default: shipped, else random)"
     )
     parser.add_argument(
-        "--journal", action="store_true", help="fsync decisions to a decision journal before answering, as the daemon"
+        "--journal", action="store_true", help="journal decisions before answering, as the daemon on Kafka"
+    )
+    parser.add_argument(
+        "--journal-sync",
+        choices=("write", "fsync"),
+        default="write",
+        help="with --journal: what an answer waits for, as the daemon's journal.sync (default: %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
 
@@ -152,10 +160,11 @@ class Discard:
 class LoopbackServer:
     """The daemon's gRPC server for ``scheduler`` on 127.0.0.1, its event loop in a thread.
 
-    ``journal_dir``: journal decisions there and answer once they are on disk, as the daemon does.
+    ``journal_dir``: journal decisions there and answer once they are on disk (``journal_sync``
+    "fsync") or in the file ("write"), as the daemon does.
     """
 
-    def __init__(self, scheduler: Any, lock: Any = None, journal_dir: Any = None) -> None:
+    def __init__(self, scheduler: Any, lock: Any = None, journal_dir: Any = None, journal_sync: str = "write") -> None:
         import asyncio
         import threading
 
@@ -163,8 +172,9 @@ class LoopbackServer:
 
         service = SchedulerService(scheduler, lock or threading.RLock(), lambda spec: None)
         self.journal: Any = None
+        self.gate: Any = None
         if journal_dir is not None:
-            self.journal = _journal_service(service, scheduler, journal_dir)
+            self.journal, self.gate = _journal_service(service, scheduler, journal_dir, journal_sync)
         self.loop = asyncio.new_event_loop()
 
         async def start() -> GrpcServer:
@@ -185,16 +195,18 @@ class LoopbackServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()
+        if self.gate is not None:
+            self.gate.close()
         if self.journal is not None:
             self.journal.close()
 
 
-def _journal_service(service: Any, scheduler: Any, journal_dir: Any) -> Any:
+def _journal_service(service: Any, scheduler: Any, journal_dir: Any, sync: str) -> tuple[Any, Any]:
     """Wire ``service`` to a decision journal as ``Daemon`` does: ledger records and submissions
     are published by the daemon's ``DecisionPublisher`` through a journal (nothing behind it), and
-    the handlers wait for the journal's fsync."""
+    the handlers wait for the journal as ``sync`` says."""
     from daemon.config import Topics
-    from daemon.journal import JournaledPublisher, JournalFile, synced
+    from daemon.journal import AnswerGate, JournaledPublisher, JournalFile
     from daemon.metrics import DaemonMetrics
     from daemon.service import DecisionPublisher
 
@@ -204,8 +216,8 @@ def _journal_service(service: Any, scheduler: Any, journal_dir: Any) -> Any:
     scheduler.ledger.subscribe(decisions.placement)
 
     service.on_submitted = decisions.submitted
-    service.durable = lambda: synced(journal)
-    return journal
+    service.durable = gate = AnswerGate(journal, sync)
+    return journal, gate
 
 
 @contextmanager
@@ -344,7 +356,7 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
     task = task_maker()
 
     journal_dir = tempfile.TemporaryDirectory(prefix="hlb-bench-journal-") if args.journal else None
-    server = LoopbackServer(scheduler, lock, journal_dir.name if journal_dir is not None else None)
+    server = LoopbackServer(scheduler, lock, journal_dir.name if journal_dir is not None else None, args.journal_sync)
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -387,6 +399,7 @@ def summarize(
         "pending": args.pending,
         "policy": args.policy,
         "journal": args.journal,
+        "journal_sync": args.journal_sync if args.journal else None,
         "calls": args.calls,
         "floor": {"rpc": "grpc.health.v1.Health/Check", **floor},
     }

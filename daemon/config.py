@@ -278,6 +278,15 @@ class SnapshotSettings(_Section):
     keep: int = Field(3, ge=1, le=100)  # newest snapshots kept; an older one is the fallback for a corrupt one
 
 
+class JournalSettings(_Section):
+    """The decision journal (daemon/journal.py; on with the Kafka bus, one instance per cell)."""
+
+    # What an RPC that answers with a decision waits for: "write", the decision in the journal file
+    # (the daemon killed loses nothing answered; a thread fsyncs it off the request path at most
+    # every 5 ms); "fsync", the decision on disk (a machine going down loses nothing answered either).
+    sync: Literal["write", "fsync"] = "write"
+
+
 class CellsSettings(_Section):
     """Several instances sharing the cells through Kafka (DESIGN.md §9, daemon/cells.py).
 
@@ -326,6 +335,7 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
+    journal: JournalSettings = JournalSettings()
     model: ModelSettings = ModelSettings()
     cells: CellsSettings = CellsSettings()
 

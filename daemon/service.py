@@ -8,8 +8,10 @@ the deciding RPCs answer UNAVAILABLE, until ingest has replayed the inputs up to
 offsets: only then does the graph hold everything decided and submitted before the start. Then
 SERVING (health) and READY=1 (systemd).
 
-With the Kafka bus, every decision is in the journal, on disk, before the RPC that made it
-answers (``Daemon.durable``), so a SIGKILL cannot make the restarted daemon forget an answer.
+With the Kafka bus, every decision is in the journal before the RPC that made it answers
+(``Daemon.durable``): in the file, fsynced off the request path (``journal.sync: write``), or on
+disk (``fsync``). Either way a SIGKILL cannot make the restarted daemon forget an
+answer; with ``fsync`` neither can the machine going down.
 
 SIGTERM or SIGINT, in this order: STOPPING=1 and health NOT_SERVING; the gRPC server refuses new
 RPCs and gives in-flight ones ``grpc.grace_s``; ingest stops, which stores and commits the
@@ -48,7 +50,7 @@ from daemon.errors import BrokerError, ConfigError, EventError, InvalidEventErro
 from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph
 from daemon.ingest import Ingestor, IngestStats, IngestThread
-from daemon.journal import JournaledPublisher, JournalFile, synced
+from daemon.journal import AnswerGate, JournaledPublisher, JournalFile
 from daemon.lag import (
     EndOffsetProbe,
     KafkaEndOffsets,
@@ -150,6 +152,7 @@ class Daemon:
         self.transactions: TransactionalPublisher | None = None
         self.service: SchedulerService | None = None
         self.journal: JournalFile | None = None
+        self._answer_gate: AnswerGate | None = None
         self._journaled: JournaledPublisher | None = None
         # Input partitions -> the offset replay must reach before the daemon serves (see run()).
         self.replay_targets: dict[tuple[str, int], int] = {}
@@ -198,6 +201,7 @@ class Daemon:
         how many were restored. Runs after ``restore_ledger`` and before anything is replayed."""
         journal = JournalFile.open(self.settings.state_dir)
         self.journal = journal
+        self._answer_gate = AnswerGate(journal, self.settings.journal.sync)
         self._journaled = JournaledPublisher(self.raw_publisher, journal)
         self.publisher = self._journaled
         topics = self.settings.kafka.topics
@@ -242,12 +246,13 @@ class Daemon:
         return restored
 
     async def durable(self) -> None:
-        """Wait until every decision made so far is in the journal on disk (group commit)."""
+        """Wait until every decision made so far is in the journal, on disk or in the file as
+        ``journal.sync`` says (group commit)."""
         if self.transactions is not None:
             await asyncio.to_thread(self.transactions.commit)
             return
-        if self.journal is not None:
-            await synced(self.journal)
+        if self._answer_gate is not None:
+            await self._answer_gate()
 
     def _end_offsets(self, topics: Sequence[str]) -> EndOffsetProbe | None:
         if isinstance(self.bus, MemoryBus):
@@ -657,6 +662,8 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._journaled is not None and self.journal is not None:
+            if self._answer_gate is not None:
+                await asyncio.to_thread(self._answer_gate.close)
             if not undelivered:  # the broker has everything: the journal may be emptied
                 await asyncio.to_thread(self._journaled.acknowledge, 1.0)
             await asyncio.to_thread(self.journal.close)

@@ -65,11 +65,13 @@ def test_the_machine_counts_the_cores_a_benchmark_may_use_not_the_machines() -> 
     assert isinstance(facts["cpu_model"], str)
 
 
-def test_latency_with_the_journal_answers_the_same(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("sync", ["write", "fsync"])
+def test_latency_with_the_journal_answers_the_same(capsys: pytest.CaptureFixture[str], sync: str) -> None:
     args = ["--devices", "20", "--pending", "3", "--calls", "5", "--warmup", "1", "--batch", "4", "--batches", "2"]
-    assert main(["bench", "latency", *args, "--journal", "--json"]) == 0
+    assert main(["bench", "latency", *args, "--journal", "--journal-sync", sync, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["journal"] is True
+    assert result["journal_sync"] == sync
     assert result["place_batch"]["placed"] == 8
     assert result["placed_total"] == 14
 

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from daemon.journal import JOURNAL_NAME, JournaledPublisher, JournalFile, JournalRecord, decode_all, encode
+from daemon import journal as journal_module
+from daemon.journal import (
+    JOURNAL_NAME,
+    AnswerGate,
+    JournaledPublisher,
+    JournalFile,
+    JournalRecord,
+    decode_all,
+    encode,
+)
 
 
 def record(i: int, topic: str = "placements") -> JournalRecord:
@@ -38,6 +51,111 @@ def test_unsynced_records_are_not_on_disk(tmp_path: Path) -> None:
     journal.sync()
     journal.append(record(1))  # buffered only: a crash now loses it, and no answer waited for it
     assert decode_all((tmp_path / JOURNAL_NAME).read_bytes())[0] == [record(0)]
+
+
+def test_a_written_record_is_in_the_file_before_its_fsync(tmp_path: Path) -> None:
+    journal = JournalFile.open(tmp_path)
+    journal.append(record(0))
+    journal.append(record(1))
+    journal.write(1)  # one write takes everything buffered
+    assert (journal.written, journal.durable) == (2, 0)
+    # The OS has them: a daemon killed now finds them when it restarts.
+    assert decode_all((tmp_path / JOURNAL_NAME).read_bytes())[0] == [record(0), record(1)]
+    assert JournalFile.open(tmp_path).recovered == [record(0), record(1)]
+    journal.sync()
+    assert journal.durable == 2
+    journal.append(record(2))
+    journal.close()
+    assert JournalFile.open(tmp_path).recovered == [record(0), record(1), record(2)]
+
+
+def test_a_write_that_would_wait_for_a_truncation_says_so_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = JournalFile.open(tmp_path)
+    for i in range(4):
+        journal.append(record(i))
+    journal.sync()
+    rewriting, release = threading.Event(), threading.Event()
+    fsync_dir = journal_module._fsync_dir
+
+    def slow_fsync_dir(path: Path) -> None:
+        rewriting.set()
+        release.wait(10)
+        fsync_dir(path)
+
+    monkeypatch.setattr(journal_module, "_fsync_dir", slow_fsync_dir)
+    truncation = threading.Thread(target=journal.truncate_through, args=(2,))
+    truncation.start()
+    assert rewriting.wait(10)
+    journal.append(record(4))
+    assert not journal.try_write()  # the truncation holds the file: the caller writes elsewhere
+    assert journal.written == 4
+    release.set()
+    truncation.join(10)
+    assert journal.try_write()
+    assert journal.written == 5
+    assert decode_all((tmp_path / JOURNAL_NAME).read_bytes())[0] == [record(i) for i in (2, 3, 4)]
+    journal.close()
+
+
+def test_a_write_that_fails_part_way_leaves_the_file_whole_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = JournalFile.open(tmp_path)
+    journal.append(record(0))
+    journal.sync()
+    path = tmp_path / JOURNAL_NAME
+    size = path.stat().st_size
+    journal.append(record(1))
+    journal.append(record(2))
+
+    def disk_full(fd: int, data: bytes | bytearray) -> None:
+        os.write(fd, bytes(data[:5]))  # part of the first record gets in, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(journal_module, "_write_all", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            journal.write()
+    assert path.stat().st_size == size  # no torn record that would end the file for the next start
+    assert journal.written == 1
+    journal.append(record(3))
+    journal.sync()
+    journal.close()
+    assert JournalFile.open(tmp_path).recovered == [record(i) for i in range(4)]
+
+
+@pytest.mark.parametrize("mode", ["fsync", "write"])
+def test_an_answer_waits_for_the_journal_as_configured(tmp_path: Path, mode: str) -> None:
+    journal = JournalFile.open(tmp_path)
+    gate = AnswerGate(journal, mode)
+
+    async def answer() -> tuple[int, int]:
+        journal.append(record(0))
+        journal.append(record(1))
+        await gate()
+        return journal.written, journal.durable
+
+    try:
+        written, durable = asyncio.run(answer())
+        assert written == 2
+        if mode == "fsync":
+            assert durable == 2
+        # write: the fsync follows on the gate's thread, off the request path.
+        deadline = time.monotonic() + 10
+        while journal.durable < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert journal.durable == 2
+    finally:
+        gate.close()
+    journal.close()
+    assert JournalFile.open(tmp_path).recovered == [record(0), record(1)]
+
+
+def test_an_unknown_sync_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'often' is not one of write, fsync"):
+        AnswerGate(JournalFile.open(tmp_path), "often")
 
 
 @pytest.mark.parametrize("cut", [1, 5, 9])

@@ -128,6 +128,7 @@ class DaemonConfig:
     topics: Topics
     kafka: dict[str, Any] = field(default_factory=dict)
     client_config: dict[str, str] = field(default_factory=dict)
+    journal: dict[str, Any] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     group_id: str = field(default_factory=lambda: f"hlb-{uuid.uuid4().hex[:8]}")
@@ -156,6 +157,7 @@ class DaemonConfig:
             "grpc": {"listen": f"127.0.0.1:{self.port}"},
             "metrics": {"listen": f"127.0.0.1:{self.metrics_port}", "lag_interval_s": 0.5},
             "log": {"format": "json"},
+            "journal": self.journal,
         }
         path = self.root / "config.yaml"
         path.write_text(json.dumps(settings))  # JSON is YAML

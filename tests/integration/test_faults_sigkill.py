@@ -138,14 +138,15 @@ def test_sigkill_mid_stream_loses_nothing_places_nothing_twice_and_recovers_the_
     assert sum(d["reserved_gb"] for d in killed["devices"].values()) > 0
 
 
+@pytest.mark.parametrize("sync", ["fsync", "write"])
 def test_a_placement_answered_just_before_sigkill_is_kept_exactly_after_restart(
-    tmp_path: Path, kafka_bootstrap: str
+    tmp_path: Path, kafka_bootstrap: str, sync: str
 ) -> None:
     """Place and PlaceBatch answer, then SIGKILL at once: the ledger records may not have reached the
-    broker yet. The restarted daemon must know every answer as given (the journal), and the ledger
-    topic must end with each exactly once."""
+    broker yet. The restarted daemon must know every answer as given (the journal, whether answers
+    wait for its fsync or for its write), and the ledger topic must end with each exactly once."""
     topics = fresh_topics()
-    config = DaemonConfig(tmp_path, kafka_bootstrap, topics)
+    config = DaemonConfig(tmp_path, kafka_bootstrap, topics, journal={"sync": sync})
     load = Load(kafka_bootstrap, topics, seed=SEED)
     daemon = config.start()
     ledger = LedgerFollower(kafka_bootstrap, topics.placements)
