@@ -8,7 +8,7 @@ a decision), starting from the shipped model's zeros. Each iteration runs the cu
 the training base) of two training stages (``mixed:64``, ``gavel`` 200 jobs and ``pipelines`` 80
 jobs, load 0.8), every candidate on the same tasks; a candidate's fitness is minus the mean over the
 two stages of log(its mean JCT / the current weights' mean JCT). One JSON line per iteration, with
-the weights after its step (about 17 minutes on 2 cores with the defaults)::
+the weights after its step (about 20 minutes on 2 cores with the defaults)::
 
     .venv/bin/python docs/eval/gnn-es-head/es.py search > docs/eval/gnn-es-head/search.jsonl
 

@@ -18,7 +18,7 @@ zeros on validation seeds (940 and up; neither training nor evaluation seeds) of
         .venv/bin/python docs/eval/gnn-rollout/distill.py validate docs/eval/gnn-rollout/weights-$w.json
     done > docs/eval/gnn-rollout/validate.jsonl
 
-(``rollout.py`` about 13 minutes on 2 cores, each fit under a minute, each validation 2.5 minutes.)
+(``rollout.py`` about 22 minutes on 2 cores, each fit under a minute, each validation 2.5 minutes.)
 """
 
 from __future__ import annotations

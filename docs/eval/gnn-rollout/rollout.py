@@ -13,7 +13,7 @@ with its mean and standard error. Training seeds only (1000..)::
 
     .venv/bin/python docs/eval/gnn-rollout/rollout.py --record /tmp/rdata > docs/eval/gnn-rollout/rollout.jsonl
 
-(about 13 minutes on 2 cores; ``--record`` keeps each decision with the teacher's label for
+(about 22 minutes on 2 cores; ``--record`` keeps each decision with the teacher's label for
 ``distill.py``). The defaults: ``mixed:64``, ``gavel`` 100 jobs and ``pipelines`` 40 jobs, load 0.8,
 seeds 1000-1004, ``k`` 3, a 6-hour horizon (the lookahead teacher's in ``hlb train``). A fork knows
 the arrivals of the next hours, so the teacher is clairvoyant: an upper reference, not a policy.
