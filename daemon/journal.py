@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,11 +326,12 @@ class AnswerGate:
     in the last few milliseconds that the broker does not have yet. ``close`` stops that thread.
     """
 
-    def __init__(self, journal: JournalFile, mode: str = "write") -> None:
+    def __init__(self, journal: JournalFile, mode: str = "write", on_failure: Callable[[], None] | None = None) -> None:
         if mode not in SYNC_MODES:
             raise ValueError(f"journal sync mode {mode!r} is not one of {', '.join(SYNC_MODES)}")
         self.journal = journal
         self.mode = mode
+        self.on_failure = on_failure or (lambda: None)  # a failed fsync of the syncer thread (counted)
         self._wake = threading.Event()
         self._closed = False
         self._syncer: threading.Thread | None = None
@@ -367,6 +368,7 @@ class AnswerGate:
                 journal.sync(journal.written)
             except (OSError, ValueError) as exc:  # a full disk (the upkeep retries), or closed
                 log.error("journal sync failed", error=str(exc))
+                self.on_failure()
 
     def close(self) -> None:
         """Stop the syncer thread (blocks for the fsync it may be running; ``JournalFile.close``

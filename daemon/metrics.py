@@ -124,6 +124,11 @@ class DaemonMetrics:
             ["result"],
             registry=r,
         )
+        self.journal_sync_failures = Counter(
+            "hlb_journal_sync_failures",
+            "Failed writes or fsyncs of the decision journal off the request path (each retried).",
+            registry=r,
+        )
         self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
         self.start_time.set(time.time())
         self._state = _StateCollector(state)

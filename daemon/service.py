@@ -201,7 +201,9 @@ class Daemon:
         how many were restored. Runs after ``restore_ledger`` and before anything is replayed."""
         journal = JournalFile.open(self.settings.state_dir)
         self.journal = journal
-        self._answer_gate = AnswerGate(journal, self.settings.journal.sync)
+        self._answer_gate = AnswerGate(
+            journal, self.settings.journal.sync, on_failure=self.metrics.journal_sync_failures.inc
+        )
         self._journaled = JournaledPublisher(self.raw_publisher, journal)
         self.publisher = self._journaled
         topics = self.settings.kafka.topics
@@ -629,6 +631,7 @@ class Daemon:
                         await asyncio.to_thread(journaled.acknowledge, 5.0)
             except OSError as exc:  # a full disk: keep trying; the RPCs report their own failures
                 log.error("journal upkeep failed", error=str(exc))
+                self.metrics.journal_sync_failures.inc()
 
     async def _serve_until(self, stop: asyncio.Event, ingest: IngestThread) -> None:
         pinger = WatchdogPinger(self.notifier)

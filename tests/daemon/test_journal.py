@@ -153,6 +153,33 @@ def test_an_answer_waits_for_the_journal_as_configured(tmp_path: Path, mode: str
     assert JournalFile.open(tmp_path).recovered == [record(0), record(1)]
 
 
+def test_a_failed_fsync_off_the_request_path_is_counted_and_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = JournalFile.open(tmp_path)
+    failures: list[int] = []
+    gate = AnswerGate(journal, "write", on_failure=lambda: failures.append(journal.durable))
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    try:
+        monkeypatch.setattr(os, "fdatasync", broken)
+        journal.append(record(0))
+        asyncio.run(gate())  # the answer does not wait for the fsync, so it does not fail
+        assert journal.written == 1
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert failures == [0]
+        monkeypatch.undo()
+        journal.sync()  # the daemon's upkeep retries
+        assert journal.durable == 1
+    finally:
+        gate.close()
+    journal.close()
+
+
 def test_an_unknown_sync_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'often' is not one of write, fsync"):
         AnswerGate(JournalFile.open(tmp_path), "often")
