@@ -345,7 +345,7 @@ class AnswerGate:
             await synced(journal)
             return
         target = journal.appended
-        if journal.written < target and not journal.try_write(target):
+        if not journal.try_write(target):
             await asyncio.to_thread(journal.write, target)
         if journal.durable < target:
             self._wake.set()

@@ -439,8 +439,8 @@ class Daemon:
         if self.snapshots is not None:
             self.on_shutdown_snapshot = self.write_snapshot
             self._spawn(self._snapshot_every(self.settings.snapshot.interval_s))
-        if self._journaled is not None:
-            self._spawn(self._journal_upkeep(self._journaled))
+        if self._journaled is not None and self._answer_gate is not None:
+            self._spawn(self._journal_upkeep(self._journaled, self._answer_gate))
         metrics_server: MetricsServer | None = None
         try:
             # The model loads and warms up on the restored graph before health says SERVING.
@@ -616,15 +616,17 @@ class Daemon:
             left = self.replay_left()
         return not stop.is_set() and ingest.is_alive()
 
-    async def _journal_upkeep(self, journaled: JournaledPublisher) -> None:
-        """Sync what ingest decided (the API syncs its own at once) and drop acknowledged records."""
+    async def _journal_upkeep(self, journaled: JournaledPublisher, gate: AnswerGate) -> None:
+        """Bring what ingest decided into the journal as an answer would (``gate``: written and
+        fsynced by its thread, or fsynced; the API does so at once; a failure is retried here) and
+        drop acknowledged records."""
         journal = journaled.journal
         next_ack = self._monotonic() + JOURNAL_ACK_S
         while True:
             await asyncio.sleep(JOURNAL_SYNC_S)
             try:
                 if journal.durable < journal.appended:
-                    await asyncio.to_thread(journal.sync)
+                    await gate()
                 if self._monotonic() >= next_ack:
                     next_ack = self._monotonic() + JOURNAL_ACK_S
                     if len(journal):
