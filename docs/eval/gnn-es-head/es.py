@@ -27,50 +27,26 @@ import argparse
 import json
 import sys
 import time
-from multiprocessing import Pool
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
-from export.train import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, Stage, TrainConfig, Trainer
-from sim.metrics import compute_metrics
-
-STAGES = (Stage("mixed:64", "gavel", 0.8, 200), Stage("mixed:64", "pipelines", 0.8, 80))
-DIM = 64
-_trainer: Trainer | None = None
-
-
-def _start_worker() -> None:
-    """One trainer per worker process, on one torch thread (two threads per process on 2 cores
-    run about eight times slower)."""
-    global _trainer  # noqa: PLW0603
-    torch.set_num_threads(1)
-    _trainer = Trainer(TrainConfig(), Path("/nonexistent-es-checkpoints"), lambda _: None, progress=False)
-
-
-def _mean_jct(job: tuple[list[float], int, int]) -> float:
-    """Mean JCT (s) of the torch GNN with completion-time head ``weights`` on a stage and seed."""
-    weights, stage, seed = job
-    assert _trainer is not None
-    with torch.no_grad():
-        _trainer.model.scorer.heads.weight[0] = torch.tensor(weights, dtype=torch.float32)
-    result = _trainer.simulate(STAGES[stage], seed, _trainer.student())
-    return float(compute_metrics(result)["jct_mean_s"])
+from export.head_runs import HEAD_DIM as DIM
+from export.head_runs import STAGES, against_zeros, mean_jct, worker_pool
+from export.train import TRAIN_SEED_BASE, VALIDATION_SEED_BASE
 
 
 def search(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(args.rng_seed)
     theta, m, v = np.zeros(DIM), np.zeros(DIM), np.zeros(DIM)
-    with Pool(args.workers, initializer=_start_worker) as pool:
+    with worker_pool(args.workers) as pool:
         for it in range(args.iterations):
             started = time.monotonic()
             seed = TRAIN_SEED_BASE + 2000 + it
             eps = rng.standard_normal((args.n, DIM))
             candidates = [theta, *(theta + args.sigma * e for e in eps), *(theta - args.sigma * e for e in eps)]
-            jobs = [(c.tolist(), s, seed) for c in candidates for s in range(len(STAGES))]
-            jct = np.array(pool.map(_mean_jct, jobs)).reshape(len(candidates), len(STAGES))
+            jobs = [(c.tolist(), stage, seed) for c in candidates for stage in STAGES]
+            jct = np.array(pool.map(mean_jct, jobs)).reshape(len(candidates), len(STAGES))
             fitness = -np.log(jct / jct[0]).mean(axis=1)
             plus, minus = fitness[1 : args.n + 1], fitness[args.n + 1 :]
             grad = ((plus - minus)[:, None] * eps).sum(axis=0) / (2 * args.n * args.sigma)
@@ -95,26 +71,11 @@ def search(args: argparse.Namespace) -> None:
 def validate(args: argparse.Namespace) -> None:
     records = [json.loads(line) for line in args.search.read_text().splitlines() if line.strip()]
     iterations = [int(i) for i in args.iterations.split(",")]
-    thetas = [[0.0] * DIM] + [records[i]["theta"] for i in iterations]
     seeds = [VALIDATION_SEED_BASE + 20 + k for k in range(args.seeds)]
-    jobs = [(t, s, seed) for t in thetas for s in range(len(STAGES)) for seed in seeds]
-    with Pool(args.workers, initializer=_start_worker) as pool:
-        jct = np.array(pool.map(_mean_jct, jobs)).reshape(len(thetas), len(STAGES), len(seeds))
-    rows: list[dict[str, Any]] = []
-    for i, iteration in enumerate(iterations, start=1):
-        log_ratio = np.log(jct[i] / jct[0])
-        rows.append(
-            {
-                "iteration": iteration,
-                "per_stage_pct": {
-                    f"{st.workload}": round(float(np.mean(np.exp(r)) - 1) * 100, 2)
-                    for st, r in zip(STAGES, log_ratio, strict=True)
-                },
-                "both_pct": round(float(np.exp(log_ratio.mean()) - 1) * 100, 2),
-                "both_se_pct": round(float(log_ratio.std(ddof=1) / np.sqrt(log_ratio.size)) * 100, 2),
-            }
-        )
-    json.dump({"seeds": seeds, "zeros_jct_s": jct[0].tolist(), "against_zeros": rows}, sys.stdout, indent=1)
+    result = against_zeros([records[i]["theta"] for i in iterations], seeds, args.workers)
+    for iteration, row in zip(iterations, result["against_zeros"], strict=True):
+        row["iteration"] = iteration
+    json.dump(result, sys.stdout, indent=1)
     print()
 
 

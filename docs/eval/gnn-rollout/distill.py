@@ -27,24 +27,16 @@ import argparse
 import json
 import math
 import pickle
-from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from export.train import VALIDATION_SEED_BASE, Stage, TrainConfig, Trainer, decision_scores, imitation_loss
-from sim.metrics import compute_metrics
+from export.head_runs import against_zeros, quiet_trainer
+from export.train import VALIDATION_SEED_BASE, Trainer, decision_scores, imitation_loss
 
-STAGES = (Stage("mixed:64", "gavel", 0.8, 200), Stage("mixed:64", "pipelines", 0.8, 80))
 FIRST_SEED = VALIDATION_SEED_BASE + 40
-_trainer: Trainer | None = None
-
-
-def quiet_trainer() -> Trainer:
-    torch.set_num_threads(1)
-    return Trainer(TrainConfig(), Path("/nonexistent-distill"), lambda _: None, progress=False)
 
 
 def fit(args: argparse.Namespace) -> None:
@@ -96,37 +88,11 @@ def teacher_agreement(trainer: Trainer, decisions: list[Any]) -> float:
     return round(hits / len(decisions), 3)
 
 
-def _start_worker() -> None:
-    global _trainer  # noqa: PLW0603
-    _trainer = quiet_trainer()
-
-
-def _mean_jct(job: tuple[list[float], int, int]) -> float:
-    weights, stage, seed = job
-    assert _trainer is not None
-    with torch.no_grad():
-        _trainer.model.scorer.heads.weight[0] = torch.tensor(weights, dtype=torch.float32)
-    return float(compute_metrics(_trainer.simulate(STAGES[stage], seed, _trainer.student()))["jct_mean_s"])
-
-
 def validate(args: argparse.Namespace) -> None:
     weights = json.loads(args.weights.read_text())["weights"]
-    zeros = [0.0] * len(weights)
-    runs = [(stage, FIRST_SEED + s) for stage in range(len(STAGES)) for s in range(args.seeds)]
-    with Pool(2, initializer=_start_worker) as pool:
-        learned = pool.map(_mean_jct, [(weights, st, seed) for st, seed in runs])
-        base = pool.map(_mean_jct, [(zeros, st, seed) for st, seed in runs])
-    out: dict[str, Any] = {"weights": str(args.weights), "seeds": [FIRST_SEED, FIRST_SEED + args.seeds - 1]}
-    logs = np.log(np.array(learned) / np.array(base))
-    for stage in range(len(STAGES)):
-        mine = np.array([i for i, (st, _) in enumerate(runs) if st == stage])
-        out[STAGES[stage].workload] = {
-            "mean_jct_vs_zeros_pct": round(100 * float(np.mean(np.exp(logs[mine]) - 1)), 2),
-            "se_pct": round(100 * float(np.std(np.exp(logs[mine]) - 1, ddof=1) / math.sqrt(len(mine))), 2),
-        }
-    out["both_log_ratio_mean"] = round(float(logs.mean()), 4)
-    out["both_log_ratio_se"] = round(float(logs.std(ddof=1) / math.sqrt(len(logs))), 4)
-    print(json.dumps(out))
+    seeds = [FIRST_SEED + k for k in range(args.seeds)]
+    result = against_zeros([weights], seeds, workers=2)
+    print(json.dumps({"weights": str(args.weights), **result["against_zeros"][0], "seeds": seeds}))
 
 
 def main() -> None:
