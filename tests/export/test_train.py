@@ -85,7 +85,24 @@ def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.Capt
     assert main(["train", "--out", str(tmp_path), "--stage", "mixed:8/philly/0.8/10"]) == 2
     assert "held out" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--rl-iterations", "-1"]) == 2
+    for bad in ("1", "-0.1", "nan"):
+        assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--min-improvement", bad]) == 2
+        assert "--min-improvement" in capsys.readouterr().err
     assert not (tmp_path / "best.pt").exists()
+
+
+def test_a_later_epoch_replaces_the_best_only_by_the_minimum_improvement(tmp_path: Path) -> None:
+    trainer = train.Trainer(train.TrainConfig(min_improvement=0.02), tmp_path, lambda _: None, progress=False)
+    ratios = iter([0.650, 0.640, 0.600, 0.590, 0.585])  # against hetero-greedy's 1.0
+    trainer.validate = lambda: (next(ratios), 1.0)  # type: ignore[method-assign]
+    kept = []
+    for _ in range(5):
+        trainer.finish_epoch("test", 0, 0.0, 0.0, {})
+        _, version, _ = load_checkpoint(tmp_path / "best.pt")
+        kept.append(int(version.rsplit("-e", 1)[1]))
+    # 0.640 is 1.5% below 0.650: not enough; 0.600 is; 0.590 is 1.7% below 0.600; 0.585 is 2.5% below.
+    assert kept == [0, 0, 2, 2, 4]
+    assert trainer.best_ratio == 0.585
 
 
 def test_dagger_with_beta_one_decides_as_the_teacher_and_labels_every_choice() -> None:
