@@ -30,6 +30,7 @@ logged and the running one keeps serving.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -355,6 +356,18 @@ class GnnPolicy(Policy):
     def attach(self, sim: Any) -> None:
         """In a simulation (``sim.simulator.Simulation``): date task features by its clock."""
         self.clock_ms = sim.clock.now_ms
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GnnPolicy:
+        """A copy for a simulation's fork (the lookahead oracle forks its base policy at each
+        decision): it shares the loaded model, re-encodes it on the fork's graph at its first
+        decision, and keeps none of this policy's per-decision state. Only a policy that refreshes in
+        sync mode (a simulation's) can be copied: a background refresher belongs to one graph."""
+        if self._thread is not None:
+            raise TypeError("a GnnPolicy with a background refresher cannot be copied")
+        twin = copy.copy(self)
+        twin._task_x = None
+        twin._runtimes = RunTimes(self.fallback.profiles)
+        return twin
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.fallback.placed(spec, graph, rows)

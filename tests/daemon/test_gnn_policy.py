@@ -3,6 +3,7 @@ hot reload, and one consistent cache per request while a refresh runs."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import threading
 import time
@@ -177,6 +178,21 @@ def check_falls_back(policy: GnnPolicy, seen: list[str], code: str) -> None:
     degraded = [e for e in logs if e["event"].startswith("gnn policy degraded")]
     assert len(degraded) == 1, logs  # said once
     assert degraded[0]["reason"] == code
+
+
+def test_a_copy_shares_the_model_but_a_policy_refreshing_in_the_background_is_not_copied(model_dir: Path) -> None:
+    graph = cluster(16)
+    policy = GnnPolicy(settings(model_dir, poll_s=60.0), mode="background")
+    policy.start(graph, threading.RLock())
+    try:
+        with pytest.raises(TypeError, match="background refresher"):
+            copy.deepcopy(policy)
+    finally:
+        policy.stop()
+    twin = copy.deepcopy(policy)  # stopped: nothing runs for one graph any more
+    rows = graph.feasible_rows(SPEC)
+    np.testing.assert_array_equal(twin.score(SPEC, graph, rows), policy.score(SPEC, graph, rows))
+    assert twin.name == "gnn"
 
 
 def test_a_missing_model_folder_falls_back_to_hetero_greedy(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from daemon.gnn_policy import GnnPolicy
 from daemon.policy import make_policy
 from hlb.v1 import events_pb2 as ev
 from sim.catalogue import Catalogue, load_catalogue
@@ -395,6 +396,23 @@ def test_a_fork_decides_with_the_policy_it_is_given(catalogue: Catalogue) -> Non
     default = sim.fork()
     assert default.policy is not sim.policy
     assert default.scheduler.policy is default.policy
+
+
+def test_a_fork_of_a_run_with_the_gnn_finishes_as_the_run_does(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:8", catalogue)
+    tasks = build_workload("gavel", 1, 12, catalogue, inventory, 0.9)
+    expected = Simulation(catalogue, inventory, tasks, make_sim_policy("gnn"), seed=1).run()
+    sim = Simulation(catalogue, inventory, tasks, make_sim_policy("gnn"), seed=1)
+    sim.run_until(expected.end_s / 3)
+    assert 0 < len(sim.scheduler.ledger) < expected.placements  # decisions on both sides of the fork
+    fork = sim.fork()  # decides with a copy of the GNN policy, on the fork's graph and clock
+    assert isinstance(fork.policy, GnnPolicy)
+    assert fork.policy is not sim.policy
+    assert fork.policy.name == "gnn"
+    assert fork.run().tasks == expected.tasks
+    assert sim.now_s < expected.end_s  # the fork ran on its own
+    assert fork.policy.clock_ms() == fork.clock.now_ms() != sim.clock.now_ms()  # and dated its tasks by its clock
+    assert sim.run().tasks == expected.tasks
 
 
 def test_a_pinned_task_takes_its_rows_now_and_the_base_decides_the_rest_waits_included(

@@ -22,7 +22,6 @@ the arrivals of the next hours, so the teacher is clairvoyant: an upper referenc
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import pickle
@@ -38,7 +37,6 @@ from daemon.bench_latency import logs_to_stderr
 from daemon.gnn_policy import GnnPolicy
 from daemon.graph import InfraGraph, Rows
 from daemon.policy import Policy
-from daemon.waiting import RunTimes
 from hlb.v1 import events_pb2 as ev
 from sim.eval import _catalogue, _inventory, make_sim_policy
 from sim.lookahead import LookaheadPolicy
@@ -47,18 +45,9 @@ from sim.scenarios import build_workload
 from sim.simulator import SimConfig, Simulation
 
 
-def fresh_copy(policy: GnnPolicy) -> GnnPolicy:
-    """The shipped policy for a fork: the same loaded model (re-encoded on the fork's graph at its
-    first decision, as the cache belongs to another graph), nothing else shared."""
-    twin = copy.copy(policy)
-    twin._task_x = None
-    twin._runtimes = RunTimes(twin.fallback.profiles)
-    return twin
-
-
 class RolloutGnn(LookaheadPolicy):
     """The shipped policy improved by one step of rollouts (see the module docstring): the lookahead
-    oracle over the shipped GNN, each fork deciding with a fresh copy of it."""
+    oracle over the shipped GNN, each fork deciding with a copy of it (``GnnPolicy.__deepcopy__``)."""
 
     name = "gnn"
 
@@ -72,9 +61,6 @@ class RolloutGnn(LookaheadPolicy):
         super().attach(sim)
         if self.recorder is not None:
             self.recorder.attach(sim)
-
-    def copy_base(self) -> Policy:
-        return fresh_copy(self.gnn)
 
     def decided(
         self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, candidates: list[Rows], costs: list[float]
