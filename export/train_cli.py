@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the preset's by default: 0.02)",
     )
     parser.add_argument(
+        "--rl-clip",
+        type=float,
+        help="PPO's clip of the probability ratio in REINFORCE's updates, in [0, 1); 0 (the default) is "
+        "plain REINFORCE",
+    )
+    parser.add_argument(
         "--no-wait",
         action="store_true",
         help="the student never waits for a faster busy device (as model.wait_for_faster: false)",
@@ -77,16 +83,30 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as error:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2
-    names = ("dagger_iterations", "rl_iterations", "seed", "validation_seeds", "temperature", "min_improvement")
+    names = (
+        "dagger_iterations",
+        "rl_iterations",
+        "seed",
+        "validation_seeds",
+        "temperature",
+        "min_improvement",
+        "rl_clip",
+    )
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if any(v < 0 for v in overrides.values()):
-        print("hlb train: iterations, seeds, the temperature and --min-improvement must be >= 0", file=sys.stderr)
+        print(
+            "hlb train: iterations, seeds, the temperature, --min-improvement and --rl-clip must be >= 0",
+            file=sys.stderr,
+        )
         return 2
     if overrides.get("validation_seeds") == 0 or overrides.get("temperature") == 0:
         print("hlb train: --validation-seeds and --temperature must be > 0", file=sys.stderr)
         return 2
     if not 0.0 <= overrides.get("min_improvement", 0.0) < 1.0:  # NaN fails too
         print("hlb train: --min-improvement must be in [0, 1)", file=sys.stderr)
+        return 2
+    if not 0.0 <= overrides.get("rl_clip", 0.0) < 1.0:
+        print("hlb train: --rl-clip must be in [0, 1)", file=sys.stderr)
         return 2
     config = replace(config, **overrides)
     if args.no_wait:

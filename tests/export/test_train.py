@@ -88,7 +88,29 @@ def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.Capt
     for bad in ("1", "-0.1", "nan"):
         assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--min-improvement", bad]) == 2
         assert "--min-improvement" in capsys.readouterr().err
+    for bad in ("1", "-0.1", "nan"):
+        assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--rl-clip", bad]) == 2
+        assert "--rl-clip" in capsys.readouterr().err
     assert not (tmp_path / "best.pt").exists()
+
+
+def test_the_clipped_surrogate_stops_pushing_a_probability_past_the_clip() -> None:
+    def loss_and_grad(ratio: float, advantage: float) -> tuple[float, float]:
+        log_prob = torch.tensor(math.log(ratio), requires_grad=True)
+        loss = train.clipped_surrogate(log_prob, 0.0, advantage, 0.2)
+        loss.backward()  # type: ignore[no-untyped-call]
+        assert log_prob.grad is not None
+        return float(loss), float(log_prob.grad)
+
+    # At the sampling model's probability it is REINFORCE's loss and gradient: -A log p has -A.
+    assert loss_and_grad(1.0, 2.0) == pytest.approx((-2.0, -2.0))
+    assert loss_and_grad(1.0, -2.0) == pytest.approx((2.0, 2.0))
+    # Past 1 + clip a good decision is pushed no further; past 1 - clip a bad one neither.
+    assert loss_and_grad(1.5, 2.0) == pytest.approx((-2.4, 0.0))
+    assert loss_and_grad(0.5, -2.0) == pytest.approx((1.6, 0.0))
+    # Moved the wrong way, the gradient still pulls it back, unclipped.
+    assert loss_and_grad(0.5, 2.0) == pytest.approx((-1.0, -1.0))
+    assert loss_and_grad(1.5, -2.0) == pytest.approx((3.0, 3.0))
 
 
 def test_a_later_epoch_replaces_the_best_only_by_the_minimum_improvement(tmp_path: Path) -> None:
@@ -184,6 +206,17 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
         for variant, rules in rules_of.items():
             waited += _same_decisions(model, folder, variant, rules, busy)
     assert waited > 0  # the wait path was taken
+
+
+def test_reinforce_with_the_ppo_clip_trains_and_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--preset", "tiny", "--dagger-iterations", "0", "--rl-clip", "0.2"]
+    assert main([*args, "--no-progress"]) == 0
+    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert [e["phase"] for e in log] == ["init"] + ["reinforce"] * train.PRESETS["tiny"].rl_iterations
+    assert all(e["samples"] > 0 and math.isfinite(e["loss"]) for e in log[1:])
+    _, _, description = load_checkpoint(out / "checkpoints" / f"epoch-{len(log) - 1:03d}.pt")
+    assert "REINFORCE x1 (PPO clip 0.2)" in description
 
 
 def _same_decisions(model: Any, folder: Path, variant: str, rules: dict[str, Any], stage: Any) -> int:
