@@ -103,10 +103,11 @@ class TrainConfig:
     learning_rate: float = 1e-3
     rl_learning_rate: float = 2e-4
     # PPO's clip of the probability ratio against the sampling model in REINFORCE's updates (0: plain
-    # REINFORCE). Unclipped, the run after the telemetry fix went from 0.70 to 1.86 of hetero-greedy's
-    # validation JCT in four iterations, its thousands of steps per iteration pushing the sampled
-    # decisions' probabilities far from those they were drawn with.
-    rl_clip: float = 0.0
+    # REINFORCE). Unclipped, 24 iterations from the untrained model (0.696 of hetero-greedy's
+    # validation JCT) swung between 0.709 and 2.467, an iteration's hundreds of optimizer steps
+    # pushing the sampled decisions far from the probabilities they were drawn with; clipped at 0.2
+    # the same run stayed within about 1% of epoch 0 (docs/train/reinforce24-rules.jsonl, -ppo.jsonl).
+    rl_clip: float = 0.2
     batch_decisions: int = 16  # decisions per optimizer step
     max_samples: int = 20_000  # the DAgger data set keeps at most this many (the newest)
     validation_seeds: int = 1  # per stage

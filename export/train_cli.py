@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rl-clip",
         type=float,
-        help="PPO's clip of the probability ratio in REINFORCE's updates, in [0, 1); 0 (the default) is "
-        "plain REINFORCE",
+        help="PPO's clip of the probability ratio in REINFORCE's updates, in [0, 1) (the preset's by default: "
+        "0.2); 0 is plain REINFORCE",
     )
     parser.add_argument(
         "--no-wait",
