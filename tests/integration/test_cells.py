@@ -126,8 +126,10 @@ def test_any_instance_answers_for_any_cell(cluster: CellCluster, kafka_bootstrap
     with grpc.insecure_channel(first.target) as channel:
         stub = api_grpc.SchedulerStub(channel)
 
+        task = small_task("remote-1")  # one spec: a retry of the same task is the same request
+
         def place() -> api.PlaceResponse:
-            return stub.Place(api.PlaceRequest(cell=elsewhere, task=small_task("remote-1")), timeout=10.0)
+            return stub.Place(api.PlaceRequest(cell=elsewhere, task=task), timeout=10.0)
 
         deadline = time.monotonic() + 60.0
         while True:  # the owner may still be replaying the inventory: UNAVAILABLE until then
