@@ -360,11 +360,13 @@ class GnnPolicy(Policy):
     def __deepcopy__(self, memo: dict[int, Any]) -> GnnPolicy:
         """A copy for a simulation's fork (the lookahead oracle forks its base policy at each
         decision): it shares the loaded model, re-encodes it on the fork's graph at its first
-        decision, and keeps none of this policy's per-decision state. Only a policy that refreshes in
-        sync mode (a simulation's) can be copied: a background refresher belongs to one graph."""
+        decision, dates tasks by the fork's clock (copied through ``memo`` with the simulation), and
+        keeps none of this policy's per-decision state. Only a policy that refreshes in sync mode (a
+        simulation's) can be copied: a background refresher belongs to one graph."""
         if self._thread is not None:
             raise TypeError("a GnnPolicy with a background refresher cannot be copied")
         twin = copy.copy(self)
+        twin.clock_ms = copy.deepcopy(self.clock_ms, memo)
         twin._task_x = None
         twin._runtimes = RunTimes(self.fallback.profiles)
         return twin

@@ -327,8 +327,6 @@ class Simulation:
             fork.scheduler.policy = policy
             if isinstance(policy, SimulationAware):
                 policy.attach(fork)
-        elif fork.policy is not self.policy and isinstance(fork.policy, SimulationAware):
-            fork.policy.attach(fork)  # a copy keeps references to this simulation (its clock) until attached
         return fork
 
     def result(self) -> SimResult:
