@@ -33,13 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout_wait import FactorGnn, summary
-
-from daemon.bench_latency import logs_to_stderr
-from sim.eval import _catalogue, _inventory
-from sim.metrics import compute_metrics
-from sim.scenarios import build_workload
-from sim.simulator import Simulation
+from rollout_wait import FactorGnn, simulate, summary
 
 FIRST_SEED = 960
 
@@ -108,24 +102,14 @@ def fit(args: argparse.Namespace) -> None:
 
 def run(chooser: dict[str, Any] | None, job: tuple[str, int, str]) -> dict[str, Any]:
     workload, seed, policy_name = job
-    catalogue, inventory = _catalogue(), _inventory("mixed:64")
-    tasks = build_workload(workload, seed, {"gavel": 200, "pipelines": 80}[workload], catalogue, inventory, 0.8)
     policy = FactorGnn()
     if policy_name == "gnn-wait-rollout":  # the name summary() reads: here the fitted chooser
         assert chooser is not None
         trials = chooser["trials"]
         policy.chooser = lambda x: float(trials[int(choose(chooser, np.array([x]))[0])])
-    with logs_to_stderr():
-        metrics = compute_metrics(Simulation(catalogue, inventory, tasks, policy, seed).run())
-    return {
-        "workload": workload,
-        "seed": seed,
-        "policy": policy_name,
-        "jct_mean_h": round(metrics["jct_mean_s"] / 3600.0, 4),
-        "jct_p99_h": round(metrics["jct_p99_s"] / 3600.0, 4),
-        "energy_kwh": round(metrics["energy_kwh"], 1),
-        "chosen": {str(f): n for f, n in sorted(policy.chosen.items())},
-    }
+    jobs = {"gavel": 200, "pipelines": 80}[workload]
+    row = simulate("mixed:64", workload, jobs, 0.8, seed, policy_name, policy)
+    return {**row, "chosen": {str(f): n for f, n in sorted(policy.chosen.items())}}
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -149,22 +149,17 @@ def wait_features(longest: Wait, size: int, pending: int, queued_s: Mapping[int,
     ]
 
 
-def run(args: argparse.Namespace, job: tuple[str, int, str]) -> dict[str, Any]:
-    workload, seed, policy_name = job
-    catalogue, inventory = _catalogue(), _inventory(args.cluster)
-    tasks = build_workload(workload, seed, args.jobs[workload], catalogue, inventory, args.load)
-    policy: Policy
-    if policy_name == "gnn":
-        policy = make_sim_policy("gnn")
-    elif policy_name == "gnn-factor":
-        policy = FactorGnn()
-    else:
-        policy = FactorGnn(args.factors, args.horizon_h * 3600.0)
+def simulate(
+    cluster: str, workload: str, jobs: int, load: float, seed: int, policy_name: str, policy: Policy
+) -> dict[str, Any]:
+    """One run of ``policy`` (reported as ``policy_name``): JCT mean and p99 (h), energy (kWh) and
+    the seconds it took."""
+    catalogue, inventory = _catalogue(), _inventory(cluster)
+    tasks = build_workload(workload, seed, jobs, catalogue, inventory, load)
     started = time.perf_counter()
     with logs_to_stderr():
-        result = Simulation(catalogue, inventory, tasks, policy, seed).run()
-    metrics = compute_metrics(result)
-    row: dict[str, Any] = {
+        metrics = compute_metrics(Simulation(catalogue, inventory, tasks, policy, seed).run())
+    return {
         "workload": workload,
         "seed": seed,
         "policy": policy_name,
@@ -173,6 +168,18 @@ def run(args: argparse.Namespace, job: tuple[str, int, str]) -> dict[str, Any]:
         "energy_kwh": round(metrics["energy_kwh"], 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def run(args: argparse.Namespace, job: tuple[str, int, str]) -> dict[str, Any]:
+    workload, seed, policy_name = job
+    policy: Policy
+    if policy_name == "gnn":
+        policy = make_sim_policy("gnn")
+    elif policy_name == "gnn-factor":
+        policy = FactorGnn()
+    else:
+        policy = FactorGnn(args.factors, args.horizon_h * 3600.0)
+    row = simulate(args.cluster, workload, args.jobs[workload], args.load, seed, policy_name, policy)
     if isinstance(policy, FactorGnn) and policy.trials:
         row["chosen"] = {str(f): n for f, n in sorted(policy.chosen.items())}
         if args.record:
