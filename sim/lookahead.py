@@ -198,13 +198,19 @@ class LookaheadPolicy(Policy):
         """Projected total flow time (s) at the horizon in a fork where ``task_id`` goes to ``rows``
         (None: as the base policy decides)."""
         assert self._sim is not None
-        fork = self._sim.fork(PinnedPolicy(task_id, rows, self.copy_base()))
-        fork.apply_new_placements()
-        end_s = fork.now_s + self.horizon_s
-        fork.decide_now()
-        fork.run_until(end_s)
         self.rollouts += 1
-        return projected_flow_time_s(fork, end_s, self.horizon_s)
+        return rollout_flow_time_s(self._sim, PinnedPolicy(task_id, rows, self.copy_base()), self.horizon_s)
+
+
+def rollout_flow_time_s(sim: Simulation, policy: Policy, horizon_s: float) -> float:
+    """Fork ``sim`` to decide with ``policy`` from now (the decision in progress included), roll the
+    fork ``horizon_s`` forward, and return its projected total flow time (:func:`projected_flow_time_s`)."""
+    fork = sim.fork(policy)
+    fork.apply_new_placements()
+    end_s = fork.now_s + horizon_s
+    fork.decide_now()
+    fork.run_until(end_s)
+    return projected_flow_time_s(fork, end_s, horizon_s)
 
 
 def projected_flow_time_s(sim: Simulation, end_s: float, penalty_s: float) -> float:
