@@ -37,7 +37,7 @@ install-export: $(EXPORT_STAMP)
 
 # Apache Kafka's jars from Maven Central into .cache/kafka (skipped where Java is missing).
 kafka: install
-	@if command -v java >/dev/null 2>&1; then $(PY) -m sim.kafka_local fetch; \
+	@if command -v java >/dev/null 2>&1; then $(PY) -m hlb.sim.kafka_local fetch; \
 	else echo "java not found: the Kafka broker cannot run here"; fi
 
 lint: install-export
@@ -46,18 +46,18 @@ lint: install-export
 	$(PY) -m mypy
 
 test: install-export kafka lint
-	$(PY) -m sim.kafka_local exec -- $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m hlb.sim.kafka_local exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install kafka
-	$(PY) -m daemon.cli demo --duration $(DURATION)
+	$(PY) -m hlb.cli demo --duration $(DURATION)
 
 # The shipped GNN: the default training recipe (about an hour on 2 cores), then hlb export into the
 # package. CI never runs this; it trains a tiny model in the tests instead.
 TRAIN_OUT ?= .cache/train/default
 model: install-export
 	rm -rf $(TRAIN_OUT)
-	$(PY) -m daemon.cli train --out $(TRAIN_OUT)
-	$(PY) -m daemon.cli export --checkpoint $(TRAIN_OUT)/best.pt --out daemon/data/model
+	$(PY) -m hlb.cli train --out $(TRAIN_OUT)
+	$(PY) -m hlb.cli export --checkpoint $(TRAIN_OUT)/best.pt --out daemon/data/model
 
 proto: install
 	$(PY) proto/generate.py

@@ -33,7 +33,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from daemon.errors import ConfigError
+from hlb.daemon.errors import ConfigError
 
 EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus keeps systemd from looping on it
 # Ended tasks are kept at least this long when they are forgotten at all: an embedding refresh reads
@@ -288,7 +288,7 @@ class JournalSettings(_Section):
 
 
 class CellsSettings(_Section):
-    """Several instances sharing the cells through Kafka (DESIGN.md §9, daemon/cells.py).
+    """Several instances sharing the cells through Kafka (docs/design.md §9, daemon/cells.py).
 
     Off: this instance schedules the one cell ``cell``. On: the input topics have ``partitions``
     partitions, one cell each (the key is the cell; librdkafka's default partitioner puts a cell

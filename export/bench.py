@@ -1,6 +1,6 @@
 """Time the exported GNN on CPU with onnxruntime and print JSON.
 
-    python -m export.bench [--devices 1000 10000] [--candidates 64] [--threads 1] [--repeats 30]
+    python -m hlb.export.bench [--devices 1000 10000] [--candidates 64] [--threads 1] [--repeats 30]
 
 Exports a randomly initialised model of the default size, builds mixed clusters from the
 simulator's catalogue (with 20% of devices running a task and 200 pending tasks), and reports
@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from daemon import features as feat
-from daemon.graph import InfraGraph
-from daemon.inference import GnnModel, load_model
-from export.model import HlbGnn
-from export.onnx_export import ExportInfo, export_model
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.gnn.inference import GnnModel, load_model
+from hlb.daemon.state.graph import InfraGraph
+from hlb.export.model import HlbGnn
+from hlb.export.onnx_export import ExportInfo, export_model
+from hlb.sim.catalogue import load_catalogue
+from hlb.sim.topology import mixed_cluster
 from hlb.v1 import events_pb2 as ev
-from sim.catalogue import load_catalogue
-from sim.topology import mixed_cluster
 
 MODELS = ("V100-SXM2-16GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "T4", "TPU-v4", "Gaudi2-HL225H")
 
@@ -85,7 +85,7 @@ def measure(model: GnnModel, devices: int, candidates: int, repeats: int) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m export.bench")
+    parser = argparse.ArgumentParser(prog="python -m hlb.export.bench")
     parser.add_argument("--devices", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)

@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from export.model import HlbGnn, ModelConfig, load_checkpoint
-        from export.onnx_export import ExportInfo, export_model
+        from hlb.export.model import HlbGnn, ModelConfig, load_checkpoint
+        from hlb.export.onnx_export import ExportInfo, export_model
     except ImportError as error:
         print(f"{MISSING_EXTRA} ({error})", file=sys.stderr)
         return 1

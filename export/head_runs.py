@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.train import Stage, TrainConfig, Trainer
-from sim.metrics import compute_metrics
+from hlb.export.train import Stage, TrainConfig, Trainer
+from hlb.sim.metrics import compute_metrics
 
 # The two training stages both experiments run: mixed:64 at load 0.8, gavel 200 jobs, pipelines 80.
 STAGES = (Stage("mixed:64", "gavel", 0.8, 200), Stage("mixed:64", "pipelines", 0.8, 80))

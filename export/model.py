@@ -1,11 +1,11 @@
 """The GNN: a heterogeneous message-passing encoder and a per-candidate scorer.
 
 Node types are device, host, switch (rack) and task; the edge types are the padded neighbour
-lists of :data:`daemon.features.NEIGHBOUR_LISTS`. Every aggregation *gathers* source embeddings
+lists of :data:`hlb.daemon.decide.gnn.features.NEIGHBOUR_LISTS`. Every aggregation *gathers* source embeddings
 over a padded list and reduces with a mask (Gather, Mul, ReduceSum, ReduceMax in ONNX): no
 scatter, no index_put, no index_add, because onnxruntime runs ScatterElements(add) about 8x slower
 and ScatterND(add) gives wrong sums with more than one intra-op thread when indices repeat
-(DESIGN.md §4). ``tests/export`` checks the exported op inventory.
+(docs/design.md §4). ``tests/export`` checks the exported op inventory.
 
 The model is two graphs so that a decision does not pay for a full pass:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from daemon import features as feat
+from hlb.daemon.decide.gnn import features as feat
 
 N_OBJECTIVES = 3
 CHECKPOINT_FORMAT = "hlb-gnn-checkpoint/2"
@@ -147,7 +147,7 @@ def _mlp(n_in: int, hidden: int) -> nn.Sequential:
 class Encoder(nn.Module):
     """Whole graph -> device embeddings [D, E] and a global context [G].
 
-    Inputs are those of :func:`daemon.features.encoder_feed_names`, in that order: the four
+    Inputs are those of :func:`hlb.daemon.decide.gnn.features.encoder_feed_names`, in that order: the four
     node feature matrices, then an (index, mask) pair per neighbour list.
     """
 

@@ -6,7 +6,7 @@ sizes for every node count, neighbour-list width and candidate count. Each file'
 
 - ``hlb.role``: ``encoder`` or ``scorer``;
 - ``hlb.feature_schema_version`` and ``hlb.feature_schema`` (JSON: feature order, transforms and
-  scales, neighbour lists; :func:`daemon.features.schema`);
+  scales, neighbour lists; :func:`hlb.daemon.decide.gnn.features.schema`);
 - ``hlb.model_version``, ``hlb.model_config`` (JSON), ``hlb.training_data`` (free text);
 - ``hlb.inputs`` / ``hlb.outputs`` (JSON lists of names);
 - ``hlb.opset``, ``hlb.torch_version``, ``hlb.onnx_version``.
@@ -28,8 +28,8 @@ import onnx
 import torch
 from numpy.typing import NDArray
 
-from daemon import features as feat
-from export.model import N_OBJECTIVES, Encoder, HlbGnn, Scorer
+from hlb.daemon.decide.gnn import features as feat
+from hlb.export.model import N_OBJECTIVES, Encoder, HlbGnn, Scorer
 
 OPSET = 18
 ENCODER_FILE = "encoder.onnx"

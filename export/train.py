@@ -3,7 +3,7 @@
 Two phases, both on the training workload families and seeds only (:data:`TRAIN_FAMILIES`,
 seeds from :data:`TRAIN_SEED_BASE`; ``hlb eval`` reports on seeds 0.. and on other families):
 
-1. **Imitation with DAgger.** The lookahead oracle (:class:`sim.lookahead.LookaheadPolicy`) is the
+1. **Imitation with DAgger.** The lookahead oracle (:class:`hlb.sim.lookahead.LookaheadPolicy`) is the
    teacher. Iteration ``i`` runs episodes in which every decision is labelled with the teacher's
    gang, and the teacher's gang is carried out with probability ``beta_i`` (1 in the first
    iteration, halving after), the student's otherwise, so later data comes from the states the
@@ -49,18 +49,18 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
-from daemon import features as feat
-from daemon.graph import InfraGraph, Rows, Task
-from daemon.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
-from daemon.profiles import DeviceProfiles, default_profiles
-from daemon.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
-from export.model import HlbGnn, ModelConfig, save_checkpoint
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
+from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
+from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
+from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
+from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.lookahead import LookaheadPolicy
+from hlb.sim.metrics import compute_metrics
+from hlb.sim.scenarios import build_cluster, build_workload
+from hlb.sim.simulator import SimConfig, SimResult, Simulation
 from hlb.v1 import events_pb2 as ev
-from sim.catalogue import Catalogue, load_catalogue
-from sim.lookahead import LookaheadPolicy
-from sim.metrics import compute_metrics
-from sim.scenarios import build_cluster, build_workload
-from sim.simulator import SimConfig, SimResult, Simulation
 
 TRAIN_FAMILIES = ("gavel", "pipelines")
 TRAIN_SEED_BASE = 1000  # training workloads use seeds >= this; hlb eval reports on 0..
@@ -186,7 +186,7 @@ class Decision:
 
 class TorchGnnPolicy(Policy):
     """The torch model as a daemon policy, for training: the same inputs the exported model reads,
-    and the daemon's rules (:mod:`daemon.waiting`) when ``wait_for_faster``, ``gang_wait_factor``,
+    and the daemon's rules (:mod:`hlb.daemon.decide.waiting`) when ``wait_for_faster``, ``gang_wait_factor``,
     ``queue_order`` and ``fit_services`` say so, as the same ``model.`` settings do for the daemon's GNN.
 
     The encoder runs once per graph state (inventory, metrics, bindings, task set and time); the
@@ -288,10 +288,10 @@ class TorchGnnPolicy(Policy):
     def wait_for(
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        """As the daemon's GNN decides (:meth:`daemon.gnn_policy.GnnPolicy.wait_for`); sampled
+        """As the daemon's GNN decides (:meth:`hlb.daemon.decide.gnn.policy.GnnPolicy.wait_for`); sampled
         among the free device and the options with ``temperature`` > 0, and recorded as a decision
         over those candidates (the free one first). A gang waits by the rule alone
-        (:func:`daemon.waiting.gang_wait`), which neither samples nor records."""
+        (:func:`hlb.daemon.decide.waiting.gang_wait`), which neither samples nor records."""
         if len(gang) > 1:
             return gang_wait(spec, graph, gang, now_ms, queued_s, self.profiles, self.gang_wait_factor)
         if self.fit_services and declared_load(spec) is not None:

@@ -1,4 +1,4 @@
-"""``hlb train``: the command line of :mod:`export.train` (imports torch only when it runs).
+"""``hlb train``: the command line of :mod:`hlb.export.train` (imports torch only when it runs).
 
 hlb train --out runs/default                 # the shipped model's recipe (make model)
 hlb train --out /tmp/tiny --preset tiny      # a few steps on a tiny cluster (CI)
@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from export import train
-        from export.model import load_checkpoint
+        from hlb.export import train
+        from hlb.export.model import load_checkpoint
     except ImportError as error:
         print(f"{MISSING_EXTRA} ({error})", file=sys.stderr)
         return 1

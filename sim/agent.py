@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from daemon.bus import EventBus, EventSource, Publisher
-from daemon.client import float_in, int_in
-from daemon.codec import decode
-from daemon.config import Topics
-from daemon.errors import EventError
+from hlb.daemon.bus.codec import decode
+from hlb.daemon.bus.seam import EventBus, EventSource, Publisher
+from hlb.daemon.config import Topics
+from hlb.daemon.errors import EventError
+from hlb.daemon.serve.client import float_in, int_in
+from hlb.sim.catalogue import load_catalogue
+from hlb.sim.topology import mixed_cluster
 from hlb.v1 import events_pb2 as ev
-from sim.catalogue import load_catalogue
-from sim.topology import mixed_cluster
 
 log = structlog.get_logger(__name__)
 
@@ -235,10 +235,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from daemon.config import EX_CONFIG, load_settings
-    from daemon.errors import ConfigError
-    from daemon.logs import configure_logging
-    from daemon.service import make_bus
+    from hlb.daemon.config import EX_CONFIG, load_settings
+    from hlb.daemon.errors import ConfigError
+    from hlb.daemon.logs import configure_logging
+    from hlb.daemon.runtime.service import make_bus
 
     try:
         settings = load_settings(args.config)

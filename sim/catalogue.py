@@ -3,13 +3,13 @@
 The catalogue is data, ``sim/data/devices.json`` (fields, units and sources in
 ``sim/data/README.md``). It is BUILT from the public data in ``../shared/data`` by
 
-    python -m sim.catalogue build     # writes sim/data/devices.json
-    python -m sim.catalogue check     # exit 1 when the checked-in file differs from a rebuild
+    python -m hlb.sim.catalogue build     # writes sim/data/devices.json
+    python -m hlb.sim.catalogue check     # exit 1 when the checked-in file differs from a rebuild
 
 and the built file is checked in, so the package works without ``../shared``. The daemon, which
 must not import the simulator, reads a digest of it: relative throughputs per device model,
 
-    python -m sim.catalogue profiles [--check]   # writes (or checks) daemon/data/profiles.json
+    python -m hlb.sim.catalogue profiles [--check]   # writes (or checks) daemon/data/profiles.json
 
 Measured entries (``"source": "measured"``): K80, P100 and V100 throughputs (steps/s, isolated,
 per gang size, consolidated on one host and spread over hosts) and co-location pairs from Gavel's
@@ -324,7 +324,7 @@ class Catalogue:
 
 
 def load_catalogue(path: Path = DEFAULT_CATALOGUE_PATH) -> Catalogue:
-    """Load a catalogue file written by ``python -m sim.catalogue build``."""
+    """Load a catalogue file written by ``python -m hlb.sim.catalogue build``."""
     document = json.loads(path.read_text())
     if document.get("format") != CATALOGUE_FORMAT:
         raise ValueError(f"{path}: format is {document.get('format')!r}, expected {CATALOGUE_FORMAT!r}")
@@ -452,7 +452,7 @@ def build_document(shared: Path) -> dict[str, Any]:
         devices.append(entry)
     return {
         "format": CATALOGUE_FORMAT,
-        "built_by": "python -m sim.catalogue build",
+        "built_by": "python -m hlb.sim.catalogue build",
         "reference_model": REFERENCE_MODEL,
         "units": {
             "throughput": "steps (iterations) per second of the whole gang, isolated",
@@ -658,7 +658,7 @@ def profiles_document(catalogue: Catalogue) -> dict[str, Any]:
         }
     return {
         "format": PROFILES_FORMAT,
-        "built_by": "python -m sim.catalogue profiles",
+        "built_by": "python -m hlb.sim.catalogue profiles",
         "reference_model": catalogue.reference_model,
         "reference_peak_tflops": reference.peak_tflops,
         "gang_sizes": list(GANG_SIZES),
@@ -678,7 +678,7 @@ def profiles_document(catalogue: Catalogue) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sim.catalogue", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m hlb.sim.catalogue", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["build", "check", "profiles"])
     parser.add_argument("--shared", type=Path, default=None, help="public data folder (default: ../shared/data)")
     parser.add_argument("--out", type=Path, default=None, help="catalogue file (profiles: the profiles file)")
@@ -697,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     if out.read_text() != text:
-        print(f"{out} differs from a rebuild from {shared}; run: python -m sim.catalogue build", file=sys.stderr)
+        print(f"{out} differs from a rebuild from {shared}; run: python -m hlb.sim.catalogue build", file=sys.stderr)
         return 1
     print(f"{out} matches a rebuild from {shared}")
     return 0
@@ -710,7 +710,7 @@ def _write_profiles(out: Path, check: bool) -> int:
         print(f"wrote {out}")
         return 0
     if not out.is_file() or out.read_text() != text:
-        print(f"{out} differs from the catalogue; run: python -m sim.catalogue profiles", file=sys.stderr)
+        print(f"{out} differs from the catalogue; run: python -m hlb.sim.catalogue profiles", file=sys.stderr)
         return 1
     print(f"{out} matches the catalogue")
     return 0

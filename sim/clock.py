@@ -1,6 +1,6 @@
 """The simulator's clock: simulated seconds, read by the scheduler as Unix time.
 
-The daemon's :class:`daemon.scheduler.Scheduler` takes a ``clock`` callable returning seconds since
+The daemon's :class:`hlb.daemon.decide.scheduler.Scheduler` takes a ``clock`` callable returning seconds since
 the Unix epoch. In a simulation that callable is :meth:`SimClock.now`: the simulator moves the
 clock from event to event and nothing ever sleeps.
 """

@@ -20,16 +20,16 @@ from typing import TextIO
 
 import grpc
 
-from daemon.bus import EventBus, MemoryBus
-from daemon.client import PLACEMENT_HEADER, placement_row
-from daemon.config import EX_CONFIG, Settings, load_settings
-from daemon.errors import BrokerError, ConfigError
-from daemon.logs import configure_logging
-from daemon.service import Daemon, make_bus
+from hlb.daemon.bus.seam import EventBus, MemoryBus
+from hlb.daemon.config import EX_CONFIG, Settings, load_settings
+from hlb.daemon.errors import BrokerError, ConfigError
+from hlb.daemon.logs import configure_logging
+from hlb.daemon.runtime.service import Daemon, make_bus
+from hlb.daemon.serve.client import PLACEMENT_HEADER, placement_row
+from hlb.sim.agent import duration_s, make_agent, submission_rate
+from hlb.sim.kafka_local import LocalBroker, free_port, java_available
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import duration_s, make_agent, submission_rate
-from sim.kafka_local import LocalBroker, free_port, java_available
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

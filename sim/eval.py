@@ -1,6 +1,6 @@
 """``hlb eval``: every policy on the same workloads, loads and seeds; a results table and plots.
 
-Each run is one :class:`sim.simulator.Simulation` driving the daemon's own scheduler and policy.
+Each run is one :class:`hlb.sim.simulator.Simulation` driving the daemon's own scheduler and policy.
 For a given (workload, load, seed) every policy sees the same tasks and the same telemetry noise
 and failure draws. Runs go over a process pool. Outputs, in ``--out``:
 
@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from daemon.policy import POLICY_NAMES, ObjectiveWeights, Policy, make_policy
-from sim.catalogue import Catalogue, load_catalogue
-from sim.metrics import METRICS, compute_metrics, job_outcomes
-from sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
-from sim.simulator import FailureConfig, SimConfig, Simulation
-from sim.telemetry import TelemetryConfig
-from sim.topology import Inventory
+from hlb.daemon.decide.policy import POLICY_NAMES, ObjectiveWeights, Policy, make_policy
+from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.metrics import METRICS, compute_metrics, job_outcomes
+from hlb.sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
+from hlb.sim.simulator import FailureConfig, SimConfig, Simulation
+from hlb.sim.telemetry import TelemetryConfig
+from hlb.sim.topology import Inventory
 
 # Shown in the printed and Markdown tables (every metric is in results.json).
 TABLE_METRICS = (
@@ -97,7 +97,7 @@ def make_sim_policy(
     and the GNN; ``scheduler.weights`` in the daemon); the others, and the lookahead teacher,
     ignore them. Default: completion time alone.
 
-    ``gnn`` is the daemon's :class:`daemon.gnn_policy.GnnPolicy` over the ONNX files in ``model``
+    ``gnn`` is the daemon's :class:`hlb.daemon.decide.gnn.policy.GnnPolicy` over the ONNX files in ``model``
     (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
     whenever the graph changed; it loads them on its
     first decision, and a decision it would leave to hetero-greedy's fallback is a RuntimeError
@@ -105,7 +105,7 @@ def make_sim_policy(
     :func:`check_gnn_model` tells before any run whether the files load.
     """
     if name == "lookahead":
-        from sim.lookahead import LookaheadPolicy
+        from hlb.sim.lookahead import LookaheadPolicy
 
         return LookaheadPolicy()
     if name in GNN_VARIANTS:
@@ -125,7 +125,7 @@ def _gnn_settings(
     refresh_rows: int = 1,
 ) -> Any:
     """The daemon's ``model`` settings with these rules; the gang wait factor is the default's or 0."""
-    from daemon.config import ModelRefreshSettings, ModelSettings
+    from hlb.daemon.config import ModelRefreshSettings, ModelSettings
 
     return ModelSettings(
         path=Path(model) if model else None,
@@ -147,7 +147,7 @@ def _gnn_policy(
     refresh_rows: int,
     weights: ObjectiveWeights | None = None,
 ) -> Policy:
-    from daemon.gnn_policy import GnnPolicy
+    from hlb.daemon.decide.gnn.policy import GnnPolicy
 
     settings = _gnn_settings(model, wait, order, fit, gangs_wait, refresh_rows)
     return GnnPolicy(settings, weights, mode="sync", on_fallback=_refuse_fallback)
@@ -155,7 +155,7 @@ def _gnn_policy(
 
 def check_gnn_model(model: str | None) -> None:
     """ValueError naming the folder unless the GNN's files in ``model`` (None: shipped) load."""
-    from daemon.inference import ModelError, load_model
+    from hlb.daemon.decide.gnn.inference import ModelError, load_model
 
     directory = _gnn_settings(model).directory
     try:

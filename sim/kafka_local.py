@@ -3,10 +3,10 @@
 The broker runs from Apache Kafka's own jars, resolved with Maven from Maven Central into an
 ignored cache folder (``.cache/kafka``), so a fresh machine needs only Java 17 and Maven::
 
-    python -m sim.kafka_local fetch                 # resolve the jars once
-    python -m sim.kafka_local exec -- pytest        # start a broker, run a command, stop it
-    python -m sim.kafka_local start --dir .cache/kafka/run --port 9092   # in the background
-    python -m sim.kafka_local stop --dir .cache/kafka/run
+    python -m hlb.sim.kafka_local fetch                 # resolve the jars once
+    python -m hlb.sim.kafka_local exec -- pytest        # start a broker, run a command, stop it
+    python -m hlb.sim.kafka_local start --dir .cache/kafka/run --port 9092   # in the background
+    python -m hlb.sim.kafka_local stop --dir .cache/kafka/run
 
 (``hlb broker ...`` is the same command.) The options go after the action, or before it; with
 ``exec`` the command to run comes last, after ``--``. ``exec`` sets ``HLB_TEST_KAFKA_BOOTSTRAP``
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 
-from daemon.errors import BrokerError
+from hlb.daemon.errors import BrokerError
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "kafka"
 DEFAULT_CACHE = Path(os.environ.get("HLB_KAFKA_CACHE", ".cache/kafka"))
@@ -341,6 +341,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m sim.kafka_local")
+    parser = argparse.ArgumentParser(prog="python -m hlb.sim.kafka_local")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -12,7 +12,7 @@ scheduler, graph and ledger as every other policy. For each decision it:
 3. keeps the candidate with the least total flow time in the fork: the sum over tasks that have
    arrived by the horizon's end of ``finish - arrival`` (s), where a task still running then is
    projected to finish at its current rate and a queued one after its ideal run time
-   (:meth:`sim.simulator.Simulation.projected_finish_s`).
+   (:meth:`hlb.sim.simulator.Simulation.projected_finish_s`).
 
 The base is hetero-greedy by default; any policy object can be, one that may wait for a busy device
 included (the GNN): the base's own candidate is then not pinned, so its fork decides the task as
@@ -21,7 +21,7 @@ it wins, is taken now.
 
 The decision is made in :meth:`choose_gang` (the scheduler's seam for a gang); :meth:`score`
 gives the base policy's scores. It needs the simulation it decides in (:meth:`attach`, done by
-:class:`sim.simulator.Simulation`); outside one it decides as the base policy.
+:class:`hlb.sim.simulator.Simulation`); outside one it decides as the base policy.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from daemon.graph import InfraGraph, Rows, Task
-from daemon.policy import Policy, Scores, Wait, make_policy
+from hlb.daemon.decide.policy import Policy, Scores, Wait, make_policy
+from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.sim.simulator import Simulation, SimulationAware
 from hlb.v1 import events_pb2 as ev
-from sim.simulator import Simulation, SimulationAware
 
 
 class PinnedPolicy(Policy):
@@ -215,7 +215,7 @@ def rollout_flow_time_s(sim: Simulation, policy: Policy, horizon_s: float) -> fl
 
 def projected_flow_time_s(sim: Simulation, end_s: float, penalty_s: float) -> float:
     """Total flow time (s) of the tasks that arrived by ``end_s``, each to its projected finish
-    (:meth:`sim.simulator.Simulation.projected_finish_s`); one that cannot finish counts as ending
+    (:meth:`hlb.sim.simulator.Simulation.projected_finish_s`); one that cannot finish counts as ending
     ``penalty_s`` after ``end_s``. Unrunnable tasks are left out."""
     total = 0.0
     for record in sim.records.values():

@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sim.topology import Inventory, LinkSpec
+from hlb.sim.topology import Inventory, LinkSpec
 
 
 @dataclass(frozen=True)

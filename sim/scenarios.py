@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.catalogue import Catalogue
-from sim.topology import (
+from hlb.sim.catalogue import Catalogue
+from hlb.sim.topology import (
     GAVEL_HETEROGENEOUS_DEVICES,
     Inventory,
     homogeneous_cluster,
@@ -23,8 +23,8 @@ from sim.topology import (
     mixed_cluster,
     pai_cluster,
 )
-from sim.traces import read_trace
-from sim.workloads import (
+from hlb.sim.traces import read_trace
+from hlb.sim.workloads import (
     Task,
     gavel_jobs,
     inference_pipelines,

@@ -1,11 +1,11 @@
 """The discrete-event simulator: a digital twin of a heterogeneous cluster that drives the daemon.
 
 The simulator owns the truth (what runs where, how fast, what it draws, what has failed); the
-daemon's :class:`daemon.scheduler.Scheduler` owns the decisions. They talk only through the
+daemon's :class:`hlb.daemon.decide.scheduler.Scheduler` owns the decisions. They talk only through the
 scheduler's event API, exactly as the service does over Kafka:
 
 - inventory: ``Inventory.to_events()`` through ``apply_telemetry`` at the start;
-- metrics: a noisy, delayed ``MetricsBatch`` every ``telemetry.interval_s`` (:mod:`sim.telemetry`);
+- metrics: a noisy, delayed ``MetricsBatch`` every ``telemetry.interval_s`` (:mod:`hlb.sim.telemetry`);
 - task lifecycle: ``submitted`` at arrival, ``started`` when the inputs have arrived,
   ``finished``, ``failed`` (and ``cancelled`` when a dependent must be resubmitted);
 - decisions: ``schedule_pending()`` (or an external :data:`Decider`) after every batch of events
@@ -22,7 +22,7 @@ Model (units: s, steps/s, W, J, GB):
   Gavel's measured space-sharing factor (0.5, time sharing, when the pair was not measured). For
   ``k = 2`` that is the measured pair. A gang runs at its slowest member's fraction.
 - DAG transfers: a task with dependencies is placed (devices reserved), then waits until each
-  upstream's output has crossed the links from the upstream's first device (:mod:`sim.network`)
+  upstream's output has crossed the links from the upstream's first device (:mod:`hlb.sim.network`)
   before it starts.
 - Power: ``idle + (peak - idle) * utilization`` per device, 0 while failed; energy is the exact
   integral of that piecewise-constant curve. A training task keeps its device as busy as its
@@ -54,17 +54,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from daemon.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph
-from daemon.ledger import PlacementLedger
-from daemon.policy import Policy, make_policy
-from daemon.scheduler import Scheduler
+from hlb.daemon.decide.policy import Policy, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.state.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.sim.catalogue import Catalogue
+from hlb.sim.clock import SimClock
+from hlb.sim.network import Network
+from hlb.sim.telemetry import DeviceState, TelemetryConfig, metrics_event
+from hlb.sim.topology import Inventory
+from hlb.sim.workloads import Task
 from hlb.v1 import events_pb2 as ev
-from sim.catalogue import Catalogue
-from sim.clock import SimClock
-from sim.network import Network
-from sim.telemetry import DeviceState, TelemetryConfig, metrics_event
-from sim.topology import Inventory
-from sim.workloads import Task
 
 Decider = Callable[["Simulation"], list[ev.Placement]]
 """Makes the decisions at one instant: must place through ``sim.scheduler`` (its ledger records them)."""
@@ -158,7 +158,7 @@ class Timeline:
 
 @dataclass
 class SimResult:
-    """What one run produced; plain data (picklable) for :mod:`sim.metrics`."""
+    """What one run produced; plain data (picklable) for :mod:`hlb.sim.metrics`."""
 
     policy: str
     seed: int

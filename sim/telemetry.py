@@ -87,4 +87,4 @@ def metrics_event(
             for i in range(n)
         ]
     )
-    return ev.TelemetryEvent(cell=cell, event_time_ms=event_time_ms, source="sim.telemetry", metrics_batch=batch)
+    return ev.TelemetryEvent(cell=cell, event_time_ms=event_time_ms, source="hlb.sim.telemetry", metrics_batch=batch)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hlb.sim.catalogue import Catalogue, shared_data_dir
 from hlb.v1 import events_pb2
-from sim.catalogue import Catalogue, shared_data_dir
 
 INVENTORY_FORMAT = "hlb-inventory/1"
 PAI_MACHINE_SPEC_PATH = Path(__file__).parent / "data" / "pai" / "pai_machine_spec.csv"
@@ -160,7 +160,7 @@ class Inventory:
         return sum(1 for d in self.devices if model is None or d.model == model)
 
     def to_events(
-        self, cell: str, event_time_ms: int = 0, source: str = "sim.topology"
+        self, cell: str, event_time_ms: int = 0, source: str = "hlb.sim.topology"
     ) -> list[events_pb2.TelemetryEvent]:
         """Upsert events in an order that never names an entity before it exists."""
         events: list[events_pb2.TelemetryEvent] = []

@@ -1,6 +1,6 @@
 """Trace files: hlb's task trace format (CSV or JSON lines) and Gavel's msr traces.
 
-A trace is a list of :class:`sim.workloads.Task`; its file format is documented in
+A trace is a list of :class:`hlb.sim.workloads.Task`; its file format is documented in
 ``sim/data/README.md`` under "Trace file". :func:`read_trace` and :func:`write_trace` pick CSV
 or JSON lines by the file suffix (``.csv``; ``.jsonl`` or ``.ndjson``); writing then reading
 gives back equal tasks (floats are written with ``repr``). Any other trace is replayed by
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sim.catalogue import GANG_SIZES, Catalogue, workload_class_id
-from sim.workloads import Dependency, Task
+from hlb.sim.catalogue import GANG_SIZES, Catalogue, workload_class_id
+from hlb.sim.workloads import Dependency, Task
 
 TRACE_COLUMNS: tuple[str, ...] = (
     "task_id",

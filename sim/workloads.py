@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
+from hlb.daemon.state.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
+from hlb.sim.catalogue import GANG_SIZES, Catalogue, shared_data_dir
+from hlb.sim.topology import DEVICE_KINDS
 from hlb.v1 import events_pb2
-from sim.catalogue import GANG_SIZES, Catalogue, shared_data_dir
-from sim.topology import DEVICE_KINDS
 
 TASK_KINDS: dict[str, events_pb2.TaskKind.ValueType] = {
     "training": events_pb2.TASK_KIND_TRAINING,

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.config import Topics
-from sim.kafka_local import LocalBroker, free_port, java_available
+from hlb.daemon.config import Topics
+from hlb.sim.kafka_local import LocalBroker, free_port, java_available
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,7 +88,7 @@ def spawn_serve(config: Path, log_path: Path, env: dict[str, str]) -> subprocess
     """``hlb serve --config config`` as a child process, its output in ``log_path``."""
     with log_path.open("w") as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "hlb.cli", "serve", "--config", str(config)],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
@@ -141,7 +141,7 @@ def gnn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     a model; copy it before changing it. Needs the export extra (torch)."""
     import torch  # noqa: F401  (a clear ImportError when the export extra is missing)
 
-    from daemon.cli import main
+    from hlb.cli import main
 
     folder = tmp_path_factory.mktemp("gnn-model")
     assert main(["export", "--random", "--seed", "3", "--hidden", "16", "--out", str(folder)]) == 0

@@ -5,7 +5,7 @@ percent in the batch path cannot be shown by ``hlb bench latency`` without many 
 The number of instructions the deciding thread executes barely moves (0.4% between two runs of the
 same code): this script counts them, in process (no gRPC), for the decisions alone.
 
-It builds the cluster of ``hlb bench latency`` (``daemon.bench_latency.build_scheduler``: 1,000
+It builds the cluster of ``hlb bench latency`` (``hlb.bench.latency.build_scheduler``: 1,000
 shared devices, 200 queued tasks that do not fit; the GNN as the daemon runs it, with its
 background refresh), makes ``--singles`` ``Place`` decisions, then counts the instructions of
 ``--batches`` batches of 1,000 one-device tasks, and prints JSON. Counting is switched on and off
@@ -107,7 +107,7 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
 
 def inner(args: argparse.Namespace) -> None:
     """Under callgrind: the decisions, with counting on around the batches only."""
-    from daemon import bench_latency as bench
+    from hlb.bench import latency as bench
 
     shim = ctypes.CDLL(str(args.shim))
     with bench.model_folder(None) as (folder, _):

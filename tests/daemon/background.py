@@ -9,9 +9,9 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from daemon.bus import MemoryBus
-from daemon.config import Settings
-from daemon.service import Daemon
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import Settings
+from hlb.daemon.runtime.service import Daemon
 
 T = TypeVar("T")
 

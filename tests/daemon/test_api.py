@@ -14,15 +14,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from daemon.api import SchedulerService
-from daemon.bus import MemoryBus
-from daemon.config import load_settings
-from daemon.service import Daemon
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import load_settings
+from hlb.daemon.runtime.service import Daemon
+from hlb.daemon.serve.api import SchedulerService
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 
 MODELS = {e.device_upsert.id: e.device_upsert.model for e in inventory_events("default") if e.HasField("device_upsert")}
 

@@ -6,7 +6,7 @@ the bus's topics are part of the state that must not change). hypothesis draws e
 each request, including out-of-range numbers, NaN and infinities, unknown enum values, ids that
 are empty, too long or shared with earlier tasks, and raw or mutated request bytes. Allowed
 answers: OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED; never UNKNOWN
-or INTERNAL. "Changes nothing" compares the canonical state dump (``daemon.statedump``) and the
+or INTERNAL. "Changes nothing" compares the canonical state dump (``hlb.daemon.record.statedump``) and the
 bus's topics before and after.
 """
 
@@ -24,15 +24,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.bus import MemoryBus
-from daemon.config import load_settings
-from daemon.service import Daemon
-from daemon.statedump import canonical_state
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import load_settings
+from hlb.daemon.record.statedump import canonical_state
+from hlb.daemon.runtime.service import Daemon
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 
 ALLOWED = {
     grpc.StatusCode.OK,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon import config
-from daemon.bench import machine
-from daemon.bench_latency import add_arguments, synthetic_devices
-from daemon.cli import main
-from daemon.policy import POLICY_NAMES
+from hlb.bench.cli import machine
+from hlb.bench.latency import add_arguments, synthetic_devices
+from hlb.cli import main
+from hlb.daemon import config
+from hlb.daemon.decide.policy import POLICY_NAMES
 
 
 def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 
-from daemon.cells_plan import plan, shard_of, smallest_without_collisions
+from hlb.daemon.cells.plan import plan, shard_of, smallest_without_collisions
 
 
 def test_a_cell_lands_on_its_crc32_modulo_the_partitions() -> None:

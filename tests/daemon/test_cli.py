@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from daemon.cli import COMMANDS, main
+from hlb.cli import COMMANDS, main
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,7 +32,7 @@ def test_an_unknown_command_fails_with_usage(capsys: pytest.CaptureFixture[str])
 
 def test_the_place_client_does_not_load_kafka_or_the_simulator() -> None:
     code = (
-        "import sys; from daemon.cli import main\n"
+        "import sys; from hlb.cli import main\n"
         "try: main(['place', '--help'])\n"
         "except SystemExit: pass\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('confluent_kafka', 'sim', 'torch')))"

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from daemon.api import GrpcServer, SchedulerService
-from daemon.cli import main
-from daemon.graph import InfraGraph
-from daemon.ledger import PlacementLedger
-from daemon.policy import make_policy
-from daemon.scheduler import Scheduler
+from hlb.cli import main
+from hlb.daemon.decide.policy import make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.serve.api import GrpcServer, SchedulerService
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -243,7 +243,7 @@ def test_a_file_that_is_not_utf8_is_refused_like_bad_json(
 def test_a_reader_that_goes_away_ends_the_output_quietly(target: str) -> None:
     """``hlb place ... --explain | head -2``: no BrokenPipeError traceback, the shell's 141."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "place", "--target", target, "--explain", "--memory-gb", "20"],
+        [sys.executable, "-m", "hlb.cli", "place", "--target", target, "--explain", "--memory-gb", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
     )  # fmt: skip
     assert child.stdout is not None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.codec import decode
-from daemon.errors import DecodeError
+from hlb.daemon.bus.codec import decode
+from hlb.daemon.errors import DecodeError
 from hlb.v1 import events_pb2 as ev
 
 

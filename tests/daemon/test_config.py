@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import EX_CONFIG, load_settings
-from daemon.errors import ConfigError
+from hlb.daemon.config import EX_CONFIG, load_settings
+from hlb.daemon.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_librdkafka_keys_hlb_depends_on_cannot_be_overridden_and_the_error_names
 
 
 def test_tunables_override_hlb_defaults_while_fixed_keys_and_static_membership_reach_librdkafka() -> None:
-    from daemon.kafka_bus import KafkaSource
+    from hlb.daemon.bus.kafka import KafkaSource
 
     settings = load_settings(
         None,
@@ -133,7 +133,7 @@ def test_cells_need_kafka_and_a_static_instance_id() -> None:
 
 def _serve(config: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "hlb.cli", "serve", "--config", str(config)],
         capture_output=True,
         text=True,
         cwd=REPO,

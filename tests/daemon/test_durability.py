@@ -11,13 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.bus import MemoryBus, MemorySource, Offsets, RawEvent
-from daemon.config import Settings, load_settings
+from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets, RawEvent
+from hlb.daemon.config import Settings, load_settings
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 from tests.daemon.background import BackgroundDaemon
 
 CELL = "default"

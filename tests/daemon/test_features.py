@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from daemon import features as feat
-from daemon.graph import InfraGraph, TaskState
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.state.graph import InfraGraph, TaskState
 from hlb.v1 import events_pb2 as ev
 
 GPU = ev.DEVICE_KIND_GPU

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from daemon import snapshot as snap
-from daemon.config import SchedulerSettings
-from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import InfraGraph, TaskState
-from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded
-from daemon.scheduler import FORGET_PER_END, Scheduler
+from hlb.daemon.config import SchedulerSettings
+from hlb.daemon.decide.policy import LeastLoaded
+from hlb.daemon.decide.scheduler import FORGET_PER_END, Scheduler
+from hlb.daemon.errors import InvalidEventError, UnknownTaskError
+from hlb.daemon.record import snapshot as snap
+from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 
 KEEP_S = 600.0

@@ -15,18 +15,18 @@ import pytest
 from numpy.typing import NDArray
 from structlog.testing import capture_logs
 
-from daemon import features as feat
-from daemon.bench_latency import synthetic_devices
-from daemon.config import ModelRefreshSettings, ModelSettings
-from daemon.gnn_policy import EmbeddingCache, GnnPolicy
-from daemon.graph import InfraGraph
-from daemon.inference import ModelError
-from daemon.ledger import PlacementLedger
-from daemon.policy import HeteroGreedy, ObjectiveWeights, make_policy
-from daemon.profiles import default_profiles
-from daemon.scheduler import Scheduler
-from daemon.shortlist import ShortlistBatch
-from daemon.waiting import request_latency_ms
+from hlb.bench.latency import synthetic_devices
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.gnn.inference import ModelError
+from hlb.daemon.decide.gnn.policy import EmbeddingCache, GnnPolicy
+from hlb.daemon.decide.policy import HeteroGreedy, ObjectiveWeights, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.shortlist import ShortlistBatch
+from hlb.daemon.decide.waiting import request_latency_ms
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.profiles import default_profiles
 from hlb.v1 import events_pb2 as ev
 
 SPEC = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4.0)
@@ -307,7 +307,7 @@ def test_a_bad_new_model_is_refused_and_the_running_one_keeps_serving(
 def test_a_model_that_fails_its_warm_up_is_refused(serving: Any, model_dir: Path, gnn_model_dir: Path) -> None:
     policy, _ = serving
     reversion(model_dir, "v2")
-    from daemon import inference
+    from hlb.daemon.decide.gnn import inference
 
     real = inference.GnnModel.encode
 

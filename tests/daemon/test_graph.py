@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.errors import InvalidEventError
-from daemon.graph import DeviceTable, InfraGraph, TaskState, TaskTable, check_task_specs
+from hlb.daemon.errors import InvalidEventError
+from hlb.daemon.state.graph import DeviceTable, InfraGraph, TaskState, TaskTable, check_task_specs
 from hlb.v1 import events_pb2 as ev
 
 GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.heft import earliest_start, heft, mean_comm, uniform_comm, upward_ranks
+from hlb.daemon.decide.heft import earliest_start, heft, mean_comm, uniform_comm, upward_ranks
 
 # Table 1 / Fig. 2 of the paper: computation cost of tasks 1..10 on processors P1..P3.
 PAPER_COSTS = np.array(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import journal as journal_module
-from daemon.journal import (
+from hlb.daemon.record import journal as journal_module
+from hlb.daemon.record.journal import (
     JOURNAL_NAME,
     AnswerGate,
     JournaledPublisher,

@@ -7,7 +7,7 @@ import logging
 import structlog
 from structlog.testing import capture_logs
 
-from daemon.kafkalog import KafkaLog
+from hlb.daemon.bus.kafkalog import KafkaLog
 
 REFUSED = (
     "%s [%s] %s: %s",

@@ -10,13 +10,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.config import load_settings
-from daemon.metrics import DaemonMetrics
+from hlb.daemon.config import load_settings
+from hlb.daemon.runtime.metrics import DaemonMetrics
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 from tests.daemon.background import BackgroundDaemon
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

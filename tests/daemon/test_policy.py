@@ -7,11 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.config import ModelSettings
-from daemon.gnn_policy import GnnPolicy
-from daemon.graph import InfraGraph, TaskState
-from daemon.ledger import PlacementLedger
-from daemon.policy import (
+from hlb.daemon.config import ModelSettings
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.daemon.decide.policy import (
     POLICY_NAMES,
     BestFit,
     Heft,
@@ -23,7 +21,9 @@ from daemon.policy import (
     choose_gang,
     make_policy,
 )
-from daemon.scheduler import Scheduler
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 
 GPU = ev.DEVICE_KIND_GPU

@@ -6,17 +6,17 @@ import math
 
 import pytest
 
-from daemon.graph import InfraGraph
-from daemon.profiles import DEFAULT_PROFILES_PATH, DeviceProfiles, default_profiles
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import DEFAULT_PROFILES_PATH, DeviceProfiles, default_profiles
+from hlb.sim.catalogue import load_catalogue, profiles_document, render_document
 from hlb.v1 import events_pb2 as ev
-from sim.catalogue import load_catalogue, profiles_document, render_document
 
 V100, A100, K80, FPGA = "V100-SXM2-16GB", "A100-SXM4-80GB", "K80-GK210", "Alveo-U280"
 
 
 def test_shipped_file_is_what_the_catalogue_generates() -> None:
     expected = render_document(profiles_document(load_catalogue()))
-    assert DEFAULT_PROFILES_PATH.read_text() == expected, "run: python -m sim.catalogue profiles"
+    assert DEFAULT_PROFILES_PATH.read_text() == expected, "run: python -m hlb.sim.catalogue profiles"
 
 
 def test_speedups_match_the_catalogue_run_times() -> None:

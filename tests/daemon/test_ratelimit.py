@@ -6,13 +6,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.config import load_settings
-from daemon.errors import ConfigError
-from daemon.ratelimit import TokenBucket, default_burst
+from hlb.daemon.config import load_settings
+from hlb.daemon.errors import ConfigError
+from hlb.daemon.serve.ratelimit import TokenBucket, default_burst
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.kafka_local import free_port
 from tests.daemon.background import BackgroundDaemon
 
 

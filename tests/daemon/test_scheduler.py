@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.errors import InvalidEventError, UnknownTaskError
-from daemon.graph import InfraGraph, TaskState
-from daemon.ledger import PlacementLedger
-from daemon.policy import POLICY_NAMES, LeastLoaded, make_policy
-from daemon.scheduler import Scheduler
+from hlb.daemon.decide.policy import POLICY_NAMES, LeastLoaded, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.errors import InvalidEventError, UnknownTaskError
+from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 
 GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU

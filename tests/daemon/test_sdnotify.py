@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from daemon.sdnotify import SystemdNotifier, WatchdogPinger
+from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 
 WATCHDOG_30S = {"WATCHDOG_USEC": "30000000"}
 

@@ -22,19 +22,19 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
-from daemon import service as service_module
-from daemon.api import GrpcServer, SchedulerService
-from daemon.bus import MemoryBus, MemorySource, Offsets
-from daemon.config import Settings, Topics, load_settings
-from daemon.graph import InfraGraph
-from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded, Policy, make_policy
-from daemon.scheduler import Scheduler
-from daemon.service import Daemon, ReloadResult, changed_keys, replace_key
+from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets
+from hlb.daemon.config import Settings, Topics, load_settings
+from hlb.daemon.decide.policy import LeastLoaded, Policy, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.runtime import service as service_module
+from hlb.daemon.runtime.service import Daemon, ReloadResult, changed_keys, replace_key
+from hlb.daemon.serve.api import GrpcServer, SchedulerService
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 from tests.daemon.background import BackgroundDaemon
 from tests.systemd.notify_socket import NotifySocket, start_serve
 
@@ -56,7 +56,7 @@ def test_serve_speaks_the_notify_protocol_and_stops_cleanly_on_sigterm(tmp_path:
     }
     env.pop("WATCHDOG_PID", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "serve", "--config", str(REPO / "config.yaml")],
+        [sys.executable, "-m", "hlb.cli", "serve", "--config", str(REPO / "config.yaml")],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -573,7 +573,7 @@ def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
 def test_decisions_are_published_to_their_topics_and_counted_per_policy() -> None:
     from prometheus_client import CollectorRegistry, Counter
 
-    from daemon.service import DecisionPublisher
+    from hlb.daemon.runtime.service import DecisionPublisher
     from hlb.v1 import events_pb2 as ev
 
     class Recorder:

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon import snapshot as snap
-from daemon.bus import MemoryBus
-from daemon.config import Topics
-from daemon.graph import InfraGraph
-from daemon.ingest import Ingestor, drain
-from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded
-from daemon.scheduler import Scheduler
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import Topics
+from hlb.daemon.decide.policy import LeastLoaded
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.ingest.pipeline import Ingestor, drain
+from hlb.daemon.record import snapshot as snap
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 
 TOPICS = Topics()

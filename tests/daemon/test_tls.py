@@ -16,13 +16,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.cli import main
-from daemon.config import load_settings
-from daemon.errors import ConfigError
-from daemon.tls import channel_credentials, check_key_pair
+from hlb.cli import main
+from hlb.daemon.config import load_settings
+from hlb.daemon.errors import ConfigError
+from hlb.daemon.serve.tls import channel_credentials, check_key_pair
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.kafka_local import free_port
 from tests.daemon.background import BackgroundDaemon
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

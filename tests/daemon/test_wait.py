@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon.config import ModelRefreshSettings, ModelSettings
-from daemon.errors import InvalidEventError
-from daemon.gnn_policy import GnnPolicy
-from daemon.graph import InfraGraph, TaskState, check_task_spec, check_task_specs
-from daemon.ledger import PlacementLedger
-from daemon.policy import Policy, make_policy
-from daemon.profiles import default_profiles
-from daemon.scheduler import Scheduler
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.daemon.decide.policy import Policy, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.errors import InvalidEventError
+from hlb.daemon.state.graph import InfraGraph, TaskState, check_task_spec, check_task_specs
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.profiles import default_profiles
 from hlb.v1 import events_pb2 as ev
 
 FAST, SLOW = "A100-SXM4-80GB", "V100-SXM2-32GB"

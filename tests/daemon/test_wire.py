@@ -1,7 +1,7 @@
 """The wire decoder of device metrics against the protobuf parser it stands in for.
 
 Property: for any batch of values, every value ``decode_metrics`` marks ``ok`` is one that
-``daemon.codec.decode`` reads too, and its reports are exactly protobuf's (bit for bit); every
+``hlb.daemon.bus.codec.decode`` reads too, and its reports are exactly protobuf's (bit for bit); every
 value protobuf refuses is not ``ok``. And it does read the plain metrics values agents send.
 """
 
@@ -17,17 +17,17 @@ from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import daemon.ingest
-from daemon.bus import MemoryBus, RawEvent
-from daemon.codec import decode
-from daemon.config import Topics
-from daemon.errors import EventError
-from daemon.graph import InfraGraph
-from daemon.ingest import Ingestor
-from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded
-from daemon.scheduler import Scheduler
-from daemon.wire import IdIndex, MetricsColumns, decode_metrics
+import hlb.daemon.ingest.pipeline
+from hlb.daemon.bus.codec import decode
+from hlb.daemon.bus.seam import MemoryBus, RawEvent
+from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
+from hlb.daemon.config import Topics
+from hlb.daemon.decide.policy import LeastLoaded
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.errors import EventError
+from hlb.daemon.ingest.pipeline import Ingestor
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 
 MAX_BYTES = 1 << 20
@@ -214,7 +214,7 @@ def run_ingest(records: list[bytes], fast: bool) -> tuple[Any, ...]:
         columns.ok[:] = False  # every value to protobuf, as before the wire decoder
         return columns
 
-    with mock.patch.object(daemon.ingest, "decode_metrics", real if fast else nothing_read):
+    with mock.patch.object(hlb.daemon.ingest.pipeline, "decode_metrics", real if fast else nothing_read):
         ingestor.apply_batch(batch)
     d = graph.devices
     headers = [dict(r.headers) for r in bus.read_all(TOPICS.dlq)]

@@ -20,8 +20,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     """A seeded model written as a checkpoint, then exported through ``hlb export --checkpoint``."""
     import torch
 
-    from daemon.cli import main
-    from export.model import HlbGnn, ModelConfig, save_checkpoint
+    from hlb.cli import main
+    from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
 
     torch.manual_seed(7)
     model = HlbGnn.random(ModelConfig(hidden=16, rounds=2, scorer_hidden=32))

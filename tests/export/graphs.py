@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from daemon.graph import InfraGraph
+from hlb.daemon.state.graph import InfraGraph
 from hlb.v1 import events_pb2 as ev
 
 MODELS = (("V100", 16.0, 125.0, 300.0), ("A100", 80.0, 312.0, 400.0), ("TPUv4", 32.0, 275.0, 192.0))

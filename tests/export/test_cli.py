@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from export.cli import MISSING_EXTRA
+from hlb.export.cli import MISSING_EXTRA
 
 
 def test_export_without_torch_says_which_extra_to_install() -> None:

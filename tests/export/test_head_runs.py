@@ -1,11 +1,11 @@
-"""The runs behind the experiments over the completion-time correction (export.head_runs)."""
+"""The runs behind the experiments over the completion-time correction (hlb.export.head_runs)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from export.head_runs import HEAD_DIM, against_zeros, mean_jct, start_worker
-from export.train import TINY_STAGES
+from hlb.export.head_runs import HEAD_DIM, against_zeros, mean_jct, start_worker
+from hlb.export.train import TINY_STAGES
 
 
 def test_each_correction_is_compared_with_zeros_on_the_same_runs() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import features as feat
-from daemon.inference import ModelError, available_providers, load_model, session_options
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.gnn.inference import ModelError, available_providers, load_model, session_options
 from tests.export.conftest import Exported
 
 torch = pytest.importorskip("torch", reason="export tests need the export extra: pip install 'hlb[export]'")
@@ -92,7 +92,7 @@ def test_session_settings_are_checked() -> None:
 
 
 def test_export_from_a_bad_checkpoint_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from daemon.cli import main
+    from hlb.cli import main
 
     bad = tmp_path / "bad.pt"
     torch.save({"format": "something else"}, bad)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from daemon import features as feat
-from daemon.graph import InfraGraph
-from daemon.inference import GnnModel, load_model
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.gnn.inference import GnnModel, load_model
+from hlb.daemon.state.graph import InfraGraph
 from hlb.v1 import events_pb2 as ev
 from tests.export.conftest import Exported
 from tests.export.graphs import TRICKY

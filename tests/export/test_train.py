@@ -19,16 +19,16 @@ import pytest
 torch = pytest.importorskip("torch", reason="training needs the export extra: pip install 'hlb[export]'")
 pytest.importorskip("tqdm", reason="training needs the export extra: pip install 'hlb[export]'")
 
-from daemon.cli import main  # noqa: E402
-from export import train  # noqa: E402
-from export.model import HlbGnn, ModelConfig, load_checkpoint  # noqa: E402
-from export.train_cli import PRESET_NAMES  # noqa: E402
-from sim.catalogue import load_catalogue  # noqa: E402
-from sim.eval import make_sim_policy  # noqa: E402
-from sim.lookahead import LookaheadPolicy  # noqa: E402
-from sim.metrics import compute_metrics  # noqa: E402
-from sim.scenarios import build_cluster, build_workload  # noqa: E402
-from sim.simulator import SimConfig, SimResult, Simulation, TaskRecord  # noqa: E402
+from hlb.cli import main  # noqa: E402
+from hlb.export import train  # noqa: E402
+from hlb.export.model import HlbGnn, ModelConfig, load_checkpoint  # noqa: E402
+from hlb.export.train_cli import PRESET_NAMES  # noqa: E402
+from hlb.sim.catalogue import load_catalogue  # noqa: E402
+from hlb.sim.eval import make_sim_policy  # noqa: E402
+from hlb.sim.lookahead import LookaheadPolicy  # noqa: E402
+from hlb.sim.metrics import compute_metrics  # noqa: E402
+from hlb.sim.scenarios import build_cluster, build_workload  # noqa: E402
+from hlb.sim.simulator import SimConfig, SimResult, Simulation, TaskRecord  # noqa: E402
 
 STAGE = train.Stage("mixed:8", "gavel", 0.8, 14)
 

@@ -2,7 +2,7 @@
 that publishes to the real broker as agents and submitters would, and a follower of the ledger.
 
 Everything here waits on conditions (poll with a deadline), never for a fixed time. The daemon's
-state is read back through its canonical state dump (``kill -USR1``, see ``daemon.statedump``),
+state is read back through its canonical state dump (``kill -USR1``, see ``hlb.daemon.record.statedump``),
 its gRPC API and the ledger topic.
 """
 
@@ -25,13 +25,13 @@ import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.config import Topics
-from daemon.statedump import DUMP_NAME
+from hlb.daemon.config import Topics
+from hlb.daemon.record.statedump import DUMP_NAME
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 from tests.conftest import spawn_serve, wait_serving
 
 CELL = "it"

@@ -1,4 +1,4 @@
-"""Several ``hlb serve`` instances sharing the cells through one real broker (DESIGN.md §9).
+"""Several ``hlb serve`` instances sharing the cells through one real broker (docs/design.md §9).
 
 Three instances of one group split six cells (one partition each). One is killed with SIGKILL
 under a steady stream of submissions: its cells move to the others, which rebuild them from the
@@ -18,16 +18,16 @@ import grpc
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from daemon.bench_cells import (
+from hlb.bench.cells import (
     CellCluster,
     CellLoad,
     LedgerReader,
     pick_cells,
     small_task,
 )
-from daemon.cellbus import ensure_cell_topics
-from daemon.cells_plan import shard_of
-from daemon.config import KafkaSettings
+from hlb.daemon.cells.bus import ensure_cell_topics
+from hlb.daemon.cells.plan import shard_of
+from hlb.daemon.config import KafkaSettings
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 

@@ -19,12 +19,12 @@ import grpc
 import numpy as np
 import pytest
 
-from daemon.config import KafkaSettings
-from daemon.kafka_bus import KafkaBus
+from hlb.daemon.bus.kafka import KafkaBus
+from hlb.daemon.config import KafkaSettings
+from hlb.sim.kafka_local import LocalBroker, java_available
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.kafka_local import LocalBroker, java_available
 from tests.integration.load import (
     DEVICES,
     Daemon,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from hlb.sim.agent import DEMO_DEVICES, inventory_events
 from hlb.v1 import events_pb2 as ev
-from sim.agent import DEMO_DEVICES, inventory_events
 from tests.integration.load import (
     CELL,
     Daemon,

@@ -23,8 +23,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from google.protobuf import json_format
 
-from daemon.config import KafkaSettings
-from daemon.kafka_bus import KafkaBus
+from hlb.daemon.bus.kafka import KafkaBus
+from hlb.daemon.config import KafkaSettings
 from hlb.v1 import events_pb2 as ev
 from tests.integration.load import (
     CELL,

@@ -8,7 +8,7 @@ task's placement is in the ledger topic, reports it started, and now and then re
 task finished; metrics batches flow on the telemetry topic throughout. Lock step makes each
 decision depend on the events before it only, and the metrics are decision-neutral (see
 ``Load.metrics``), so the two runs must decide identically and their canonical state dumps
-(``daemon.statedump``: every device, host, switch, link and task by id with all its columns,
+(``hlb.daemon.record.statedump``: every device, host, switch, link and task by id with all its columns,
 the queue and the ledger's size) must be equal. Event times come from a logical clock so that
 the dumps compare byte for byte. A dump, not ``GetClusterState``: a summary of counts and
 means could hide a reservation on the wrong device.
@@ -26,8 +26,8 @@ import grpc
 import numpy as np
 import pytest
 
-from daemon.config import KafkaSettings
-from daemon.kafka_bus import KafkaBus
+from hlb.daemon.bus.kafka import KafkaBus
+from hlb.daemon.config import KafkaSettings
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from confluent_kafka import Producer
 
-from daemon.config import KafkaSettings, Topics
-from daemon.kafka_bus import KafkaBus
+from hlb.daemon.bus.kafka import KafkaBus
+from hlb.daemon.config import KafkaSettings, Topics
+from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
 from tests.conftest import ServeProcess
 
 pytestmark = pytest.mark.kafka

@@ -10,11 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from daemon.config import Topics
+from hlb.daemon.config import Topics
+from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
 from tests.conftest import ServeProcess
 from tests.integration.test_kafka_path import produce, task_event, wait_placed, wait_until
 

@@ -7,8 +7,8 @@ import uuid
 
 from confluent_kafka.admin import AdminClient
 
-from daemon.config import KafkaSettings, Topics
-from daemon.kafka_bus import KafkaBus, KafkaSource
+from hlb.daemon.bus.kafka import KafkaBus, KafkaSource
+from hlb.daemon.config import KafkaSettings, Topics
 
 
 def test_the_group_instance_id_is_the_members_static_id_on_the_broker(kafka_bootstrap: str, topics: Topics) -> None:

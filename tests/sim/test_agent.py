@@ -6,16 +6,16 @@ import threading
 
 import pytest
 
-from daemon.bus import MemoryBus
-from daemon.cli import main
-from daemon.config import Topics
-from daemon.graph import InfraGraph, TaskState
-from daemon.ingest import Ingestor, drain
-from daemon.ledger import PlacementLedger
-from daemon.policy import LeastLoaded
-from daemon.scheduler import Scheduler
+from hlb.cli import main
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import Topics
+from hlb.daemon.decide.policy import LeastLoaded
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.ingest.pipeline import Ingestor, drain
+from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.sim.agent import Agent, inventory_events
 from hlb.v1 import events_pb2 as ev
-from sim.agent import Agent, inventory_events
 
 TOPICS = Topics()
 

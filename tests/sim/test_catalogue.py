@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.catalogue import (
+from hlb.sim.catalogue import (
     DEFAULT_CATALOGUE_PATH,
     GAVEL_WORKER_MODELS,
     MODELLED_SPECS,

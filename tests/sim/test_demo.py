@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
-from daemon.config import load_settings
-from daemon.metrics import DaemonMetrics, start_metrics_server
-from sim.demo import demo_settings
+from hlb.cli import main
+from hlb.daemon.config import load_settings
+from hlb.daemon.runtime.metrics import DaemonMetrics, start_metrics_server
+from hlb.sim.demo import demo_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_on_the_memory_bus_shows_placements_and_stops_after_its_duration(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "demo", "--memory", "--duration", "6", "--rate", "4",
+        [sys.executable, "-m", "hlb.cli", "demo", "--memory", "--duration", "6", "--rate", "4",
          "--workdir", str(tmp_path)],
         capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
     )  # fmt: skip

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from scipy import stats
 
-from daemon.cli import main
-from daemon.policy import HeteroGreedy, ObjectiveWeights
-from sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown, parse_weights
+from hlb.cli import main
+from hlb.daemon.decide.policy import HeteroGreedy, ObjectiveWeights
+from hlb.sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown, parse_weights
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -114,7 +114,7 @@ def test_bad_arguments_are_clear_errors(
 def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     name: str, wait: bool, order: str, fit: bool, gang_factor: float
 ) -> None:
-    from daemon.gnn_policy import GnnPolicy
+    from hlb.daemon.decide.gnn.policy import GnnPolicy
 
     policy = make_sim_policy(name, refresh_rows=256)
     assert isinstance(policy, GnnPolicy)
@@ -126,7 +126,7 @@ def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
 
 
 def test_weights_reach_the_policies_that_weigh_objectives_and_the_results(tmp_path: Path) -> None:
-    from daemon.gnn_policy import GnnPolicy
+    from hlb.daemon.decide.gnn.policy import GnnPolicy
 
     weights = parse_weights("completion_time=1, energy=2.5")
     assert weights == ObjectiveWeights(completion_time=1.0, utilization=0.0, energy=2.5)

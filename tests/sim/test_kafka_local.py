@@ -1,4 +1,4 @@
-"""``hlb broker`` (``python -m sim.kafka_local``): its options work after the action, as the
+"""``hlb broker`` (``python -m hlb.sim.kafka_local``): its options work after the action, as the
 README writes them, and before it; ``exec`` hands everything after ``--`` to the command. A fake
 broker stands in for Kafka's: these tests are about the command line, not the broker."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
-from daemon.errors import BrokerError
-from sim import kafka_local
-from sim.kafka_local import LocalBroker as RealBroker  # the fixture below replaces the module's
-from sim.kafka_local import running_pid, stop_by_pid_file
+from hlb.cli import main
+from hlb.daemon.errors import BrokerError
+from hlb.sim import kafka_local
+from hlb.sim.kafka_local import LocalBroker as RealBroker  # the fixture below replaces the module's
+from hlb.sim.kafka_local import running_pid, stop_by_pid_file
 
 
 class FakeBroker:

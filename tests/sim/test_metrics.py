@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from daemon.policy import POLICY_NAMES, Policy
-from sim.catalogue import Catalogue, load_catalogue
-from sim.lookahead import LookaheadPolicy
-from sim.metrics import (
+from hlb.daemon.decide.policy import POLICY_NAMES, Policy
+from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.lookahead import LookaheadPolicy
+from hlb.sim.metrics import (
     compute_metrics,
     ideal_finish_s,
     job_outcomes,
@@ -18,8 +18,8 @@ from sim.metrics import (
     slo_attainment,
     time_average,
 )
-from sim.scenarios import build_cluster, build_workload
-from sim.simulator import SimConfig, SimResult, TaskRecord, Timeline, simulate
+from hlb.sim.scenarios import build_cluster, build_workload
+from hlb.sim.simulator import SimConfig, SimResult, TaskRecord, Timeline, simulate
 
 
 def record(task_id: str, **fields: Any) -> TaskRecord:

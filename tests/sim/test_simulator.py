@@ -11,20 +11,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from daemon.gnn_policy import GnnPolicy
-from daemon.policy import make_policy
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.daemon.decide.policy import make_policy
+from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.eval import make_sim_policy
+from hlb.sim.lookahead import LookaheadPolicy, PinnedPolicy
+from hlb.sim.metrics import compute_metrics
+from hlb.sim.network import Network
+from hlb.sim.scenarios import build_cluster, build_workload
+from hlb.sim.simulator import FailureConfig, SimConfig, SimResult, Simulation, simulate
+from hlb.sim.telemetry import TelemetryConfig
+from hlb.sim.topology import Inventory, homogeneous_cluster, inventory_from_document
+from hlb.sim.traces import read_trace
+from hlb.sim.workloads import Dependency, Task, merge_workloads
 from hlb.v1 import events_pb2 as ev
-from sim.catalogue import Catalogue, load_catalogue
-from sim.eval import make_sim_policy
-from sim.lookahead import LookaheadPolicy, PinnedPolicy
-from sim.metrics import compute_metrics
-from sim.network import Network
-from sim.scenarios import build_cluster, build_workload
-from sim.simulator import FailureConfig, SimConfig, SimResult, Simulation, simulate
-from sim.telemetry import TelemetryConfig
-from sim.topology import Inventory, homogeneous_cluster, inventory_from_document
-from sim.traces import read_trace
-from sim.workloads import Dependency, Task, merge_workloads
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V100 = "V100-SXM2-16GB"
@@ -455,7 +455,7 @@ def test_lookahead_over_a_base_that_waits_leaves_its_own_choice_to_it(catalogue:
 
 
 def replay(catalogue: Catalogue, trace: Sequence[Task]) -> SimResult:
-    from sim.topology import load_inventory
+    from hlb.sim.topology import load_inventory
 
     inventory = load_inventory(FIXTURES / "small_inventory.json", catalogue)
     return simulate(catalogue, inventory, trace, seed=0, config=EXACT)

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hlb.v1 import events_pb2
-from sim.catalogue import Catalogue, load_catalogue
-from sim.topology import (
+from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.topology import (
     GAVEL_HETEROGENEOUS_DEVICES,
     PAI_MACHINE_SPEC_PATH,
     Inventory,
@@ -22,6 +21,7 @@ from sim.topology import (
     shared_pai_machine_spec,
     write_inventory,
 )
+from hlb.v1 import events_pb2
 
 FIXTURE = Path(__file__).parent / "fixtures" / "small_inventory.json"
 
@@ -179,7 +179,7 @@ def test_the_pai_cluster_from_shared_data_matches_the_spec_file(catalogue: Catal
     if not spec.is_file():
         pytest.skip(f"public data not found at {spec} (set HLB_SHARED_DATA)")
     gpus_in_file = sum(int(line.split(",")[4]) for line in spec.read_text().splitlines() if line)
-    assert gpus_in_file == 6742  # DESIGN.md §6
+    assert gpus_in_file == 6742  # docs/design.md §6
     assert pai_cluster(catalogue, spec).device_count() == gpus_in_file
     assert spec.read_bytes() == PAI_MACHINE_SPEC_PATH.read_bytes()
 

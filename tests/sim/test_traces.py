@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.catalogue import Catalogue, load_catalogue, shared_data_dir
-from sim.traces import TraceError, read_gavel_msr_trace, read_trace, write_trace
-from sim.workloads import (
+from hlb.sim.catalogue import Catalogue, load_catalogue, shared_data_dir
+from hlb.sim.traces import TraceError, read_gavel_msr_trace, read_trace, write_trace
+from hlb.sim.workloads import (
     Dependency,
     Task,
     gavel_jobs,

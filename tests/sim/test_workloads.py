@@ -8,10 +8,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hlb.v1 import events_pb2
-from sim.catalogue import Catalogue, load_catalogue
-from sim.traces import check_dependencies
-from sim.workloads import (
+from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.traces import check_dependencies
+from hlb.sim.workloads import (
     PHILLY_SAMPLE_PATH,
     Dependency,
     Task,
@@ -25,6 +24,7 @@ from sim.workloads import (
     shared_philly_csv,
     training_pipelines,
 )
+from hlb.v1 import events_pb2
 
 V100 = "V100-SXM2-16GB"
 

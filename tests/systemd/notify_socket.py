@@ -51,7 +51,7 @@ def start_serve(
     environ.pop("WATCHDOG_PID", None)
     with log_path.open("w") as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "hlb.cli", "serve", "--config", str(config)],
             env=environ,
             cwd=REPO,
             stdout=log_file,

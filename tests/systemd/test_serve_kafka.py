@@ -19,12 +19,12 @@ import yaml
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.config import Topics
+from hlb.daemon.config import Topics
+from hlb.sim.agent import inventory_events
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from sim.agent import inventory_events
-from sim.kafka_local import free_port
 from tests.systemd.notify_socket import NotifySocket, start_serve
 
 pytestmark = pytest.mark.kafka

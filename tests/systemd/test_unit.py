@@ -74,12 +74,12 @@ def verifiable_copy(tmp_path: Path) -> Path:
 
     `systemd-analyze verify` fails when ExecStart='s binary is missing, and /opt/hlb/venv is the
     production install, absent on a development or CI machine. The interpreter running the tests
-    has the same package importable, so `python -m daemon.cli` stands in for the `hlb` script.
+    has the same package importable, so `python -m hlb.cli` stands in for the `hlb` script.
     Only that line changes; the file keeps its name, which verify reads as the unit name.
     """
     text = UNIT.read_text()
     assert text.count(INSTALLED_EXEC_START + "\n") == 1, "ExecStart= changed; update this test"
-    stand_in = f"ExecStart={sys.executable} -m daemon.cli serve --config /etc/hlb/config.yaml"
+    stand_in = f"ExecStart={sys.executable} -m hlb.cli serve --config /etc/hlb/config.yaml"
     copy = tmp_path / UNIT.name
     copy.write_text(text.replace(INSTALLED_EXEC_START, stand_in))
     return copy

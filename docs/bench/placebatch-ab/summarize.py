@@ -3,7 +3,7 @@
 Each round ran ``hlb bench latency --devices 1000 --pending 200 --json`` for the GNN and for
 hetero-greedy, from a checkout of the code before the change and one after, in turn
 (``rounds.sh`` beside this file). Per policy: mean and slowest placements/s, the per-round ratio
-after / before with its 95% Student-t interval (``sim.eval.confidence_interval``), the runs at
+after / before with its 95% Student-t interval (``hlb.sim.eval.confidence_interval``), the runs at
 least 20,000 placements/s, and ``Place`` p99 over the floor's p99 with the runs above 2 and
 Fisher's exact test of that split, and the per-round ratios of ``Place`` p50 and p99 over the
 floor, after / before:
@@ -26,9 +26,9 @@ from typing import Any
 
 from scipy import stats
 
-from sim.eval import _percent, confidence_interval
+from hlb.sim.eval import _percent, confidence_interval
 
-TARGET = 20_000.0  # placements/s at 1,000 devices (DESIGN.md §7)
+TARGET = 20_000.0  # placements/s at 1,000 devices (docs/design.md §7)
 
 
 def paired(before: list[float], after: list[float]) -> str:

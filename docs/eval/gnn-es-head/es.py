@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from export.head_runs import HEAD_DIM as DIM
-from export.head_runs import STAGES, against_zeros, mean_jct, worker_pool
-from export.train import TRAIN_SEED_BASE, VALIDATION_SEED_BASE
+from hlb.export.head_runs import HEAD_DIM as DIM
+from hlb.export.head_runs import STAGES, against_zeros, mean_jct, worker_pool
+from hlb.export.train import TRAIN_SEED_BASE, VALIDATION_SEED_BASE
 
 
 def search(args: argparse.Namespace) -> None:

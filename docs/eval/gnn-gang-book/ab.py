@@ -2,7 +2,7 @@
 daemon does), on training seeds of the training families.
 
 The daemon books a waiting gang's run time on the one device of the chosen host expected free
-last (``daemon.scheduler.Scheduler._start_waiting``), so tasks deciding later do not count the
+last (``hlb.daemon.decide.scheduler.Scheduler._start_waiting``), so tasks deciding later do not count the
 gang on its other devices. ``book-all.patch`` books each member until the gang's expected end
 (its wait plus run time, less the member's own ready time) when ``HLB_BOOK_ALL`` is set. This
 script runs the GNN (its rules at their defaults) with and without it on seeds 1000 and up of
@@ -25,13 +25,13 @@ from functools import partial
 from multiprocessing import Pool
 from typing import Any
 
-from daemon.bench_latency import logs_to_stderr
-from daemon.config import ModelRefreshSettings, ModelSettings
-from daemon.gnn_policy import GnnPolicy
-from sim.eval import _catalogue, _inventory, _refuse_fallback, confidence_interval
-from sim.metrics import compute_metrics
-from sim.scenarios import build_workload
-from sim.simulator import SimConfig, Simulation
+from hlb.bench.latency import logs_to_stderr
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.sim.eval import _catalogue, _inventory, _refuse_fallback, confidence_interval
+from hlb.sim.metrics import compute_metrics
+from hlb.sim.scenarios import build_workload
+from hlb.sim.simulator import SimConfig, Simulation
 
 METRICS = ("jct_mean_s", "jct_p99_s", "energy_kwh")
 

@@ -4,12 +4,12 @@ rollouts, against the shipped rule (``model.gang_wait_factor`` 0.5 for every gan
 A learned part deciding "wait for a faster host or take the devices free now" per gang would
 replace the one factor of the fourth rule by a choice per gang. This measures the room for that
 choice with a clairvoyant teacher: at the first decision of a gang for which some host would finish
-it sooner than the devices free now (:func:`daemon.waiting.gang_wait` with factor 1), the whole
+it sooner than the devices free now (:func:`hlb.daemon.decide.waiting.gang_wait` with factor 1), the whole
 simulation is forked once per factor in ``--factors`` (default 0: take now, 0.5: the shipped rule,
 1: wait whenever a host finishes sooner); each fork applies that factor to this gang (at this and
 every later decision of it) and the teacher's earlier choices to the gangs before it, rolls
 ``--horizon-h`` hours forward with the shipped policy deciding everything else, and the factor
-whose fork has the least projected flow time (``sim.lookahead.projected_flow_time_s``) is kept for
+whose fork has the least projected flow time (``hlb.sim.lookahead.projected_flow_time_s``) is kept for
 the gang. A fork knows the next hours' arrivals: an upper reference, not a policy.
 
 Three policies per seed: ``gnn`` (shipped), ``gnn-factor`` (the same policy class as the teacher,
@@ -43,18 +43,18 @@ from typing import Any
 
 import numpy as np
 
-from daemon.bench_latency import logs_to_stderr
-from daemon.config import ModelRefreshSettings, ModelSettings
-from daemon.gnn_policy import GnnPolicy
-from daemon.graph import InfraGraph, Rows
-from daemon.policy import Policy, Wait
-from daemon.waiting import gang_wait
+from hlb.bench.latency import logs_to_stderr
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.daemon.decide.policy import Policy, Wait
+from hlb.daemon.decide.waiting import gang_wait
+from hlb.daemon.state.graph import InfraGraph, Rows
+from hlb.sim.eval import _catalogue, _inventory, _refuse_fallback, make_sim_policy
+from hlb.sim.lookahead import rollout_flow_time_s
+from hlb.sim.metrics import compute_metrics
+from hlb.sim.scenarios import build_workload
+from hlb.sim.simulator import Simulation
 from hlb.v1 import events_pb2 as ev
-from sim.eval import _catalogue, _inventory, _refuse_fallback, make_sim_policy
-from sim.lookahead import rollout_flow_time_s
-from sim.metrics import compute_metrics
-from sim.scenarios import build_workload
-from sim.simulator import Simulation
 
 
 class FactorGnn(GnnPolicy):

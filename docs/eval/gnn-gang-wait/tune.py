@@ -18,13 +18,13 @@ from functools import partial
 from multiprocessing import Pool
 from typing import Any
 
-from daemon.bench_latency import logs_to_stderr
-from daemon.config import ModelRefreshSettings, ModelSettings
-from daemon.gnn_policy import GnnPolicy
-from sim.eval import _catalogue, _inventory, _percent, _refuse_fallback, confidence_interval
-from sim.metrics import compute_metrics
-from sim.scenarios import build_workload
-from sim.simulator import SimConfig, Simulation
+from hlb.bench.latency import logs_to_stderr
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.sim.eval import _catalogue, _inventory, _percent, _refuse_fallback, confidence_interval
+from hlb.sim.metrics import compute_metrics
+from hlb.sim.scenarios import build_workload
+from hlb.sim.simulator import SimConfig, Simulation
 
 METRICS = ("jct_mean_s", "jct_p99_s", "energy_kwh", "jobs_finished")
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from daemon.bench_latency import logs_to_stderr
-from sim.eval import _catalogue, _inventory, make_sim_policy
-from sim.scenarios import build_workload
-from sim.simulator import SimConfig, simulate
+from hlb.bench.latency import logs_to_stderr
+from hlb.sim.eval import _catalogue, _inventory, make_sim_policy
+from hlb.sim.scenarios import build_workload
+from hlb.sim.simulator import SimConfig, simulate
 
 POLICIES = ("hetero-greedy", "gnn")
 STATS = ("longest_h", "p99_h", "longest_gang_h")

@@ -20,9 +20,9 @@ from functools import partial
 from multiprocessing import Pool
 from typing import Any
 
-from sim.eval import _catalogue, _inventory, make_sim_policy
-from sim.scenarios import build_workload
-from sim.simulator import SimConfig, Simulation, TaskRecord
+from hlb.sim.eval import _catalogue, _inventory, make_sim_policy
+from hlb.sim.scenarios import build_workload
+from hlb.sim.simulator import SimConfig, Simulation, TaskRecord
 
 
 def run(policy: str, cluster: str, workload: str, seed: int, jobs: int, load: float) -> dict[str, TaskRecord]:

@@ -1,6 +1,6 @@
 """An experiment: choose a gang by its estimated finish across locality tiers, not one host first.
 
-The daemon's gang choice (``daemon.policy.choose_gang``) takes the best gang on one host if a host
+The daemon's gang choice (``hlb.daemon.decide.policy.choose_gang``) takes the best gang on one host if a host
 has enough feasible devices, then one rack, then anywhere, by the policy's per-device scores. This
 script replaces it, for the run only, with: among the fastest ``gang`` devices of each host
 (consolidated rates) and the fastest ``gang`` devices anywhere (spread rates, from the same device
@@ -24,15 +24,13 @@ from typing import Any
 import numpy as np
 from compare import add_run_arguments  # the script beside this one (this folder is on sys.path when run)
 
-import daemon.gnn_policy
-import daemon.policy
-from daemon.bench_latency import logs_to_stderr
-from daemon.graph import InfraGraph, Rows
-from daemon.policy import Policy, Scores
-from daemon.profiles import default_profiles
+from hlb.bench.latency import logs_to_stderr
+from hlb.daemon.decide.policy import Policy, Scores
+from hlb.daemon.state.graph import InfraGraph, Rows
+from hlb.daemon.state.profiles import default_profiles
+from hlb.sim.eval import RunSpec, _percent, confidence_interval, run_one
+from hlb.sim.simulator import SimConfig
 from hlb.v1 import events_pb2 as ev
-from sim.eval import RunSpec, _percent, confidence_interval, run_one
-from sim.simulator import SimConfig
 
 METRICS = ("jct_mean_s", "jct_p99_s", "energy_kwh")
 _unchanged = daemon.policy.choose_gang

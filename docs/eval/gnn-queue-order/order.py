@@ -1,6 +1,6 @@
 """How much could a different queue order gain? The shipped policy (zero corrections, the daemon's
 rules) with its shortest-first order replaced by a few hand-written orders, per seed against
-the shipped policy on training seeds of the two training stages (``export.head_runs.STAGES``);
+the shipped policy on training seeds of the two training stages (``hlb.export.head_runs.STAGES``);
 ``shortest-first`` is the shipped order written as a key here, so its runs must equal the
 shipped policy's.
 
@@ -23,11 +23,11 @@ from multiprocessing import Pool
 import numpy as np
 from numpy.typing import NDArray
 
-from daemon.graph import InfraGraph, Task
-from daemon.profiles import NEVER_S
-from export.head_runs import STAGES, quiet_trainer
-from export.train import TRAIN_SEED_BASE, Stage, TorchGnnPolicy, Trainer
-from sim.metrics import compute_metrics
+from hlb.daemon.state.graph import InfraGraph, Task
+from hlb.daemon.state.profiles import NEVER_S
+from hlb.export.head_runs import STAGES, quiet_trainer
+from hlb.export.train import TRAIN_SEED_BASE, Stage, TorchGnnPolicy, Trainer
+from hlb.sim.metrics import compute_metrics
 
 # name -> key(fastest, second, mean, gang, waited) in seconds; lower goes first
 Key = Callable[[float, float, float, int, float], float]

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.head_runs import against_zeros, quiet_trainer
-from export.train import VALIDATION_SEED_BASE, Trainer, decision_scores, imitation_loss
+from hlb.export.head_runs import against_zeros, quiet_trainer
+from hlb.export.train import VALIDATION_SEED_BASE, Trainer, decision_scores, imitation_loss
 
 FIRST_SEED = VALIDATION_SEED_BASE + 40
 

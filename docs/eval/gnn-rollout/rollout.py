@@ -2,7 +2,7 @@
 for the scorer's corrections?
 
 The shipped policy (the GNN with its four rules) decides every task; at each decision of a task
-that has a choice, :class:`RolloutGnn` (the lookahead oracle of ``sim.lookahead`` with the shipped
+that has a choice, :class:`RolloutGnn` (the lookahead oracle of ``hlb.sim.lookahead`` with the shipped
 policy as its base) also forks the whole simulation and rolls it forward ``--horizon-h`` hours for
 each of up to ``--k`` actions: the shipped policy's own (which may be a wait), and the best gang of
 each other device model by the shipped scores, taken now. The action whose fork has the least
@@ -33,16 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from daemon.bench_latency import logs_to_stderr
-from daemon.gnn_policy import GnnPolicy
-from daemon.graph import InfraGraph, Rows
-from daemon.policy import Policy
+from hlb.bench.latency import logs_to_stderr
+from hlb.daemon.decide.gnn.policy import GnnPolicy
+from hlb.daemon.decide.policy import Policy
+from hlb.daemon.state.graph import InfraGraph, Rows
+from hlb.sim.eval import _catalogue, _inventory, make_sim_policy
+from hlb.sim.lookahead import LookaheadPolicy
+from hlb.sim.metrics import compute_metrics
+from hlb.sim.scenarios import build_workload
+from hlb.sim.simulator import SimConfig, Simulation
 from hlb.v1 import events_pb2 as ev
-from sim.eval import _catalogue, _inventory, make_sim_policy
-from sim.lookahead import LookaheadPolicy
-from sim.metrics import compute_metrics
-from sim.scenarios import build_workload
-from sim.simulator import SimConfig, Simulation
 
 
 class RolloutGnn(LookaheadPolicy):
@@ -78,7 +78,7 @@ def recorder() -> Any:
     zero: the same scores as the shipped ONNX files), to record decisions with."""
     import torch
 
-    from export.train import TrainConfig, Trainer
+    from hlb.export.train import TrainConfig, Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(TrainConfig(), Path("/nonexistent"), lambda _: None, progress=False)

@@ -1,0 +1,1 @@
+"""Several instances sharing the cells through Kafka."""

@@ -1,0 +1,738 @@
+"""The GNN's inputs, built from an :class:`~hlb.daemon.state.graph.InfraGraph` with numpy only.
+
+Two consumers read the same arrays: the daemon, which feeds them to the exported ONNX graphs
+through onnxruntime, and ``export/``, which trains the torch model on them. Nothing here imports
+torch.
+
+Every feature is a physical quantity with a documented fixed scale (:data:`DEVICE_FEATURES` and
+friends list name, transform and scale in input order), never a one-hot device model name, so a
+model trained on some accelerators and cluster sizes reads others the same way. Transforms:
+
+- ``linear``: ``x / scale`` (shares, utilizations, flags);
+- ``log1p``: ``log1p(max(x, 0) / scale)`` for heavy-tailed quantities (memory, work, power);
+- ``symlog``: ``sign(x) * log1p(|x| / scale)`` for signed ones (priority, deadline slack).
+
+Every value is finite and clipped to ``[-CLIP, CLIP]``.
+
+Nodes are *packed*: the live rows of each table in ascending order become positions 0..N-1
+(``EncoderInputs.device_rows[i]`` is the graph row of device position ``i``). Edges are padded
+neighbour lists, gathered by the model rather than scattered (docs/design.md §4): for each
+destination node a row of ``K`` source positions (``index``, int64 [N, K]) and a mask (float32
+[N, K], 1 for a real neighbour). A padding slot holds the source count ``N_src``, which the model
+maps to an all-zero row it appends to the source embeddings, so every index is valid even when the
+source set is empty. ``K = max(1, largest degree)``. Duplicate edges are kept (each counts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hlb.daemon.state.graph import (
+    DEVICE_NODE,
+    HOST_NODE,
+    SWITCH_NODE,
+    InfraGraph,
+    Occupancy,
+    Rows,
+    TaskState,
+    TaskTable,
+)
+from hlb.daemon.state.profiles import DeviceProfiles
+from hlb.v1 import events_pb2 as ev
+
+FEATURE_SCHEMA_VERSION = 2  # 2: pair feature finish_s
+CLIP = 10.0
+
+# Peak dense throughput of the reference accelerator (V100-SXM2, FP16 tensor cores), TFLOPS.
+# ``TaskSpec.work_ref_s`` is seconds on that device, so a device's speed estimate is its
+# peak_tflops over this when no measured profile is given.
+REFERENCE_PEAK_TFLOPS = 125.0
+
+Transform = Literal["linear", "log1p", "symlog"]
+Matrix = NDArray[np.float32]
+Index = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One input column: its name, how the raw value is scaled, and the raw value's unit."""
+
+    name: str
+    transform: Transform
+    scale: float
+    unit: str
+
+    def as_dict(self) -> dict[str, str | float]:
+        return {"name": self.name, "transform": self.transform, "scale": self.scale, "unit": self.unit}
+
+
+def _f(name: str, transform: Transform, scale: float, unit: str) -> Feature:
+    return Feature(name, transform, scale, unit)
+
+
+DEVICE_FEATURES: tuple[Feature, ...] = (
+    _f("peak_tflops", "log1p", 100.0, "TFLOPS"),
+    _f("memory_gb", "log1p", 16.0, "GB"),
+    _f("free_memory_gb", "log1p", 16.0, "GB"),
+    _f("free_memory_share", "linear", 1.0, "fraction"),
+    _f("reserved_share", "linear", 1.0, "fraction of memory reserved by hlb"),
+    _f("utilization", "linear", 1.0, "fraction"),
+    _f("load", "linear", 1.0, "max(utilization, reserved share)"),
+    _f("power_w", "log1p", 300.0, "W"),
+    _f("idle_power_w", "log1p", 300.0, "W"),
+    _f("peak_power_w", "log1p", 300.0, "W"),
+    _f("power_share", "linear", 1.0, "power_w / peak_power_w"),
+    _f("tflops_per_w", "log1p", 0.5, "TFLOPS/W at peak"),
+    _f("temperature_c", "linear", 100.0, "degC"),
+    _f("healthy", "linear", 1.0, "flag"),
+    _f("degraded", "linear", 1.0, "flag"),
+    _f("failed", "linear", 1.0, "flag"),
+    _f("n_tasks", "log1p", 1.0, "tasks placed or running"),
+    _f("link_gbps", "log1p", 100.0, "GB/s of links touching the device (NVLink, PCIe)"),
+    _f("kind_gpu", "linear", 1.0, "flag"),
+    _f("kind_tpu", "linear", 1.0, "flag"),
+    _f("kind_fpga", "linear", 1.0, "flag"),
+    _f("kind_asic", "linear", 1.0, "flag"),
+    _f("kind_cpu", "linear", 1.0, "flag"),
+)
+
+HOST_FEATURES: tuple[Feature, ...] = (
+    _f("n_devices", "log1p", 8.0, "devices"),
+    _f("n_idle_devices", "log1p", 8.0, "healthy devices without tasks"),
+    _f("cpu_cores", "log1p", 64.0, "cores"),
+    _f("memory_gb", "log1p", 512.0, "GB"),
+    _f("link_gbps", "log1p", 100.0, "GB/s of links touching the host"),
+    _f("has_rack", "linear", 1.0, "flag"),
+    _f("placeholder", "linear", 1.0, "flag: named by a device, never described"),
+)
+
+SWITCH_FEATURES: tuple[Feature, ...] = (
+    _f("n_children", "log1p", 16.0, "hosts and switches below"),
+    _f("is_top", "linear", 1.0, "flag: no parent"),
+    _f("link_gbps", "log1p", 400.0, "GB/s of links touching the switch"),
+    _f("placeholder", "linear", 1.0, "flag"),
+)
+
+TASK_FEATURES: tuple[Feature, ...] = (
+    _f("work_ref_s", "log1p", 3600.0, "s on one reference device"),
+    _f("gang", "log1p", 1.0, "devices"),
+    _f("memory_per_device_gb", "log1p", 16.0, "GB"),
+    _f("total_memory_gb", "log1p", 64.0, "GB over the gang"),
+    _f("priority", "symlog", 1.0, "higher runs first"),
+    _f("waiting_s", "log1p", 60.0, "s since submission"),
+    _f("pending", "linear", 1.0, "flag"),
+    _f("placed", "linear", 1.0, "flag"),
+    _f("running", "linear", 1.0, "flag"),
+    _f("kind_training", "linear", 1.0, "flag"),
+    _f("kind_inference", "linear", 1.0, "flag"),
+    _f("kind_batch_stage", "linear", 1.0, "flag"),
+    _f("n_dependencies", "log1p", 1.0, "tasks"),
+    _f("dependency_gb", "log1p", 1.0, "GB to transfer in"),
+    _f("has_deadline", "linear", 1.0, "flag"),
+    _f("deadline_slack_s", "symlog", 600.0, "s from now to the deadline"),
+    _f("latency_slo_ms", "log1p", 100.0, "ms; 0: none"),
+    _f("restricted", "linear", 1.0, "flag: allowed kinds or models are listed"),
+)
+
+PAIR_FEATURES: tuple[Feature, ...] = (
+    _f("speed", "log1p", 1.0, "throughput relative to the reference device"),
+    _f("runtime_s", "log1p", 3600.0, "s: work_ref_s / speed"),
+    _f("energy_kj", "log1p", 100.0, "kJ per device: runtime_s * peak_power_w / 1000"),
+    _f("local_input_gb", "log1p", 1.0, "GB of dependency outputs already on the device's host"),
+    _f("local_input_share", "linear", 1.0, "fraction of dependency GB on the host"),
+    _f("same_host_share", "linear", 1.0, "min(candidates on the host, gang) / gang"),
+    _f("colocated_tasks", "log1p", 1.0, "tasks already on the device"),
+    _f("memory_fit", "linear", 1.0, "task memory / device free memory"),
+    _f("reserved_share_after", "linear", 1.0, "reserved share once the task is placed"),
+    _f("load", "linear", 1.0, "device load"),
+    _f("preferred", "linear", 1.0, "flag: device model is in preferred_models"),
+    _f("profiled", "linear", 1.0, "flag: speed comes from a measured profile"),
+    _f("finish_s", "log1p", 3600.0, "s: runtime_s / the share of the device the task would get"),
+)
+
+# Edge lists of the encoder, in input order: (name, destination type, source type).
+NEIGHBOUR_LISTS: tuple[tuple[str, str, str], ...] = (
+    ("device_host", "device", "host"),  # the device's host (K = 1)
+    ("host_device", "host", "device"),  # the host's devices
+    ("host_rack", "host", "switch"),  # the host's rack switch, if any (K = 1)
+    ("rack_host", "switch", "host"),  # the hosts in a rack
+    ("task_device", "task", "device"),  # devices a placed/running task holds
+    ("device_task", "device", "task"),  # tasks placed/running on a device
+    ("task_parent", "task", "task"),  # live tasks whose output this task needs
+    ("task_child", "task", "task"),  # live tasks that need this task's output
+)
+NODE_TYPES: tuple[str, ...] = ("device", "host", "switch", "task")
+
+SpeedProfile = Mapping[tuple[str, str], float]
+"""Measured speed of (workload class, device model) relative to the reference device, gang 1."""
+
+
+def names(features: tuple[Feature, ...]) -> list[str]:
+    return [f.name for f in features]
+
+
+def schema() -> dict[str, object]:
+    """The feature schema as plain data (written into the ONNX metadata; checked at load)."""
+    return {
+        "version": FEATURE_SCHEMA_VERSION,
+        "clip": CLIP,
+        "reference_peak_tflops": REFERENCE_PEAK_TFLOPS,
+        "device": [f.as_dict() for f in DEVICE_FEATURES],
+        "host": [f.as_dict() for f in HOST_FEATURES],
+        "switch": [f.as_dict() for f in SWITCH_FEATURES],
+        "task": [f.as_dict() for f in TASK_FEATURES],
+        "pair": [f.as_dict() for f in PAIR_FEATURES],
+        "neighbours": [list(n) for n in NEIGHBOUR_LISTS],
+        "objectives": ["completion_time", "utilization", "energy"],
+    }
+
+
+_TRANSFORMS: dict[int, tuple[tuple[Feature, ...], NDArray[np.float64], NDArray[np.int64], NDArray[np.int64]]] = {}
+
+
+def _transforms(features: tuple[Feature, ...]) -> tuple[NDArray[np.float64], NDArray[np.int64], NDArray[np.int64]]:
+    """Per-column scales [F] and the columns that take log1p and symlog, for :func:`normalize`.
+
+    Kept by the tuple's identity (hashing a tuple of features costs more than the lookup saves).
+    """
+    cached = _TRANSFORMS.get(id(features))
+    if cached is None or cached[0] is not features:
+        scales = np.array([f.scale for f in features], dtype=np.float64)
+        log1p = np.array([j for j, f in enumerate(features) if f.transform == "log1p"], dtype=np.int64)
+        symlog = np.array([j for j, f in enumerate(features) if f.transform == "symlog"], dtype=np.int64)
+        cached = _TRANSFORMS[id(features)] = (features, scales, log1p, symlog)
+    return cached[1], cached[2], cached[3]
+
+
+def normalize(raw: NDArray[np.float64], features: tuple[Feature, ...]) -> Matrix:
+    """Scale raw columns by their features' transforms. Shapes: [N, F] float64 -> [N, F] float32.
+
+    Whole-matrix operations (one per transform, not one per column): a decision builds these for
+    a handful of candidates, where numpy's per-call overhead is what costs.
+    """
+    if raw.shape[1] != len(features):
+        raise ValueError(f"{raw.shape[1]} columns for {len(features)} features")
+    scales, log1p, symlog = _transforms(features)
+    out = np.where(np.isfinite(raw), raw, 0.0) / scales  # nan_to_num's values at half its cost
+    if len(log1p):
+        out[:, log1p] = np.log1p(np.maximum(out[:, log1p], 0.0))
+    if len(symlog):
+        x = out[:, symlog]
+        out[:, symlog] = np.sign(x) * np.log1p(np.abs(x))
+    return np.clip(out, -CLIP, CLIP).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """A padded neighbour list. Shapes: index int64 [N, K] in [0, n_src]; mask float32 [N, K]."""
+
+    index: Index
+    mask: Matrix
+    n_src: int
+
+    @property
+    def degree(self) -> NDArray[np.float32]:
+        """Real neighbours per destination. [N]."""
+        degree: NDArray[np.float32] = self.mask.sum(axis=1)
+        return degree
+
+
+def neighbours(dst: Index, src: Index, n_dst: int, n_src: int) -> Neighbours:
+    """Padded lists from edges ``src[e] -> dst[e]`` (positions). Shapes: dst, src [E] -> [n_dst, K].
+
+    Within a row, neighbours keep edge order; duplicates stay. Vectorized, no loop over nodes.
+    """
+    counts = np.bincount(dst, minlength=n_dst) if len(dst) else np.zeros(n_dst, dtype=np.int64)
+    k = max(1, int(counts.max(initial=0)))
+    index = np.full((n_dst, k), n_src, dtype=np.int64)
+    mask = np.zeros((n_dst, k), dtype=np.float32)
+    if len(dst):
+        order = np.argsort(dst, kind="stable")
+        dst_sorted = dst[order]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        slot = np.arange(len(dst)) - starts[dst_sorted]
+        index[dst_sorted, slot] = src[order]
+        mask[dst_sorted, slot] = 1.0
+    return Neighbours(index, mask, n_src)
+
+
+@dataclass(frozen=True)
+class EncoderInputs:
+    """Everything the encoder reads, for one graph at one instant.
+
+    Shapes: device_x [D, len(DEVICE_FEATURES)], host_x [H, ...], switch_x [S, ...], task_x [T, ...]
+    (float32); ``device_rows`` [D], ``host_rows`` [H], ``switch_rows`` [S], ``task_rows`` [T] map
+    positions to graph (table) rows; ``task_ids`` [T]; one :class:`Neighbours` per
+    :data:`NEIGHBOUR_LISTS` entry.
+    """
+
+    device_x: Matrix
+    host_x: Matrix
+    switch_x: Matrix
+    task_x: Matrix
+    device_rows: Rows
+    host_rows: Rows
+    switch_rows: Rows
+    task_rows: Rows
+    task_ids: list[str]
+    lists: dict[str, Neighbours]
+
+    def feeds(self) -> dict[str, NDArray[np.float32] | NDArray[np.int64]]:
+        """The encoder's ONNX inputs by name: ``<type>_x`` then ``<list>_index`` / ``<list>_mask``."""
+        out: dict[str, NDArray[np.float32] | NDArray[np.int64]] = {
+            "device_x": self.device_x,
+            "host_x": self.host_x,
+            "switch_x": self.switch_x,
+            "task_x": self.task_x,
+        }
+        for name, _, _ in NEIGHBOUR_LISTS:
+            out[f"{name}_index"] = self.lists[name].index
+            out[f"{name}_mask"] = self.lists[name].mask
+        return out
+
+    def device_positions(self, rows: Rows) -> Index:
+        """Positions (rows of ``device_x``) of graph device rows; raises KeyError for an unknown row."""
+        where = np.searchsorted(self.device_rows, rows)
+        found = where < len(self.device_rows)
+        found[found] = self.device_rows[where[found]] == rows[found]
+        if not found.all():
+            raise KeyError(f"device rows {rows[~found].tolist()} are not in these inputs")
+        positions: Index = where.astype(np.int64)
+        return positions
+
+
+def encoder_feed_names() -> list[str]:
+    """Encoder input names in order (matches :meth:`EncoderInputs.feeds`)."""
+    out = ["device_x", "host_x", "switch_x", "task_x"]
+    for name, _, _ in NEIGHBOUR_LISTS:
+        out += [f"{name}_index", f"{name}_mask"]
+    return out
+
+
+SCORER_FEED_NAMES: tuple[str, ...] = ("task_x", "device_emb", "pair_x", "context", "weights")
+
+
+def _positions(alive_rows: Rows, capacity: int) -> Index:
+    """Graph row -> position (-1 where not live). [capacity]."""
+    where = np.full(capacity, -1, dtype=np.int64)
+    where[alive_rows] = np.arange(len(alive_rows), dtype=np.int64)
+    return where
+
+
+def _link_gbps(graph: InfraGraph, node_type: int, capacity: int) -> NDArray[np.float64]:
+    """Sum of the bandwidth of live links touching each row of one node type. [capacity] GB/s."""
+    t = graph.links
+    live = t.alive
+    total = np.zeros(capacity, dtype=np.float64)
+    for types, ends in ((t.src_type, t.src), (t.dst_type, t.dst)):
+        hit = live & (types == node_type) & (ends >= 0) & (ends < capacity)
+        total += np.bincount(ends[hit], weights=t.bandwidth_gbps[hit], minlength=capacity)[:capacity]
+    return total
+
+
+def device_matrix(graph: InfraGraph, rows: Rows) -> Matrix:
+    """Device features of graph rows. Shapes: rows [D] -> [D, len(DEVICE_FEATURES)]."""
+    d = graph.devices
+    memory = d.memory_gb[rows]
+    free = np.maximum(graph.free_memory_gb(rows), 0.0)
+    safe_memory = np.where(memory > 0, memory, 1.0)
+    peak_power = d.peak_power_w[rows]
+    safe_power = np.where(peak_power > 0, peak_power, 1.0)
+    health = d.health[rows]
+    kind = d.kind[rows]
+    links = _link_gbps(graph, DEVICE_NODE, d.capacity)[rows]
+    raw = np.column_stack(
+        [
+            d.peak_tflops[rows],
+            memory,
+            free,
+            np.where(memory > 0, free / safe_memory, 0.0),
+            np.minimum(d.reserved_gb[rows] / safe_memory, 1.0) * (memory > 0),
+            d.utilization[rows],
+            graph.load(rows),
+            d.power_w[rows],
+            d.idle_power_w[rows],
+            peak_power,
+            np.where(peak_power > 0, np.minimum(d.power_w[rows] / safe_power, 1.0), 0.0),
+            np.where(peak_power > 0, d.peak_tflops[rows] / safe_power, 0.0),
+            d.temperature_c[rows],
+            (health == ev.HEALTH_HEALTHY) | (health == ev.HEALTH_UNSPECIFIED),
+            health == ev.HEALTH_DEGRADED,
+            health == ev.HEALTH_FAILED,
+            d.n_tasks[rows],
+            links,
+            kind == ev.DEVICE_KIND_GPU,
+            kind == ev.DEVICE_KIND_TPU,
+            kind == ev.DEVICE_KIND_FPGA,
+            kind == ev.DEVICE_KIND_ASIC,
+            kind == ev.DEVICE_KIND_CPU,
+        ]
+    ).astype(np.float64)
+    return normalize(raw.reshape(len(rows), len(DEVICE_FEATURES)), DEVICE_FEATURES)
+
+
+def _host_matrix(graph: InfraGraph, rows: Rows, device_rows: Rows) -> Matrix:
+    h, d = graph.hosts, graph.devices
+    idle = (d.n_tasks[device_rows] == 0) & (d.health[device_rows] != ev.HEALTH_FAILED)
+    n_idle = np.bincount(d.host[device_rows][idle], minlength=h.capacity)[: h.capacity]
+    raw = np.column_stack(
+        [
+            h.n_devices[rows],
+            n_idle[rows],
+            h.cpu_cores[rows],
+            h.memory_gb[rows],
+            _link_gbps(graph, HOST_NODE, h.capacity)[rows],
+            h.rack[rows] >= 0,
+            h.placeholder[rows],
+        ]
+    ).astype(np.float64)
+    return normalize(raw.reshape(len(rows), len(HOST_FEATURES)), HOST_FEATURES)
+
+
+def _switch_matrix(graph: InfraGraph, rows: Rows) -> Matrix:
+    s = graph.switches
+    raw = np.column_stack(
+        [
+            s.n_children[rows],
+            s.parent[rows] < 0,
+            _link_gbps(graph, SWITCH_NODE, s.capacity)[rows],
+            s.placeholder[rows],
+        ]
+    ).astype(np.float64)
+    return normalize(raw.reshape(len(rows), len(SWITCH_FEATURES)), SWITCH_FEATURES)
+
+
+def _spec_columns(spec: ev.TaskSpec, now_ms: int) -> tuple[float, float, float, float, float, float, float]:
+    """Per-spec raw values: n_deps, dependency_gb, has_deadline, slack_s, slo_ms, restricted, waiting_s."""
+    slack = (spec.deadline_ms - now_ms) / 1000.0 if spec.deadline_ms and now_ms else 0.0
+    waiting = max(0.0, (now_ms - spec.submit_time_ms) / 1000.0) if spec.submit_time_ms and now_ms else 0.0
+    return (
+        float(len(spec.dependencies)),
+        float(sum(dep.transfer_gb for dep in spec.dependencies)),
+        float(spec.deadline_ms > 0),
+        slack,
+        spec.latency_slo_ms,
+        float(bool(spec.allowed_kinds) or bool(spec.allowed_models)),
+        waiting,
+    )
+
+
+def task_matrix(specs: list[ev.TaskSpec], states: list[TaskState], now_ms: int = 0) -> Matrix:
+    """Task features. ``now_ms`` (Unix ms; 0: unknown) dates waiting time and deadline slack.
+
+    Shapes: specs, states [T] -> [T, len(TASK_FEATURES)].
+    """
+    rows = [_task_row(spec, state, now_ms) for spec, state in zip(specs, states, strict=True)]
+    raw = np.array(rows, dtype=np.float64).reshape(len(rows), len(TASK_FEATURES))
+    return normalize(raw, TASK_FEATURES)
+
+
+def _task_row(spec: ev.TaskSpec, state: TaskState, now_ms: int) -> tuple[float, ...]:
+    """One task's raw feature values, in ``TASK_FEATURES`` order."""
+    gang = max(1, spec.num_devices)
+    n_deps, dep_gb, has_deadline, slack, slo, restricted, waiting = _spec_columns(spec, now_ms)
+    return (
+        spec.work_ref_s,
+        gang,
+        spec.memory_per_device_gb,
+        gang * spec.memory_per_device_gb,
+        spec.priority,
+        waiting,
+        state == TaskState.PENDING,
+        state == TaskState.PLACED,
+        state == TaskState.RUNNING,
+        spec.kind == ev.TASK_KIND_TRAINING,
+        spec.kind == ev.TASK_KIND_INFERENCE,
+        spec.kind == ev.TASK_KIND_BATCH_STAGE,
+        n_deps,
+        dep_gb,
+        has_deadline,
+        slack,
+        slo,
+        restricted,
+    )
+
+
+def task_table_matrix(table: TaskTable, rows: Rows, now_ms: int = 0) -> Matrix:
+    """Task features of live task-table ``rows``, the values :func:`task_matrix` computes from the
+    specs, read from the table's columns instead (the encoder reads every live task on each refresh).
+
+    Shapes: rows [T] -> [T, len(TASK_FEATURES)].
+    """
+    gang = table.gang[rows].astype(np.float64)
+    memory = table.memory_per_device_gb[rows]
+    submit, deadline = table.submit_time_ms[rows], table.deadline_ms[rows]
+    state, kind = table.state[rows], table.kind[rows]
+    if now_ms:
+        waiting = np.where(submit != 0, np.maximum(0.0, (now_ms - submit) / 1000.0), 0.0)
+        slack = np.where(deadline != 0, (deadline - now_ms) / 1000.0, 0.0)
+    else:
+        waiting = slack = np.zeros(len(rows))
+    raw = np.column_stack(
+        [
+            table.work_ref_s[rows],
+            gang,
+            memory,
+            gang * memory,
+            table.priority[rows],
+            waiting,
+            state == TaskState.PENDING,
+            state == TaskState.PLACED,
+            state == TaskState.RUNNING,
+            kind == ev.TASK_KIND_TRAINING,
+            kind == ev.TASK_KIND_INFERENCE,
+            kind == ev.TASK_KIND_BATCH_STAGE,
+            table.n_dependencies[rows],
+            table.dependency_gb[rows],
+            deadline > 0,
+            slack,
+            table.latency_slo_ms[rows],
+            table.restricted[rows],
+        ]
+    ).astype(np.float64)
+    return normalize(raw.reshape(len(rows), len(TASK_FEATURES)), TASK_FEATURES)
+
+
+def task_features(spec: ev.TaskSpec, state: TaskState = TaskState.PENDING, now_ms: int = 0) -> Matrix:
+    """Features of one task, as the scorer reads them. Shapes: -> [len(TASK_FEATURES)].
+
+    Every decision reads them, and tasks come in few shapes: the normalized row is kept per raw
+    row, so a task like an earlier one costs a tuple, a lookup and a copy, not numpy's per-call
+    overhead of normalizing.
+    """
+    return _normalized_task_row(_task_row(spec, state, now_ms)).copy()
+
+
+@lru_cache(maxsize=4096)
+def _normalized_task_row(raw: tuple[float, ...]) -> Matrix:
+    row: Matrix = normalize(np.array([raw], dtype=np.float64), TASK_FEATURES)[0]
+    return row
+
+
+def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
+    """The encoder's inputs for the whole graph: every live device, host, switch and live task.
+
+    Vectorized over devices, hosts, switches and tasks (the task table's columns); Python visits
+    only the tasks with dependencies and those holding more than one device (their lists live in
+    the specs and ``Task.device_rows``). Runs under the daemon's lock: its cost is a pause for requests.
+    """
+    d, h, s = graph.devices, graph.hosts, graph.switches
+    device_rows, host_rows, switch_rows = d.live_rows(), h.live_rows(), s.live_rows()
+    n_dev, n_host, n_sw = len(device_rows), len(host_rows), len(switch_rows)
+    device_pos = _positions(device_rows, d.capacity)
+    host_pos = _positions(host_rows, h.capacity)
+    switch_pos = _positions(switch_rows, s.capacity)
+
+    t = graph.task_table
+    task_rows = t.live_rows()
+    task_ids = [t.ids[row] or "" for row in task_rows.tolist()]
+    task_pos = _positions(task_rows, t.capacity)
+    n_task = len(task_rows)
+
+    dev_host = host_pos[d.host[device_rows]]  # [D] host positions
+    racks = h.rack[host_rows]
+    host_switch = np.where(racks >= 0, switch_pos[np.maximum(racks, 0)], -1)
+    with_rack = np.flatnonzero(host_switch >= 0)
+
+    held_t, held_d = _holders(graph, task_rows, task_ids, device_pos)
+    parents, children = _dependency_edges(graph, task_rows, task_ids, task_pos)
+    all_dev = np.arange(n_dev, dtype=np.int64)
+    rack_hosts = np.arange(n_host, dtype=np.int64)[with_rack]
+
+    lists = {
+        "device_host": neighbours(all_dev, dev_host, n_dev, n_host),
+        "host_device": neighbours(dev_host, all_dev, n_host, n_dev),
+        "host_rack": neighbours(rack_hosts, host_switch[with_rack], n_host, n_sw),
+        "rack_host": neighbours(host_switch[with_rack], rack_hosts, n_sw, n_host),
+        "task_device": neighbours(held_t, held_d, n_task, n_dev),
+        "device_task": neighbours(held_d, held_t, n_dev, n_task),
+        "task_parent": neighbours(children, parents, n_task, n_task),
+        "task_child": neighbours(parents, children, n_task, n_task),
+    }
+    return EncoderInputs(
+        device_x=device_matrix(graph, device_rows),
+        host_x=_host_matrix(graph, host_rows, device_rows),
+        switch_x=_switch_matrix(graph, switch_rows),
+        task_x=task_table_matrix(t, task_rows, now_ms),
+        device_rows=device_rows,
+        host_rows=host_rows,
+        switch_rows=switch_rows,
+        task_rows=task_rows,
+        task_ids=task_ids,
+        lists=lists,
+    )
+
+
+def _holders(graph: InfraGraph, task_rows: Rows, task_ids: list[str], device_pos: Index) -> tuple[Index, Index]:
+    """Edges task position -> device position of the placed and running tasks, in task order (a
+    gang's devices in its order). Shapes: -> [E], [E]."""
+    t, d = graph.task_table, graph.devices
+    state, held = t.state[task_rows], t.held[task_rows]
+    holding = (state == TaskState.PLACED) | (state == TaskState.RUNNING)
+    one = np.flatnonzero(holding & (held == 1))  # its device is live: a device holding tasks cannot be removed
+    tasks, devices = [one], [device_pos[t.held_device[task_rows[one]]]]
+    for i in np.flatnonzero(holding & (held > 1)).tolist():
+        task = graph.tasks[task_ids[i]]
+        rows = [
+            r
+            for r, dev in zip(task.device_rows, task.device_ids, strict=True)
+            if 0 <= r < d.capacity and d.ids[r] == dev
+        ]
+        tasks.append(np.full(len(rows), i, dtype=np.int64))
+        devices.append(device_pos[np.array(rows, dtype=np.int64)])
+    task_of, device_of = np.concatenate(tasks).astype(np.int64), np.concatenate(devices).astype(np.int64)
+    order = np.argsort(task_of, kind="stable")
+    return task_of[order], device_of[order]
+
+
+def _dependency_edges(graph: InfraGraph, task_rows: Rows, task_ids: list[str], task_pos: Index) -> tuple[Index, Index]:
+    """Edges parent -> child (task positions) between live tasks, in child order. Shapes: -> [E], [E]."""
+    t = graph.task_table
+    parents: list[int] = []
+    children: list[int] = []
+    for i in np.flatnonzero(t.n_dependencies[task_rows] > 0).tolist():
+        for dep in graph.tasks[task_ids[i]].spec.dependencies:
+            row = t.index.get(dep.task_id)
+            if row is not None:
+                parents.append(int(task_pos[row]))
+                children.append(i)
+    return np.array(parents, dtype=np.int64), np.array(children, dtype=np.int64)
+
+
+def estimated_speed(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
+) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
+    """Speed of the task on each device relative to the reference, and whether it was profiled.
+
+    ``profile`` is either the daemon's :class:`~hlb.daemon.state.profiles.DeviceProfiles` (per-device
+    throughput as a member of the task's gang, what hetero-greedy estimates with; a row counts as
+    profiled when its model is listed) or a mapping ``(workload_class, model) -> speed``. Rows
+    it does not cover get peak_tflops over :data:`REFERENCE_PEAK_TFLOPS`.
+    Shapes: rows [C] -> ([C] float64, [C] bool).
+    """
+    if isinstance(profile, DeviceProfiles):
+        listed = profile.listed(graph.model_names)
+        return profile.device_speedups(graph, rows, spec), listed[graph.devices.model[rows]]
+    speed = graph.devices.peak_tflops[rows] / REFERENCE_PEAK_TFLOPS
+    profiled = np.zeros(len(rows), dtype=np.bool_)
+    if profile:
+        model_index = graph.devices.model[rows]
+        for index in np.unique(model_index):
+            measured = profile.get((spec.workload_class, graph.model_names[index] if index >= 0 else ""))
+            if measured is not None and math.isfinite(measured):
+                hit = model_index == index
+                speed = np.where(hit, measured, speed)
+                profiled |= hit
+    return speed, profiled
+
+
+def device_share(graph: InfraGraph, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.float64]:
+    """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
+    there (``1 / (n + 1)``), or what measured load leaves free when that is less. ``occupancy``:
+    instead of the rows' own. [N] -> [N] in (0, 1]."""
+    d = graph.devices
+    placed = 1.0 / (1.0 + (d.n_tasks[rows] if occupancy is None else occupancy.n_tasks))
+    measured = np.maximum(1.0 - d.utilization[rows], 0.05)
+    share: NDArray[np.float64] = np.minimum(placed, measured)
+    return share
+
+
+def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
+    """GB of the task's dependency outputs already on each candidate's host. [C] -> [C].
+
+    A dependency's output is where its task ran (or runs): the hosts of its devices, when those
+    devices still exist.
+    """
+    d = graph.devices
+    hosts = d.host[rows]
+    local = np.zeros(len(rows), dtype=np.float64)
+    for dep in spec.dependencies:
+        parent = graph.tasks.get(dep.task_id)
+        if parent is None or not parent.device_rows:
+            continue
+        parent_hosts = [
+            int(d.host[r])
+            for r, device_id in zip(parent.device_rows, parent.device_ids, strict=True)
+            if 0 <= r < d.capacity and d.ids[r] == device_id
+        ]
+        if parent_hosts:
+            local += dep.transfer_gb * np.isin(hosts, parent_hosts)
+    return local
+
+
+def pair_features(
+    spec: ev.TaskSpec,
+    graph: InfraGraph,
+    rows: Rows,
+    profile: SpeedProfile | DeviceProfiles | None = None,
+    occupancy: Occupancy | None = None,
+    wait_s: NDArray[np.float64] | None = None,
+) -> Matrix:
+    """Features of (task, candidate device) pairs for the scorer. ``occupancy``: the rows' tasks and
+    reservations to assume instead of their own (a row may appear more than once, each time with
+    its own). ``wait_s``: the rows are busy and described as they will be once free, in that many
+    seconds: no tasks, nothing reserved or in use, and ``finish_s`` counts the wait.
+    Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
+    d = graph.devices
+    if wait_s is not None:
+        none = np.zeros(len(rows))
+        occupancy = Occupancy(np.zeros(len(rows), dtype=np.int32), none, none)
+    occupancy = occupancy if occupancy is not None else Occupancy.of(graph, rows)
+    speed, profiled = estimated_speed(spec, graph, rows, profile)
+    n, m = len(rows), spec.memory_per_device_gb
+    # Written column by column into one matrix, divisions guarded with ``where=``: a decision
+    # builds this for a shortlist of about 64 rows, where numpy's per-call overhead is the cost.
+    raw = np.zeros((n, len(PAIR_FEATURES)), dtype=np.float64)
+    runtime = np.full(n, 1.0e9)
+    np.divide(spec.work_ref_s, speed, out=runtime, where=speed > 0)
+    raw[:, 0], raw[:, 1] = speed, runtime
+    np.multiply(runtime, d.peak_power_w[rows], out=raw[:, 2])
+    raw[:, 2] /= 1000.0  # kJ
+    if spec.dependencies:
+        local = local_input_gb(spec, graph, rows)
+        total_in = sum(dep.transfer_gb for dep in spec.dependencies)
+        raw[:, 3] = local
+        if total_in > 0:
+            raw[:, 4] = local / total_in
+    gang = max(1, spec.num_devices)
+    if gang == 1:  # every candidate shares its host with itself
+        raw[:, 5] = 1.0
+    else:
+        _, inverse, counts = np.unique(d.host[rows], return_inverse=True, return_counts=True)
+        raw[:, 5] = np.minimum(counts[inverse], gang) / gang
+    raw[:, 6] = occupancy.n_tasks
+    memory = d.memory_gb[rows]
+    free = memory if wait_s is not None else np.maximum(graph.free_memory_gb(rows, occupancy), 0.0)
+    fit = np.ones(n)
+    np.divide(m, free, out=fit, where=free > 0)
+    np.minimum(fit, 1.0, out=raw[:, 7])
+    after = np.ones(n)
+    np.divide(occupancy.reserved_gb + m, memory, out=after, where=memory > 0)
+    np.minimum(after, 1.0, out=raw[:, 8])
+    if wait_s is None:
+        raw[:, 9] = graph.load(rows, occupancy)
+    preferred_index = [graph.model_names.index(name) for name in spec.preferred_models if name in graph.model_names]
+    if preferred_index:
+        raw[:, 10] = np.isin(d.model[rows], preferred_index)
+    raw[:, 11] = profiled
+    if wait_s is None:
+        np.divide(runtime, device_share(graph, rows, occupancy), out=raw[:, 12])
+    else:
+        np.add(wait_s, runtime, out=raw[:, 12])
+    return normalize(raw, PAIR_FEATURES)
+
+
+def scorer_inputs(
+    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profiles: DeviceProfiles | None, now_ms: int = 0
+) -> tuple[Matrix, Matrix]:
+    """What the scorer reads for one request besides the cached embeddings: the task's features
+    [len(TASK_FEATURES)] and its pair features with each candidate [C, len(PAIR_FEATURES)], speeds
+    from ``profiles`` (the daemon's device profiles). Training and the daemon both call this."""
+    return task_features(spec, now_ms=now_ms), pair_features(spec, graph, rows, profiles)

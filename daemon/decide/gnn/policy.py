@@ -1,0 +1,637 @@
+"""The learned policy: the exported GNN scores a task's feasible candidates against cached embeddings.
+
+A decision runs only the scorer (:meth:`GnnModel.score`) over the candidates: the task's features
+and the (task, device) pair features come fresh from the graph on every call, the device
+embeddings and the global context come from an :class:`EmbeddingCache`, which the encoder builds
+over the whole graph off the request path. A cache is immutable and is replaced by one reference
+swap, taken under the daemon's lock, so a request (which holds that lock from its first score to
+its last) sees one cache from start to end, never a mix.
+
+Refresh modes (``model.refresh.mode``):
+
+- ``background`` (the daemon): a thread re-encodes when ``min_changed_rows`` device rows changed
+  since the last refresh (``InfraGraph.changes``), at once when the inventory changed, and after
+  ``staleness_s`` when anything changed; never sooner than ``min_interval_s`` after the last
+  refresh but for an inventory change (under a stream of batches, each of which changes a
+  thousand rows, refreshing after every one took the cores from the batches). It copies the
+  graph's tables under the lock (memory copies, under a millisecond at 1,000 devices and 12,000
+  tasks), then builds the encoder's inputs from the copies and runs the encoder outside it, so
+  requests never wait for either. A request naming a device the cache does not know yet (added
+  since the refresh) is decided by the fallback and wakes the thread.
+- ``sync`` (the simulator, ``hlb eval``): :meth:`GnnPolicy.refresh_if_changed` runs before each
+  score, in the caller's thread, under the same rules; a new device always re-encodes first.
+
+Safety: a missing, corrupt or schema-mismatched model, or an inference error, makes the policy
+decide with hetero-greedy (the best baseline), log why once, report itself ``degraded`` and count
+each such decision (``on_fallback``). A new model (the files changed, or SIGHUP) is loaded,
+checked and warmed up on the current graph, and only then replaces the running one; a bad one is
+logged and the running one keeps serving.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import structlog
+from numpy.typing import NDArray
+
+from hlb.daemon.config import ModelSettings
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.gnn.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
+from hlb.daemon.decide.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, Wait, choose_gang
+from hlb.daemon.decide.shortlist import ShortlistBatch, shortlist
+from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
+from hlb.daemon.state.graph import InfraGraph, Occupancy, Rows, Task
+from hlb.v1 import events_pb2 as ev
+
+log = structlog.get_logger(__name__)
+
+RefreshMode = Literal["background", "sync"]
+# (mtime_ns, size, inode) of encoder.onnx and scorer.onnx; None when either is missing.
+FileSignature = tuple[tuple[int, int, int], ...] | None
+FallbackCounter = Callable[[str], None]
+
+WARM_UP_CANDIDATES = 8
+
+
+@dataclass(frozen=True)
+class EmbeddingCache:
+    """Device embeddings of one graph at one moment, with the model that made them.
+
+    Shapes: ``device_emb`` [D, E] float32, ``context`` [G] float32, ``device_rows`` [D] (the graph
+    row of each position, ascending), ``positions`` [capacity] (graph row -> position, -1 for a row
+    without a live device when the cache was built). ``device_ids`` holds the id of every row then,
+    so a row freed and reused by another device since is recognized as unknown.
+    """
+
+    model: GnnModel
+    graph: InfraGraph
+    device_emb: NDArray[np.float32]
+    context: NDArray[np.float32]
+    device_rows: Rows
+    positions: NDArray[np.int64]
+    device_ids: tuple[str | None, ...]
+    version: int  # graph.version (inventory) when built
+    changes: int  # graph.changes when built
+    built_at: float  # monotonic seconds
+
+    def positions_of(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64] | None:
+        """Cache positions of graph device ``rows``; None when any is not in this cache. [C] -> [C]."""
+        if graph is not self.graph:
+            return None
+        if len(rows) and int(rows.max()) >= len(self.positions):
+            return None
+        positions = self.positions[rows]
+        if (positions < 0).any():
+            return None
+        if graph.version != self.version:  # devices came or went since: a row may hold another device now
+            ids = graph.devices.ids
+            if any(ids[r] != self.device_ids[r] for r in rows.tolist()):
+                return None
+        return positions
+
+
+def file_signature(directory: Path) -> FileSignature:
+    """What identifies the model files on disk now; None when either is missing."""
+    signature = []
+    for name in (ENCODER_FILE, SCORER_FILE):
+        try:
+            st = os.stat(directory / name)
+        except OSError:
+            return None
+        signature.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(signature)
+
+
+class GnnPolicy(Policy):
+    """Scores with the GNN; hetero-greedy decides whenever the GNN cannot (see the module docstring).
+
+    A decision is two-stage (:mod:`hlb.daemon.decide.shortlist`): hetero-greedy's score (the scorer's physical
+    prior) over every feasible device picks the best ``model.shortlist`` of them, and the scorer
+    ranks those. A batch decides one-device tasks from scores computed ahead
+    (:class:`~hlb.daemon.decide.shortlist.ShortlistBatch`, the same decisions); a gang, or a task with
+    dependencies, is decided alone. ``score`` (ScoreDevices) scores exactly the rows it is given.
+    """
+
+    def __init__(
+        self,
+        settings: ModelSettings | None = None,
+        weights: ObjectiveWeights | None = None,
+        *,
+        mode: RefreshMode | None = None,
+        on_fallback: FallbackCounter | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings or ModelSettings()
+        self.weights = weights or ObjectiveWeights()
+        self.mode: RefreshMode = mode or self.settings.refresh.mode
+        self.fallback = HeteroGreedy(self.weights)
+        self.on_fallback = on_fallback or (lambda reason: None)
+        self._monotonic = monotonic
+        w = self.weights
+        self._weights = np.array([w.completion_time, w.utilization, w.energy], dtype=np.float32)
+        self._cache: EmbeddingCache | None = None
+        self._degraded = "model not loaded yet"
+        self._degraded_code = "model_missing"
+        self._logged: tuple[str, str] | None = None
+        self._loaded_signature: FileSignature = None
+        self._rejected: list[FileSignature] = []  # the files last refused, if any (a missing file is None)
+        self._tried_load = False
+        self._graph: InfraGraph | None = None
+        self._lock: threading.RLock | None = None
+        self._work = threading.Lock()  # one load or refresh at a time
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._task_x: tuple[ev.TaskSpec, int, feat.Matrix] | None = None
+        self._runtimes = RunTimes(self.fallback.profiles)
+        # Unix ms that date task features (waiting time, deadline slack); a simulation's clock in one.
+        self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
+        self.refreshes = 0
+        self.reloads_rejected = 0
+
+    # -- what the daemon reports -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """``gnn`` while the model decides, else the fallback's name."""
+        return "gnn" if self._cache is not None else self.fallback.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        raise AttributeError("the gnn policy's name follows its state")
+
+    @property
+    def degraded(self) -> str:
+        """Why the GNN does not decide now (the fallback does); empty while it does."""
+        return "" if self._cache is not None else f"{self._degraded_code}: {self._degraded}"
+
+    @property
+    def model_version(self) -> str:
+        cache = self._cache
+        return cache.model.version if cache is not None else ""
+
+    @property
+    def provider(self) -> str:
+        """The onnxruntime execution provider the model runs on; empty without a model."""
+        cache = self._cache
+        return cache.model.providers[0] if cache is not None and cache.model.providers else ""
+
+    @property
+    def cache(self) -> EmbeddingCache | None:
+        return self._cache
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        if self.mode == "sync":
+            self.refresh_if_changed(graph)
+        cache = self._cache  # one read: everything below comes from this cache
+        if cache is None:
+            return self._fall_back(self._degraded_code, spec, graph, rows)
+        positions = cache.positions_of(graph, rows)
+        if positions is None:  # a device newer than the cache: decide without the GNN, refresh soon
+            self._wake.set()
+            return self._fall_back("embeddings_stale", spec, graph, rows)
+        if not len(rows):
+            return np.zeros(0, dtype=np.float64)
+        scores = self._learned(cache, spec, graph, rows, positions, None)
+        if scores is None:
+            return self._fall_back("inference_error", spec, graph, rows)
+        return scores
+
+    def _learned(
+        self,
+        cache: EmbeddingCache,
+        spec: ev.TaskSpec,
+        graph: InfraGraph,
+        rows: Rows,
+        positions: NDArray[np.int64],
+        occupancy: Occupancy | None,
+    ) -> Scores | None:
+        """The scorer's scores of ``rows`` (cache ``positions``), under ``occupancy`` when given;
+        None when it failed (the model is then out of use). [C] -> [C]."""
+        try:
+            scores = cache.model.score(
+                self._task_features(spec),
+                cache.device_emb[positions],
+                feat.pair_features(spec, graph, rows, self.fallback.profiles, occupancy),
+                cache.context,
+                self._weights,
+            )
+            if scores.shape != (len(rows),) or not np.isfinite(scores).all():
+                raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
+        except Exception as error:  # onnxruntime raises its own untyped errors
+            self._model_failed(cache, "inference_error", f"scorer failed: {error}")
+            return None
+        return scores.astype(np.float64)
+
+    # -- two-stage ranking -------------------------------------------------------------------
+
+    def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
+        """The best ``model.shortlist`` feasible rows by hetero-greedy's score (more for a gang);
+        all of them while the fallback decides (it ranks by that score anyway). For a service that
+        declares its load, only those :func:`hlb.daemon.decide.waiting.slo_fit` keeps (``model.fit_services``)."""
+        if self._fits(spec):
+            feasible = slo_fit(spec, graph, feasible, self.fallback.profiles)
+        k = self.settings.shortlist
+        if self._cache is None or k <= 0 or len(feasible) <= k:
+            return feasible
+        prior = self.fallback.score(spec, graph, feasible)
+        picked: Rows = feasible[shortlist(graph, feasible, prior, k, max(1, spec.num_devices))]
+        return picked
+
+    def choose_gang(
+        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
+    ) -> tuple[Rows, float]:
+        """The gang among the shortlist of ``feasible`` (among ``feasible`` when ``scores`` are given)."""
+        if scores is not None or len(feasible) < max(1, spec.num_devices):  # the latter: nothing to score
+            return choose_gang(self, spec, graph, feasible, scores)
+        if self.mode == "sync":
+            self.refresh_if_changed(graph)  # loads the model on first use: the shortlist applies from then
+        rows = self.shortlist(spec, graph, feasible)
+        return choose_gang(self, spec, graph, rows, self.score(spec, graph, rows))
+
+    def _fits(self, spec: ev.TaskSpec) -> bool:
+        """Whether ``model.fit_services`` applies to the task (a service that declares its load)
+        while the GNN decides."""
+        return self.settings.fit_services and self._cache is not None and declared_load(spec) is not None
+
+    # -- waiting and queue order ---------------------------------------------------------------
+
+    @property
+    def waits(self) -> bool:
+        """While the GNN decides and ``model.wait_for_faster`` is on (the fallback never waits)."""
+        return self.settings.wait_for_faster and self._cache is not None
+
+    def wait_for(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
+    ) -> Wait | None:
+        """A busy device to wait for instead of the free one in ``gang`` (scored ``score``): the
+        best of :func:`hlb.daemon.decide.waiting.wait_options` by the scorer, when it scores above ``score``;
+        for a service with a declared load, :func:`hlb.daemon.decide.waiting.service_wait`; for a gang, the
+        host of :func:`hlb.daemon.decide.waiting.gang_wait` (``model.gang_wait_factor``)."""
+        cache = self._cache
+        if cache is None:
+            return None
+        if len(gang) > 1:
+            factor = self.settings.gang_wait_factor
+            return gang_wait(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, factor)
+        if self._fits(spec):
+            return service_wait(spec, graph, gang, now_ms, self.fallback.profiles)
+        options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._runtimes)
+        if options is None:
+            return None
+        positions = cache.positions_of(graph, options.rows)
+        if positions is None:
+            return None
+        try:
+            scores = cache.model.score(
+                self._task_features(spec), cache.device_emb[positions], options.pair, cache.context, self._weights
+            )
+            if scores.shape != (len(options.rows),) or not np.isfinite(scores).all():
+                raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
+        except Exception as error:  # onnxruntime raises its own untyped errors
+            self._model_failed(cache, "inference_error", f"scorer failed: {error}")
+            return None
+        best = int(np.argmax(scores))
+        return options.chosen(graph, best) if float(scores[best]) > score else None
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        """Shortest first within a priority (``model.queue_order``, :meth:`hlb.daemon.decide.waiting.RunTimes.ranks`);
+        arrival order while the fallback decides."""
+        if self.settings.queue_order != "shortest-first" or self._cache is None or not tasks:
+            return None
+        return self._runtimes.ranks(graph, tasks)
+
+    def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
+        """Task features besides the shape: priority, waiting time and deadline, latency SLO, and a
+        service's declared load."""
+        return (spec.priority, spec.submit_time_ms, spec.deadline_ms, spec.latency_slo_ms, declared_load(spec))
+
+    def batch_chooser(self, spec: ev.TaskSpec, graph: InfraGraph) -> BatchChooser | None:
+        """One-device tasks without dependencies, while the model serves in background mode (sync
+        mode re-encodes between decisions): a :class:`ShortlistBatch` on the current cache."""
+        cache = self._cache
+        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies or self._fits(spec):
+            return None
+        runtime = self.fallback.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
+        fallback = self.fallback
+
+        def prior(rows: Rows, occupancy: Occupancy | None) -> Scores:
+            if occupancy is None:
+                occupancy = Occupancy.of(graph, rows)
+            return fallback.score_with(spec, graph, rows, runtime[rows], occupancy)
+
+        def learned(rows: Rows, occupancy: Occupancy | None) -> Scores | None:
+            if self._cache is not cache:
+                return None
+            positions = cache.positions_of(graph, rows)
+            if positions is None:
+                return None
+            if not len(rows):
+                return np.zeros(0, dtype=np.float64)
+            return self._learned(cache, spec, graph, rows, positions, occupancy)
+
+        return ShortlistBatch(spec, graph, self.settings.shortlist, prior, learned)
+
+    def _task_features(self, spec: ev.TaskSpec) -> feat.Matrix:
+        """The task's features, kept for the last spec: a batch rescores rows for one spec many times."""
+        now_ms = int(self.clock_ms())
+        last = self._task_x
+        if last is not None and last[0] is spec and last[1] == now_ms:
+            return last[2]
+        task_x = feat.task_features(spec, now_ms=now_ms)
+        self._task_x = (spec, now_ms, task_x)
+        return task_x
+
+    def attach(self, sim: Any) -> None:
+        """In a simulation (``hlb.sim.simulator.Simulation``): date task features by its clock."""
+        self.clock_ms = sim.clock.now_ms
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GnnPolicy:
+        """A copy for a simulation's fork (the lookahead oracle forks its base policy at each
+        decision): it shares the loaded model, re-encodes it on the fork's graph at its first
+        decision, dates tasks by the fork's clock (copied through ``memo`` with the simulation), and
+        keeps none of this policy's per-decision state. Only a policy that refreshes in sync mode (a
+        simulation's) can be copied: a background refresher belongs to one graph."""
+        if self._thread is not None:
+            raise TypeError("a GnnPolicy with a background refresher cannot be copied")
+        twin = copy.copy(self)
+        twin.clock_ms = copy.deepcopy(self.clock_ms, memo)
+        twin._task_x = None
+        twin._runtimes = RunTimes(self.fallback.profiles)
+        return twin
+
+    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
+        self.fallback.placed(spec, graph, rows)
+
+    def _fall_back(self, reason: str, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
+        self.on_fallback(reason)
+        return self.fallback.score(spec, graph, rows)
+
+    # -- loading and refreshing --------------------------------------------------------------
+
+    def refresh_if_changed(self, graph: InfraGraph) -> bool:
+        """Sync mode: load the model on first use, re-encode when the graph changed enough. True if it did."""
+        if not self._tried_load:
+            self._tried_load = True
+            self._graph = graph
+            self.reload_model(retry=True)
+            return self._cache is not None
+        cache = self._cache
+        if cache is None:
+            return False
+        if cache.graph is not graph or self._due(cache, graph, staleness=False):
+            return self._refresh(cache.model, graph)
+        return False
+
+    def start(self, graph: InfraGraph, lock: threading.RLock) -> None:
+        """Background mode: load and warm up the model on ``graph`` (before the daemon reports
+        SERVING), then keep the embeddings fresh from a thread until :meth:`stop`."""
+        self._graph, self._lock = graph, lock
+        self._tried_load = True
+        self.reload_model(retry=True)
+        if self.mode == "background" and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gnn-refresh", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+            self._thread = None
+
+    def configure(self, settings: ModelSettings) -> None:
+        """Apply new ``model`` settings (a reload): a new path or session settings load the model
+        again, validated before it replaces the running one; raises ``ModelError`` when it fails
+        (the running model and settings stay)."""
+        old = self.settings
+        sessions_changed = (old.directory, old.intra_op_threads, old.optimization, old.providers) != (
+            settings.directory,
+            settings.intra_op_threads,
+            settings.optimization,
+            settings.providers,
+        )
+        if not sessions_changed:
+            self.settings = settings
+            return
+        with self._work:
+            _, cache = self._load_and_warm(settings, self._graph_for_load())
+            self.settings = settings
+            self._install(cache, file_signature(settings.directory))
+
+    def reload_model(self, retry: bool = False) -> bool:
+        """Load the model files when they changed since the running model was loaded (or when none
+        runs); True when a new model now serves. With ``retry`` (SIGHUP), files refused before are
+        tried again."""
+        directory = self.settings.directory
+        signature = file_signature(directory)
+        with self._work:
+            if signature is not None and signature == self._loaded_signature and self._cache is not None:
+                return False
+            if not retry and signature in self._rejected:
+                return False
+            graph = self._graph_for_load()
+            try:
+                _, cache = self._load_and_warm(self.settings, graph)
+            except Exception as error:  # ModelError, or onnxruntime failing the warm-up
+                self._rejected = [signature]
+                code = error.reason if isinstance(error, ModelError) else "inference_error"
+                code = code if code.startswith(("model_", "inference")) else f"model_{code}"
+                if self._cache is not None:
+                    self.reloads_rejected += 1
+                    log.error(
+                        "new gnn model refused; the running one keeps serving",
+                        path=str(directory),
+                        reason=code,
+                        error=str(error),
+                        model_version=self._cache.model.version,
+                    )
+                else:
+                    self._set_degraded(code, str(error))
+                return False
+            self._install(cache, signature)
+            return True
+
+    def _graph_for_load(self) -> InfraGraph:
+        return self._graph if self._graph is not None else InfraGraph()
+
+    def _load_and_warm(self, settings: ModelSettings, graph: InfraGraph) -> tuple[GnnModel, EmbeddingCache]:
+        directory = settings.directory
+        if not directory.is_dir():
+            raise ModelError(f"{directory}: model folder not found", "missing")
+        model = load_model(directory, settings.intra_op_threads, settings.optimization, settings.providers)
+        cache = self._encode(model, graph)
+        self._warm_up_scorer(cache, graph)
+        return model, cache
+
+    def _install(self, cache: EmbeddingCache, signature: FileSignature) -> None:
+        previous = self._cache
+        self._swap(cache)
+        self._loaded_signature = signature
+        self._rejected = []
+        self._logged = None
+        log.info(
+            "gnn model serving",
+            path=str(self.settings.directory),
+            model_version=cache.model.version,
+            provider=cache.model.providers[0] if cache.model.providers else "",
+            providers=cache.model.providers,
+            replaced=previous.model.version if previous is not None else None,
+            devices=len(cache.device_rows),
+        )
+
+    def _swap(self, cache: EmbeddingCache | None) -> None:
+        """Replace the cache in one reference assignment, between requests (under the daemon's lock)."""
+        if self._lock is None:
+            self._cache = cache
+            return
+        with self._lock:
+            self._cache = cache
+
+    def _encode(self, model: GnnModel, graph: InfraGraph) -> EmbeddingCache:
+        """Run the encoder over ``graph``: inputs read under the lock, the encoder outside it."""
+        lock = self._lock if graph is self._graph and self._lock is not None else None
+        if lock is not None:
+            with lock:
+                tables, now_ms, marks = self._read(graph)
+        else:
+            tables, now_ms, marks = self._read(graph)
+        inputs = feat.encoder_inputs(tables, now_ms)
+        device_emb, context = model.encode(inputs)
+        n = len(inputs.device_rows)
+        if device_emb.ndim != 2 or device_emb.shape[0] != n or context.ndim != 1:
+            shapes = f"device_emb {device_emb.shape} and context {context.shape}"
+            raise ModelError(f"encoder returned {shapes} for {n} devices")
+        if not (np.isfinite(device_emb).all() and np.isfinite(context).all()):
+            raise ModelError("encoder returned values that are not finite")
+        version, changes, capacity, ids = marks
+        positions = np.full(capacity, -1, dtype=np.int64)
+        positions[inputs.device_rows] = np.arange(n, dtype=np.int64)
+        return EmbeddingCache(
+            model=model,
+            graph=graph,
+            device_emb=device_emb,
+            context=context,
+            device_rows=inputs.device_rows,
+            positions=positions,
+            device_ids=ids,
+            version=version,
+            changes=changes,
+            built_at=self._monotonic(),
+        )
+
+    def _read(self, graph: InfraGraph) -> tuple[InfraGraph, int, tuple[int, int, int, tuple[str | None, ...]]]:
+        """What the encoder reads, taken at one moment (under the lock): copies of the graph's
+        tables, from which its inputs are built once the lock is released, the time (Unix ms) and
+        the marks that date the cache."""
+        marks = (graph.version, graph.changes, graph.devices.capacity, tuple(graph.devices.ids))
+        return graph.tables_copy(), int(self.clock_ms()), marks
+
+    def _warm_up_scorer(self, cache: EmbeddingCache, graph: InfraGraph) -> None:
+        """One scorer run on real cached devices (a zero embedding when the graph has none)."""
+        spec = ev.TaskSpec(id="hlb-warm-up", work_ref_s=600.0, memory_per_device_gb=1.0)
+        rows = cache.device_rows[:WARM_UP_CANDIDATES]
+        if len(rows):
+            lock = self._lock if graph is self._graph and self._lock is not None else None
+            if lock is not None:
+                with lock:
+                    pair = feat.pair_features(spec, graph, rows, self.fallback.profiles)
+            else:
+                pair = feat.pair_features(spec, graph, rows, self.fallback.profiles)
+            emb = cache.device_emb[: len(rows)]
+        else:
+            pair = np.zeros((1, len(feat.PAIR_FEATURES)), dtype=np.float32)
+            emb = np.zeros((1, cache.device_emb.shape[1]), dtype=np.float32)
+        scores = cache.model.score(feat.task_features(spec), emb, pair, cache.context, self._weights)
+        if scores.shape != (len(pair),) or not np.isfinite(scores).all():
+            raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite for {len(pair)}")
+
+    def _due(self, cache: EmbeddingCache, graph: InfraGraph, staleness: bool) -> bool:
+        """Whether to re-encode now; ``staleness``: for the background thread (which also keeps
+        ``min_interval_s`` between refreshes for changed rows), else for a sync caller."""
+        if graph.version != cache.version:
+            return True
+        if staleness and self._monotonic() - cache.built_at < self.settings.refresh.min_interval_s:
+            return False
+        changed = graph.changes - cache.changes
+        if changed >= self.settings.refresh.min_changed_rows:
+            return True
+        return staleness and changed > 0 and self._monotonic() - cache.built_at >= self.settings.refresh.staleness_s
+
+    def _refresh(self, model: GnnModel, graph: InfraGraph) -> bool:
+        # Never waits: a sync caller may hold the daemon's lock, which a load in progress needs.
+        if not self._work.acquire(blocking=False):
+            return False
+        try:
+            return self._refresh_locked(model, graph)
+        finally:
+            self._work.release()
+
+    def _refresh_locked(self, model: GnnModel, graph: InfraGraph) -> bool:
+        current = self._cache
+        if current is None or current.model is not model:  # failed or replaced meanwhile
+            return False
+        try:
+            cache = self._encode(model, graph)
+        except Exception as error:
+            self._model_failed(current, "inference_error", f"encoder failed: {error}")
+            return False
+        if self._cache is not current:
+            return False
+        self._swap(cache)
+        self.refreshes += 1
+        return True
+
+    def _run(self) -> None:
+        """The background refresh loop."""
+        failing = False
+        while not self._stop.is_set():
+            self._wake.wait(self.settings.refresh.poll_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                if self.settings.watch:
+                    self.reload_model()
+                cache, graph = self._cache, self._graph
+                if cache is not None and graph is not None and self._due(cache, graph, staleness=True):
+                    self._refresh(cache.model, graph)
+                failing = False
+            except Exception:
+                if not failing:
+                    log.exception("gnn refresh failed; retrying")
+                failing = True
+
+    def _model_failed(self, cache: EmbeddingCache, code: str, message: str) -> None:
+        """The running model failed: stop using it (until the files change, or SIGHUP)."""
+        if self._cache is cache:
+            self._swap(None)
+        self._rejected = [self._loaded_signature]
+        self._loaded_signature = None
+        self._set_degraded(code, message)
+
+    def _set_degraded(self, code: str, message: str) -> None:
+        self._degraded_code, self._degraded = code, message
+        if self._logged != (code, message):
+            self._logged = (code, message)
+            log.error(
+                "gnn policy degraded: deciding with the fallback",
+                fallback=self.fallback.name,
+                reason=code,
+                error=message,
+                path=str(self.settings.directory),
+            )
+
+
+__all__ = ["EmbeddingCache", "GnnPolicy", "file_signature"]

@@ -1,0 +1,792 @@
+"""The scheduling core: applies events to the graph, keeps the pending queue, makes decisions.
+
+Pure and single-threaded: callers (the ingest thread, gRPC handlers) serialize access with one
+lock. Time comes from an injected clock so that tests never sleep.
+
+The loop: pending tasks wait in a queue ordered by priority (higher first), then by the policy's
+rank (HEFT's upward rank; none for other policies), then by arrival. :meth:`Scheduler.
+schedule_pending` runs after every applied batch of events but does work only when something that
+can change a decision happened since the last pass: an arrival, a completion (or any release), or
+a telemetry change. A task is placeable once every dependency has finished; hard constraints are
+filtered by the graph before the policy scores anything; a gang is bound all or nothing. A task
+that does not fit does not hold back smaller ones behind it (backfilling). Every decision goes to
+the ledger with a sequence number, and a replayed submission binds to its earlier decision.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hlb.daemon.decide.policy import BatchChooser, Policy, Wait
+from hlb.daemon.decide.waiting import RunTimes, declared_load, service_lifetime_s
+from hlb.daemon.errors import InvalidEventError, UnknownTaskError
+from hlb.daemon.state.graph import (
+    CONSTRAINTS,
+    Exclusion,
+    InfraGraph,
+    Rows,
+    Task,
+    TaskState,
+    check_task_spec,
+    check_task_specs,
+)
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.profiles import NEVER_S, default_profiles
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+
+Clock = Callable[[], float]  # seconds since the Unix epoch
+
+DEFAULT_TOP_K = 5
+# Ended tasks forgotten (``keep_ended_s``) whose id and final state are still remembered, oldest
+# dropped first: a dependency on one resolves, and a submission reusing its id is refused.
+DEFAULT_REMEMBER_ENDED = 200_000
+# Ended tasks forgotten at most per task that ends: a few at a time, so that no call holds the
+# daemon's lock for long, and more than one, so that a backlog (after a restore) drains.
+FORGET_PER_END = 16
+
+
+class Decision(NamedTuple):
+    """The answer for one task: a placement, or why it waits (exactly one is set). A named tuple:
+    a batch makes a thousand, and a frozen dataclass costs two attribute sets through ``object``."""
+
+    placement: ev.Placement | None = None
+    pending: api.Pending | None = None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a task goes (or would go) where it does: best candidates first, and what was ruled out."""
+
+    policy: str
+    candidates: list[api.DeviceScore] = field(default_factory=list)
+    excluded: list[Exclusion] = field(default_factory=list)
+    pending: api.Pending | None = None
+    placement: ev.Placement | None = None
+
+
+ShapeKey = tuple[object, ...]
+MAX_CACHED_SHAPES = 16
+
+
+def _shape(spec: ev.TaskSpec, policy: Policy, plain: bool = False) -> ShapeKey | None:
+    """What a row-local policy's scores depend on, or None for a task whose scores depend on more
+    (its dependencies' placements). ``plain``: the spec names no lists (``Task.plain``)."""
+    lists: tuple[tuple[object, ...], ...] = ((), (), ())
+    if not plain:
+        if spec.dependencies:
+            return None
+        kinds, models, preferred = spec.allowed_kinds, spec.allowed_models, spec.preferred_models
+        if kinds or models or preferred:  # most specs name none: no copy (a batch asks per task)
+            lists = (tuple(kinds), tuple(models), tuple(preferred))
+    return (
+        *policy.task_key(spec),
+        spec.workload_class,
+        spec.kind,
+        spec.num_devices,
+        spec.memory_per_device_gb,
+        spec.work_ref_s,
+        *lists,
+    )
+
+
+@dataclass
+class _Shape:
+    """One task shape's feasible rows (ascending) and their scores, with the rows bound since."""
+
+    spec: ev.TaskSpec
+    score: Callable[[Rows], NDArray[np.float64]]  # the policy's batch_scorer for the shape
+    rows: Rows
+    scores: NDArray[np.float64]
+    stale: set[int] = field(default_factory=set)  # device rows bound since ``scores`` were computed
+
+
+class _BatchScores:
+    """Feasible rows and their scores per task shape, kept exact through one batch.
+
+    A policy may decide a shape's tasks its own way instead (``Policy.batch_chooser``: the GNN's
+    scores computed ahead); then it is told of every binding, and whether it was its own answer.
+
+    Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
+    memory and capacity: rows never become feasible, and only the rows just bound change score or
+    drop out. With a row-local policy, rescoring those rows gives exactly what a full pass would.
+
+    Rescoring is lazy: a binding only marks its rows stale in every shape, and a shape's stale rows
+    are checked and rescored together (one vectorized call) when a task of that shape needs them.
+    When the policy declares that a binding never raises a row's score
+    (``Policy.binding_lowers_scores``), a stale score is an upper bound of the true one, so a
+    one-device task whose best score is on a row that is not stale takes that row without any
+    rescoring: no other row can beat it, nor tie it from an earlier position.
+    """
+
+    def __init__(self, graph: InfraGraph, policy: Policy) -> None:
+        self.graph = graph
+        self.policy = policy
+        self.entries: dict[ShapeKey, _Shape] = {}
+        # With the default choose_gang a task of one device takes the first of the best scores.
+        self.first_best = type(policy).choose_gang is Policy.choose_gang
+        self.upper_bounds = policy.binding_lowers_scores and self.first_best
+        self.choosers: dict[ShapeKey, BatchChooser | None] = {}
+        self.answered: BatchChooser | None = None  # the chooser that answered the last ``choose``
+
+    def choose(self, spec: ev.TaskSpec, plain: bool = False) -> tuple[Rows, Rows, float] | None:
+        """(feasible rows, gang, mean score) as ``feasible_rows`` and ``choose_gang`` would give them
+        now; None for a task whose scores depend on more than its shape (not cached). ``plain``:
+        the spec names no lists (``Task.plain``)."""
+        self.answered = None
+        key = _shape(spec, self.policy, plain)
+        if key is None:
+            return None
+        if key in self.choosers:
+            chooser = self.choosers[key]
+        else:
+            chooser = self.choosers[key] = self.policy.batch_chooser(spec, self.graph)
+        if chooser is not None:
+            self.answered = chooser
+            return chooser.choose(spec)
+        if not self.policy.row_local:
+            return None
+        entry = self.entries.get(key)
+        if entry is None:
+            rows = self.graph.feasible_rows(spec)
+            scorer = self.policy.batch_scorer(spec, self.graph)
+            entry = _Shape(spec, scorer, rows, np.array(scorer(rows), dtype=np.float64))
+            if len(self.entries) >= MAX_CACHED_SHAPES:
+                del self.entries[next(iter(self.entries))]
+            self.entries[key] = entry
+        elif entry.stale:
+            if self.upper_bounds and spec.num_devices <= 1 and len(entry.rows):
+                best = int(entry.scores.argmax())
+                if int(entry.rows[best]) not in entry.stale:
+                    return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
+            self._refresh(entry)
+        if self.first_best and spec.num_devices <= 1:  # choose_gang's answer, without its call
+            if not len(entry.rows):
+                return entry.rows, entry.rows, 0.0
+            best = int(entry.scores.argmax())
+            return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
+        gang, score = self.policy.choose_gang(spec, self.graph, entry.rows, entry.scores)
+        return entry.rows, gang, score
+
+    def bound(self, changed: Sequence[int]) -> None:
+        """The batch bound ``changed`` device rows: their scores are stale in every shape."""
+        for entry in self.entries.values():
+            entry.stale.update(changed)
+        for chooser in self.choosers.values():
+            if chooser is not None:
+                chooser.bound(changed, chooser is self.answered)
+        self.answered = None
+
+    def _refresh(self, entry: _Shape) -> None:
+        """Recheck and rescore the entry's stale rows; drop those that no longer fit."""
+        rows = entry.rows
+        if len(entry.stale) == 1:  # the common case (one device bound since): a slice, no masks
+            row = entry.stale.pop()
+            i = int(rows.searchsorted(row))
+            if i == len(rows) or rows[i] != row:
+                return
+            one = rows[i : i + 1]
+            if self.graph.room(entry.spec, one)[0]:
+                entry.scores[i : i + 1] = entry.score(one)
+            else:
+                entry.rows, entry.scores = np.delete(rows, i), np.delete(entry.scores, i)
+            return
+        changed = np.fromiter(sorted(entry.stale), dtype=np.int64, count=len(entry.stale))
+        entry.stale.clear()
+        if not len(rows):
+            return
+        at: NDArray[np.intp] = rows.searchsorted(changed)
+        at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)]
+        if not len(at):
+            return
+        ok = self.graph.room(entry.spec, rows[at])
+        if ok.any():
+            entry.scores[at[ok]] = entry.score(rows[at[ok]])
+        if not ok.all():
+            keep = np.ones(len(rows), dtype=np.bool_)
+            keep[at[~ok]] = False
+            entry.rows, entry.scores = rows[keep], entry.scores[keep]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        graph: InfraGraph,
+        policy: Policy,
+        ledger: PlacementLedger,
+        cell: str,
+        clock: Clock,
+        *,
+        keep_ended_s: float = 0.0,
+        remember_ended: int = DEFAULT_REMEMBER_ENDED,
+    ) -> None:
+        self.graph = graph
+        self._policy = policy
+        self.ledger = ledger
+        self.cell = cell
+        self.clock = clock
+        self._pending: dict[str, Task] = {}
+        # Ledger placements whose task or devices have not been replayed yet.
+        self._unbound: dict[str, ev.Placement] = {}
+        # Of those, the tasks whose start was replayed before their devices: running once bound.
+        self._started_unbound: set[str] = set()
+        self._dirty = True  # something changed that may let a queued task fit
+        self._seen = (graph.version, graph.metrics_version)
+        self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
+        self._order_version = -1
+        # For a policy that may wait for a busy device (Policy.waits): when each placed task is
+        # expected to end (Unix ms, from the device profiles' run time estimate), and which row each
+        # waiting task waits for with how many seconds of run time (other tasks queue behind it).
+        self._runtimes = RunTimes(default_profiles())
+        self._expected_end: dict[str, int] = {}
+        self._waiting: dict[str, Wait] = {}
+        self._queued_s: dict[int, float] = {}
+        self.waits_decided = 0  # decisions to wait for a busy device, dry runs aside
+        # Ended tasks are forgotten ``keep_ended_s`` after they ended (0: kept for the process's
+        # life): dropped from the graph and the ledger's memory, their id and final state kept in
+        # ``forgotten`` (the newest ``remember_ended``). A task that a task not yet ended depends
+        # on is kept until that one ends (its placement gives the child's data locality).
+        self.keep_ended_s = keep_ended_s
+        self.remember_ended = remember_ended
+        self.forgotten: dict[str, TaskState] = {}
+        self._forgotten_order: deque[str] = deque()  # the same ids, oldest first
+        self.forgotten_total = 0
+        self._ended: deque[tuple[float, str]] = deque()  # (when it ended, task id), oldest first
+        self._dependents: dict[str, int] = {}  # task id -> tasks not ended yet that depend on it
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Swap the policy (a reload): the queue order (its ranks) and the next pass start afresh."""
+        self._policy = policy
+        self._order = None
+        self._dirty = True
+
+    # -- events ----------------------------------------------------------------------------
+
+    def apply_telemetry(self, event: ev.TelemetryEvent) -> None:
+        self.graph.apply_telemetry(event)
+        if event.WhichOneof("payload") == "device_upsert" and self._unbound:
+            self._bind_restored()
+
+    def apply_task_event(self, event: ev.TaskEvent) -> None:
+        """Apply one lifecycle event. Raises ``InvalidEventError`` and changes nothing if it is bad."""
+        kind = event.WhichOneof("payload")
+        if kind is None:
+            raise InvalidEventError("task event without a payload", "empty")
+        if kind == "submitted":
+            self.submit(event.submitted, event.cell or self.cell)
+            return
+        task_id = {
+            "cancelled": event.cancelled.id,
+            "started": event.started.task_id,
+            "finished": event.finished.task_id,
+            "failed": event.failed.task_id,
+        }[kind]
+        task = self.graph.tasks.get(task_id)
+        if task is None:
+            if task_id in self.forgotten:
+                return  # a replayed or late event for a task that ended long ago
+            raise InvalidEventError(f"{kind} event for unknown task {task_id!r}", "unknown_id")
+        if task.state.is_final:
+            return  # a replayed or late event for a task that has ended
+        if task_id in self._unbound:  # placed before a restart; its devices are not replayed yet
+            self._apply_to_unbound(task, kind)
+            return
+        if kind == "started":
+            if task.state == TaskState.PLACED:
+                self.graph.mark_running(task)  # its memory now shows in reported use instead
+                self._expect_end(task)  # from its start, which may come later than its placement
+                self._dirty = True
+        elif task.state == TaskState.PENDING:
+            if kind != "cancelled":
+                raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
+            self._dequeue(task_id)
+            self.graph.release(task, TaskState.CANCELLED)
+            self._task_ended(task)
+        else:
+            final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
+            self.graph.release(task, final)
+            if self._expected_end.pop(task_id, None) is not None:
+                self._update_free_at(task.device_rows)
+            self._dirty = True
+            self._task_ended(task)
+
+    def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False, plain: bool = False) -> Task:
+        """Add a task to the graph and the queue, or bind it to its earlier placement on a replay.
+
+        ``checked``: ``spec`` has passed ``check_task_spec`` already, ``plain``: it names no lists
+        (see ``InfraGraph.add_task``).
+        """
+        task_id = spec.id  # each read of a protobuf field costs a lookup
+        known = task_id in self.graph.tasks
+        if not known and self.forgotten and task_id in self.forgotten:
+            raise InvalidEventError(self._forgotten_message(task_id, "already ended"), "duplicate_id")
+        task = self.graph.add_task(spec, cell, checked=checked, plain=plain)
+        if known:
+            return task
+        if not plain:
+            self._count_dependents(spec, 1)
+        earlier = self.ledger.get(task_id)
+        if earlier is not None:
+            self._unbound[task_id] = earlier
+            self._bind_restored()
+        else:
+            self._pending[task_id] = task
+            self._order = None
+            self._dirty = True
+        return task
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def schedule_pending(self) -> list[ev.Placement]:
+        """Place every queued task that fits now, in queue order. A no-op when nothing changed."""
+        seen = (self.graph.version, self.graph.metrics_version)
+        if not self._dirty and seen == self._seen:
+            return []
+        self._dirty, self._seen = False, seen
+        placed: list[ev.Placement] = []
+        # Feasible sets only shrink during a pass, so a shape (kinds, models, gang) that did not fit
+        # with m GB does not fit with more: such tasks are skipped without a look at the devices.
+        refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], tuple[float, str]] = {}
+        for task in list(self._queue()):
+            spec = task.spec
+            shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), task.gang_size)
+            smaller = refused.get(shape)
+            if smaller is not None and spec.memory_per_device_gb >= smaller[0] and not spec.dependencies:
+                task.pending_reason = smaller[1]
+                continue
+            placement = self._try_place(task, dry_run=False)
+            if placement is not None:
+                placed.append(placement)
+            elif not task.pending_reason.startswith("waiting for") and (
+                smaller is None or spec.memory_per_device_gb < smaller[0]
+            ):
+                refused[shape] = (spec.memory_per_device_gb, task.pending_reason)
+        return placed
+
+    def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:
+        """Decide for one task now (the gRPC ``Place``). Idempotent for a task already known."""
+        check_task_spec(spec)
+        known = self.graph.tasks.get(spec.id)
+        if known is not None:
+            if known.spec != spec:
+                raise InvalidEventError(f"task {spec.id} is already known with another spec", "duplicate_id")
+            return self.lookup(spec.id)
+        if dry_run:
+            probe = Task(spec=spec, cell=self.cell, arrival=0)
+            return self._decision(probe, self._try_place(probe, dry_run=True))
+        task = self.submit(spec, self.cell, checked=True)
+        if task.spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
+            return self.lookup(spec.id)
+        return self._decision(task, self._try_place(task, dry_run=False))
+
+    def place_batch(self, specs: Sequence[ev.TaskSpec], dry_run: bool = False) -> list[Decision]:
+        """Decide for many tasks jointly, highest priority first (request order within a priority).
+
+        Later tasks see the reservations of earlier ones, with ``dry_run`` too: a dry run binds
+        probes and releases them all before it returns, so nothing it did remains. Every spec is
+        validated before any is placed (an error names the task's index, ``tasks[i]``); returns the
+        decisions in request order.
+        """
+        plain = check_task_specs(specs)
+        seen: set[str] = set()
+        tasks = self.graph.tasks
+        forgotten = self.forgotten if not dry_run else {}
+        for i, spec in enumerate(specs):
+            task_id = spec.id
+            if task_id in seen:
+                raise InvalidEventError(f"tasks[{i}]: task {task_id} appears twice in the batch", "duplicate_id")
+            seen.add(task_id)
+            known = tasks.get(task_id)
+            if known is not None and known.spec != spec:
+                raise InvalidEventError(
+                    f"tasks[{i}]: task {task_id} is already known with another spec", "duplicate_id"
+                )
+            if forgotten and known is None and task_id in forgotten:
+                why = self._forgotten_message(task_id, "already ended")
+                raise InvalidEventError(f"tasks[{i}]: {why}", "duplicate_id")
+        order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
+        decisions: list[Decision | None] = [None] * len(specs)
+        probes: list[Task] = []
+        cache = _BatchScores(self.graph, self.policy)
+        try:
+            for i in order:
+                spec = specs[i]
+                if spec.id in tasks:
+                    decisions[i] = self.lookup(spec.id)
+                elif dry_run:
+                    probe = Task(spec=spec, cell=self.cell, arrival=0, plain=plain[i])
+                    placement = self._try_place(probe, dry_run=True, cache=cache)
+                    if placement is not None:
+                        rows = self.graph.device_rows(placement.device_ids)
+                        self.graph.bind(probe, [int(r) for r in rows])
+                        probes.append(probe)
+                        if cache is not None:
+                            cache.bound(probe.device_rows)
+                    decisions[i] = self._decision(probe, placement)
+                else:
+                    task = self.submit(spec, self.cell, checked=True, plain=plain[i])
+                    if spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
+                        decisions[i] = self.lookup(spec.id)
+                        continue
+                    decisions[i] = self._decision(task, self._try_place(task, dry_run=False, cache=cache))
+        finally:
+            for probe in probes:
+                self.graph.release(probe, TaskState.CANCELLED)
+        return [d for d in decisions if d is not None]
+
+    def lookup(self, task_id: str) -> Decision:
+        placement = self.ledger.get(task_id)
+        if placement is not None:
+            return Decision(placement=placement)
+        task = self.graph.tasks.get(task_id)
+        if task is None:
+            if task_id in self.forgotten:
+                raise UnknownTaskError(self._forgotten_message(task_id, "ended"))
+            raise UnknownTaskError(f"unknown task {task_id!r}")
+        if task.state == TaskState.PENDING:
+            return Decision(pending=self._pending_message(task))
+        reason = f"task is {task.state.label} and was never placed"
+        return Decision(pending=api.Pending(task_id=task_id, reason=reason, queue_position=0))
+
+    def queue_position(self, task_id: str) -> int:
+        """1 for the next task in the queue; 0 when the task is not queued."""
+        if task_id not in self._pending:
+            return 0
+        for position, task in enumerate(self._queue(), start=1):
+            if task.spec.id == task_id:
+                return position
+        return 0
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    @property
+    def waiting_count(self) -> int:
+        """Queued tasks the policy holds for a busy device where they would finish sooner."""
+        return len(self._waiting)
+
+    def score_devices(self, spec: ev.TaskSpec, device_ids: Sequence[str]) -> list[api.DeviceScore]:
+        """The policy's scores for ``spec`` over the caller's devices, in their order. A device that
+        breaks a hard constraint (or is unknown) is flagged infeasible with the constraint's name."""
+        check_task_spec(spec)
+        index = self.graph.devices.index
+        known = np.fromiter((d in index for d in device_ids), dtype=np.bool_, count=len(device_ids))
+        rows = np.fromiter((index.get(d, -1) for d in device_ids), dtype=np.int64, count=len(device_ids))
+        broken = np.full(len(device_ids), -1, dtype=np.int8)
+        broken[known] = self.graph.violations(spec, rows[known])
+        feasible = known & (broken < 0)
+        scores = np.zeros(len(device_ids))
+        if feasible.any():
+            scores[feasible] = self.policy.score(spec, self.graph, rows[feasible])
+        out = []
+        for i, device_id in enumerate(device_ids):
+            if feasible[i]:
+                out.append(api.DeviceScore(device_id=device_id, score=float(scores[i]), feasible=True))
+            else:
+                reason = CONSTRAINTS[int(broken[i])] if known[i] else "unknown device"
+                out.append(api.DeviceScore(device_id=device_id, feasible=False, reason=reason))
+        return out
+
+    def explain(self, target: str | ev.TaskSpec, top_k: int = DEFAULT_TOP_K, excluded_limit: int = 50) -> Explanation:
+        """The best ``top_k`` feasible devices with their scores, up to ``excluded_limit`` devices
+        ruled out (with the constraint), and the task's placement or why it waits.
+
+        ``target`` is a known task's id (``UnknownTaskError`` otherwise) or a hypothetical spec.
+        """
+        if isinstance(target, str):
+            task = self.graph.tasks.get(target)
+            if task is None:
+                raise UnknownTaskError(f"unknown task {target!r}")
+            spec = task.spec
+        else:
+            check_task_spec(target)
+            spec = target
+            task = self.graph.tasks.get(spec.id)
+        ranked = self.policy.shortlist(spec, self.graph, self.graph.feasible_rows(spec))
+        candidates: list[api.DeviceScore] = []
+        if len(ranked):
+            scores = self.policy.score(spec, self.graph, ranked)
+            best = np.argsort(-scores, kind="stable")[: max(1, top_k)]
+            ids = self.graph.device_ids_of(ranked[best])
+            candidates = [
+                api.DeviceScore(device_id=i, score=float(s), feasible=True)
+                for i, s in zip(ids, scores[best], strict=True)
+            ]
+        if task is not None:
+            decision = self.lookup(task.spec.id)
+        else:
+            probe = Task(spec=spec, cell=self.cell, arrival=0)
+            decision = self._decision(probe, self._try_place(probe, dry_run=True))
+        return Explanation(
+            policy=self.policy.name,
+            candidates=candidates,
+            excluded=self.graph.exclusions(spec, excluded_limit),
+            pending=decision.pending,
+            placement=decision.placement,
+        )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _queue(self) -> list[Task]:
+        if self._order is None or self._order_version != self.graph.version:
+            tasks = list(self._pending.values())
+            ranks = self.policy.rank(self.graph, tasks)
+            if ranks is None:
+                tasks.sort(key=lambda t: (-t.spec.priority, t.arrival))
+            else:
+                rank_of = {t.spec.id: float(r) for t, r in zip(tasks, ranks, strict=True)}
+                tasks.sort(key=lambda t: (-t.spec.priority, -rank_of[t.spec.id], t.arrival))
+            self._order, self._order_version = tasks, self.graph.version
+        return self._order
+
+    def _dequeue(self, task_id: str) -> None:
+        if self._pending.pop(task_id, None) is not None:
+            self._order = None
+        self._stop_waiting(task_id)
+
+    # -- waiting for a busy device (a policy that may wait) ------------------------------------
+
+    def _start_waiting(self, task_id: str, wait: Wait) -> None:
+        self.waits_decided += 1
+        self._waiting[task_id] = wait
+        self._queued_s[wait.row] = self._queued_s.get(wait.row, 0.0) + wait.runtime_s
+
+    def _stop_waiting(self, task_id: str) -> None:
+        wait = self._waiting.pop(task_id, None)
+        if wait is None:
+            return
+        left = self._queued_s.get(wait.row, 0.0) - wait.runtime_s
+        if left > 1e-9:
+            self._queued_s[wait.row] = left
+        else:
+            self._queued_s.pop(wait.row, None)
+
+    @property
+    def _may_wait(self) -> bool:
+        """Whether a task may wait for a busy device: the policy waits, and devices are exclusive."""
+        return self.policy.waits and self.graph.exclusive
+
+    def _expect_end(self, task: Task) -> None:
+        """Record when ``task`` (bound now, or started now) should end on its devices: its run time
+        estimate on the slowest of them from now. Only on exclusive devices (a task waits for one
+        only there) and for a policy that waits. A service lives its lifetime wherever it runs
+        (known from its declared load, :func:`hlb.daemon.decide.waiting.service_lifetime_s`). A task without
+        work, or a service without a declared load, has no end to expect, and a device holding only
+        such tasks never attracts a waiting task."""
+        spec = task.spec
+        if not self._may_wait or spec.work_ref_s <= 0 or not task.device_rows:
+            return
+        if spec.latency_slo_ms > 0:
+            load = declared_load(spec)
+            if load is None:
+                return
+            runtime = service_lifetime_s(spec, load)
+        else:
+            rows = np.asarray(task.device_rows, dtype=np.int64)
+            runtime = float(self._runtimes.of_rows(spec, self.graph, rows).max())
+        if runtime >= NEVER_S:
+            return
+        self._expected_end[spec.id] = int((self.clock() + runtime) * 1000.0)
+        self._update_free_at(task.device_rows)
+
+    def _update_free_at(self, rows: Sequence[int]) -> None:
+        """Each row's ``free_at_ms``: the earliest expected end among its tasks (0: none expected)."""
+        d, ends = self.graph.devices, self._expected_end
+        for row in rows:
+            known = [ends[t] for t in self.graph.tasks_on_device(row) if t in ends]
+            d.free_at_ms[row] = min(known) if known else 0
+
+    def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
+        return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))
+
+    def _try_place(self, task: Task, dry_run: bool, cache: _BatchScores | None = None) -> ev.Placement | None:
+        """The task's placement if it fits now (recorded unless ``dry_run``); else None and why, on the task.
+
+        ``cache``: a batch's feasible rows and scores by shape, told about the binding made here.
+        """
+        spec, task_id = task.spec, task.spec.id  # each read of a protobuf field costs a lookup
+        if not dry_run:
+            self._stop_waiting(task_id)  # decided afresh: an earlier wait no longer holds a device
+        waiting_for = None if task.plain or not spec.dependencies else self._unfinished_dependency(task)
+        if waiting_for is not None:
+            task.pending_reason = waiting_for
+            return None
+        known = cache.choose(spec, task.plain) if cache is not None else None
+        if known is None:
+            feasible = self.graph.feasible_rows(spec)
+            gang, score = self.policy.choose_gang(spec, self.graph, feasible)
+        else:
+            feasible, gang, score = known
+        if not len(gang):
+            task.pending_reason = self._why_unplaceable(task, len(feasible))
+            return None
+        may_wait = self._may_wait
+        if may_wait:
+            now_ms = int(self.clock() * 1000.0)
+            wait = self.policy.wait_for(spec, self.graph, gang, score, now_ms, self._queued_s)
+            if wait is not None:
+                task.pending_reason = wait.reason
+                if not dry_run:
+                    self._start_waiting(task_id, wait)
+                return None
+        rows: list[int] = gang.tolist()
+        device_ids = self.graph.device_ids_of(rows)
+        placement = ev.Placement(
+            task_id=task_id,
+            job_id=spec.job_id,
+            cell=task.cell,
+            device_ids=device_ids,
+            policy=self.policy.name,
+            score=score,
+            decided_at_ms=int(self.clock() * 1000),
+        )
+        if dry_run:
+            return placement
+        self._dequeue(task_id)
+        self.graph.bind(task, rows, device_ids)
+        if may_wait:
+            self._expect_end(task)
+        self.policy.placed(spec, self.graph, gang)
+        if cache is not None:
+            cache.bound(task.device_rows)
+        return self.ledger.record(placement, owned=True)
+
+    def _unfinished_dependency(self, task: Task) -> str | None:
+        """Why the task must wait for a dependency, or None when all have finished."""
+        for dep in task.spec.dependencies:
+            upstream = self.graph.tasks.get(dep.task_id)
+            state = upstream.state if upstream is not None else self.forgotten.get(dep.task_id)
+            if state is None:
+                return f"waiting for dependency {dep.task_id} (not submitted yet)"
+            if state in (TaskState.FAILED, TaskState.CANCELLED):
+                return f"waiting for dependency {dep.task_id}, which is {state.label}: it can never start"
+            if state != TaskState.FINISHED:
+                return f"waiting for dependency {dep.task_id} ({state.label})"
+        return None
+
+    # -- forgetting ended tasks ----------------------------------------------------------------
+
+    def _task_ended(self, task: Task) -> None:
+        """``task`` reached a final state now: it no longer holds its dependencies, and it is
+        forgotten ``keep_ended_s`` from now."""
+        spec = task.spec
+        self._count_dependents(spec, -1)
+        now = self.clock()
+        self._ended.append((now, spec.id))
+        if self.keep_ended_s > 0:
+            self.forget_ended(now, FORGET_PER_END)
+
+    def forget_ended(self, now: float, limit: int | None = None) -> int:
+        """Forget the tasks that ended ``keep_ended_s`` or more before ``now`` (none while it is 0;
+        at most ``limit`` of them), except those a task not ended yet depends on (looked at again
+        ``keep_ended_s`` later); returns how many. Runs by itself as tasks end, a few each time."""
+        if self.keep_ended_s <= 0:
+            return 0
+        horizon, ended, tasks = now - self.keep_ended_s, self._ended, self.graph.tasks
+        gone: list[str] = []
+        kept: list[str] = []
+        budget = len(ended) if limit is None else limit
+        while ended and ended[0][0] <= horizon and budget > 0:
+            budget -= 1
+            task_id = ended.popleft()[1]
+            task = tasks.get(task_id)
+            if task is None:  # forgotten already
+                continue
+            if task_id in self._dependents:
+                kept.append(task_id)
+                continue
+            del tasks[task_id]
+            self.forgotten[task_id] = task.state
+            self._forgotten_order.append(task_id)
+            gone.append(task_id)
+        ended.extend((now, task_id) for task_id in kept)
+        self._trim_forgotten()
+        self.ledger.forget(gone)
+        self.forgotten_total += len(gone)
+        return len(gone)
+
+    def remember_restored(self, forgotten: dict[str, TaskState]) -> None:
+        """After a snapshot is installed: the forgotten ids it kept, the ended tasks it holds (to be
+        forgotten ``keep_ended_s`` from now) and the dependencies of those not ended. The ledger's
+        decisions of forgotten tasks (read back from the topic) are dropped from memory again."""
+        self.forgotten = dict(forgotten)
+        self._forgotten_order = deque(self.forgotten)
+        self._trim_forgotten()
+        now = self.clock()
+        self._ended.clear()
+        self._dependents.clear()
+        for task_id, task in self.graph.tasks.items():
+            if task.state.is_final:
+                self._ended.append((now, task_id))
+            else:
+                self._count_dependents(task.spec, 1)
+        self.ledger.forget(list(self.forgotten))
+
+    def _count_dependents(self, spec: ev.TaskSpec, step: int) -> None:
+        """``spec``'s task starts (1) or stops (-1) holding each of its dependencies in memory."""
+        dependents = self._dependents
+        for dep in spec.dependencies:
+            left = dependents.get(dep.task_id, 0) + step
+            if left > 0:
+                dependents[dep.task_id] = left
+            else:
+                dependents.pop(dep.task_id, None)
+
+    def _trim_forgotten(self) -> None:
+        """Keep the newest ``remember_ended`` forgotten ids."""
+        forgotten, order = self.forgotten, self._forgotten_order
+        while len(forgotten) > self.remember_ended:
+            del forgotten[order.popleft()]
+
+    def _forgotten_message(self, task_id: str, what: str) -> str:
+        state = self.forgotten[task_id].label
+        return f"task {task_id!r} {what} ({state}) and was forgotten after scheduler.keep_ended_s"
+
+    def _pending_message(self, task: Task) -> api.Pending:
+        return api.Pending(
+            task_id=task.spec.id, reason=task.pending_reason, queue_position=self.queue_position(task.spec.id)
+        )
+
+    def _bind_restored(self) -> None:
+        for task_id, placement in list(self._unbound.items()):
+            task = self.graph.tasks[task_id]
+            if all(d in self.graph.devices for d in placement.device_ids):
+                self.graph.bind(task, [int(r) for r in self.graph.device_rows(placement.device_ids)])
+                del self._unbound[task_id]
+                if task_id in self._started_unbound:
+                    self._started_unbound.discard(task_id)
+                    self.graph.mark_running(task)
+                    self._dirty = True
+
+    def _apply_to_unbound(self, task: Task, kind: str) -> None:
+        """A lifecycle event for a restored placement that is not bound yet: it holds no devices."""
+        task_id = task.spec.id
+        if kind == "started":
+            self._started_unbound.add(task_id)
+            return
+        del self._unbound[task_id]
+        self._started_unbound.discard(task_id)
+        final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
+        self.graph.release(task, final)
+        self._task_ended(task)
+
+    def _why_unplaceable(self, task: Task, feasible: int) -> str:
+        if feasible == 0 and not len(self.graph.devices):
+            return "no devices known yet"
+        if feasible == 0:
+            counts = self.graph.exclusion_counts(task.spec)
+            ruled_out = ", ".join(f"{constraint} {n}" for constraint, n in counts.most_common())
+            return f"no feasible device ({counts.total()} ruled out by {ruled_out})"
+        return f"needs {task.gang_size} devices at once, {feasible} feasible now"

@@ -1,0 +1,1 @@
+"""Ingest: records off the bus, decoded, validated and applied to the scheduler."""

@@ -1,0 +1,276 @@
+"""hlb's Prometheus metrics: every metric object, the gRPC interceptor that times RPCs, and ``/metrics``.
+
+Two kinds of metric live here:
+
+- **instruments**, updated where the event happens: decision latency and RPC outcomes (from
+  ``RpcMetricsInterceptor``), placements (from the ledger), dead letters (from the publisher the
+  ingest path writes through), policy fallbacks, rate-limited requests, reloads;
+- **observed values**, read when Prometheus scrapes: events applied and rejected, pending and
+  running tasks, devices, graph staleness, consumer lag, the policy and model in use. The daemon
+  hands ``DaemonMetrics`` a function that returns a ``StateSample``; nothing is kept twice.
+
+Each ``DaemonMetrics`` has its own registry, so several daemons in one process (tests, the demo)
+do not share counters. Metric names and meanings are listed in docs/monitoring.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hlb.daemon.serve.interceptors import HandlerWrapper
+
+# Seconds. Decisions are meant to take well under a millisecond at 1k devices (docs/design.md §7);
+# the upper buckets catch a 10k-device cluster or a slow scorer.
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+# No `*_created` series next to every counter: they double the output and no hlb alert reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# The Scheduler RPCs that decide something; their latency is the decision latency.
+DECISION_RPCS = frozenset({"Place", "PlaceBatch", "ScoreDevices", "Explain"})
+
+
+@dataclass(frozen=True)
+class StateSample:
+    """What the daemon reports at scrape time (read under its lock, so one consistent moment).
+
+    Counts are totals since start; ``staleness_s`` is -1 until the first telemetry event.
+    ``consumer_lag`` maps (topic, partition) to messages not yet committed by the group.
+    """
+
+    serving: bool
+    devices: int
+    hosts: int
+    pending_tasks: int
+    running_tasks: int
+    last_sequence: int
+    staleness_s: float
+    mean_utilization: float
+    policy: str
+    model_version: str
+    events_applied: int
+    events_rejected: Mapping[str, int] = field(default_factory=dict)
+    consumer_lag: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    degraded: str = ""  # why the configured policy cannot decide now (a fallback does); empty when it can
+    model_provider: str = ""  # onnxruntime execution provider the GNN runs on; empty without one
+    waiting_for_device: int = 0  # queued tasks the policy holds for a busy, faster device (a gang: a host)
+    tasks_held: int = 0  # tasks in memory, ended ones not forgotten yet included
+    tasks_forgotten: int = 0  # ended tasks forgotten since start (scheduler.keep_ended_s)
+
+
+StateProvider = Callable[[], StateSample]
+
+
+class DaemonMetrics:
+    """All of hlb's metrics, on one registry. Instruments are attributes; observed values come from ``state``.
+
+    Args:
+        state: called on every scrape; returns the daemon's current ``StateSample``. Until the
+            daemon sets it (``observe``), only the instruments are exported.
+    """
+
+    def __init__(self, state: StateProvider | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decision_latency = Histogram(
+            "hlb_decision_latency_seconds",
+            "Time to answer a deciding RPC (Place, PlaceBatch, ScoreDevices, Explain), by RPC and policy.",
+            ["rpc", "policy"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.rpcs = Counter(
+            "hlb_rpc_requests", "Unary RPCs answered, by RPC and status code.", ["rpc", "code"], registry=r
+        )
+        self.rate_limited = Counter(
+            "hlb_rpc_rate_limited",
+            "RPCs refused with RESOURCE_EXHAUSTED by the request-rate limit.",
+            ["rpc"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "hlb_placements", "Placements recorded in the ledger, by policy.", ["policy"], registry=r
+        )
+        self.dead_letters = Counter(
+            "hlb_dlq_records", "Records sent to the dead-letter topic, by source topic.", ["topic"], registry=r
+        )
+        self.fallbacks = Counter(
+            "hlb_policy_fallbacks",
+            "Decisions taken by the fallback policy because the configured one could not decide, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "hlb_config_reloads",
+            "SIGHUP reloads, by result (applied, partial, unchanged, invalid).",
+            ["result"],
+            registry=r,
+        )
+        self.journal_sync_failures = Counter(
+            "hlb_journal_sync_failures",
+            "Failed writes or fsyncs of the decision journal off the request path (each retried).",
+            registry=r,
+        )
+        self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
+        self.start_time.set(time.time())
+        self._state = _StateCollector(state)
+        r.register(self._state)
+
+    def observe(self, state: StateProvider) -> None:
+        """Read observed values from ``state`` on every scrape from now on."""
+        self._state.provider = state
+
+    def count_rate_limited(self, method: str) -> None:
+        """Count one RPC refused by the rate limit; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
+        self.rate_limited.labels(rpc=method.rpartition("/")[2]).inc()
+
+    def record_fallback(self, reason: str) -> None:
+        """Count one decision made by the fallback policy (e.g. reason="model_missing")."""
+        self.fallbacks.labels(reason=reason).inc()
+
+
+class _StateCollector(Collector):
+    def __init__(self, provider: StateProvider | None) -> None:
+        self.provider = provider
+
+    def collect(self) -> Iterable[Metric]:
+        if self.provider is None:
+            return []
+        s = self.provider()
+        gauges = [
+            ("hlb_serving", "1 while the daemon is serving, 0 while it starts or stops.", float(s.serving)),
+            ("hlb_devices", "Devices in the graph.", s.devices),
+            ("hlb_hosts", "Hosts in the graph.", s.hosts),
+            ("hlb_pending_tasks", "Tasks waiting in the queue.", s.pending_tasks),
+            (
+                "hlb_tasks_waiting_for_device",
+                "Queued tasks the policy holds for a busy device where they would finish sooner.",
+                s.waiting_for_device,
+            ),
+            ("hlb_running_tasks", "Tasks placed or running, holding devices.", s.running_tasks),
+            ("hlb_tasks_held", "Tasks in memory: queued, holding devices, or ended not long ago.", s.tasks_held),
+            ("hlb_ledger_sequence", "Sequence number of the newest placement in the ledger.", s.last_sequence),
+            ("hlb_graph_staleness_seconds", "Age of the newest applied telemetry; -1 before any.", s.staleness_s),
+            ("hlb_mean_utilization", "Mean device load over the cluster, 0 to 1.", s.mean_utilization),
+        ]
+        metrics: list[Metric] = [GaugeMetricFamily(name, doc, value=value) for name, doc, value in gauges]
+        info = GaugeMetricFamily(
+            "hlb_policy_info", "Always 1; labels name the policy and model in use.", labels=["policy", "model_version"]
+        )
+        info.add_metric([s.policy, s.model_version or "none"], 1.0)
+        degraded = GaugeMetricFamily(
+            "hlb_degraded", "1 while a fallback decides because the configured policy cannot (see GetClusterState)."
+        )
+        degraded.add_metric([], float(bool(s.degraded)))
+        provider = GaugeMetricFamily(
+            "hlb_model_provider_info",
+            "Always 1; the label names the onnxruntime execution provider the GNN runs on ('none' without one).",
+            labels=["provider"],
+        )
+        provider.add_metric([s.model_provider or "none"], 1.0)
+        applied = CounterMetricFamily("hlb_events_applied", "Events applied to the graph.", value=s.events_applied)
+        forgotten = CounterMetricFamily(
+            "hlb_tasks_forgotten", "Ended tasks dropped from memory (scheduler.keep_ended_s).", value=s.tasks_forgotten
+        )
+        rejected = CounterMetricFamily(
+            "hlb_events_rejected", "Events refused (sent to the dead-letter topic), by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(s.events_rejected.items()):
+            rejected.add_metric([reason], count)
+        lag = GaugeMetricFamily(
+            "hlb_consumer_lag",
+            "Messages in each input partition after the consumer group's committed offset.",
+            labels=["topic", "partition"],
+        )
+        for (topic, partition), behind in sorted(s.consumer_lag.items()):
+            lag.add_metric([topic, str(partition)], behind)
+        return [*metrics, info, degraded, provider, applied, forgotten, rejected, lag]
+
+
+class RpcMetricsInterceptor(HandlerWrapper):
+    """Counts every unary RPC by status code and times the deciding ones into ``decision_latency``.
+
+    Streaming RPCs (``WatchPlacements``, reflection) pass through untouched: their duration is
+    how long a client watches, not how long a decision took.
+
+    Args:
+        metrics: where to record.
+        policy: returns the name of the policy in use now (it changes on reload).
+    """
+
+    def __init__(self, metrics: DaemonMetrics, policy: Callable[[], str]) -> None:
+        self._metrics = metrics
+        self._policy = policy
+        super().__init__()
+
+    def applies(self, handler: grpc.RpcMethodHandler[Any, Any]) -> bool:
+        return handler.unary_unary is not None
+
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
+        rpc = method.rpartition("/")[2]
+        # The stubs describe sync handlers; on grpc.aio the behaviour is a coroutine function.
+        behaviour: Callable[[object, Any], Awaitable[object]] = handler.unary_unary  # type: ignore[assignment]
+        rpcs = self._metrics.rpcs
+        calls: dict[grpc.StatusCode, Any] = {}  # children made on first use: no series for codes never seen
+        latency = self._metrics.decision_latency
+        times = rpc in DECISION_RPCS
+
+        async def observed(request: object, context: Any) -> object:
+            start = time.perf_counter()
+            failed = False
+            try:
+                return await behaviour(request, context)
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                # None unless the handler aborted or set a code.
+                code: grpc.StatusCode | None = context.code()
+                if code is None:
+                    code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+                counter = calls.get(code)
+                if counter is None:
+                    counter = calls[code] = rpcs.labels(rpc=rpc, code=code.name)
+                counter.inc()
+                if times:
+                    latency.labels(rpc=rpc, policy=self._policy()).observe(time.perf_counter() - start)
+
+        return grpc.unary_unary_rpc_method_handler(observed, handler.request_deserializer, handler.response_serializer)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on ``listen`` (host:port; port 0 picks a free one), on its own thread."""
+
+    def __init__(self, metrics: DaemonMetrics, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        self._httpd: WSGIServer
+        self._httpd, self._thread = start_http_server(int(port), host.strip("[]"), metrics.registry)
+        self.port: int = self._httpd.server_port
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5.0)
+
+
+def start_metrics_server(metrics: DaemonMetrics, listen: str) -> MetricsServer | None:
+    """The endpoint, or None when ``listen`` is empty (metrics disabled)."""
+    return MetricsServer(metrics, listen) if listen else None

@@ -1,0 +1,1 @@
+"""The gRPC service, its interceptors (TLS, rate limit) and the ``hlb place`` client."""

@@ -1,0 +1,400 @@
+"""The gRPC service ``hlb.v1.Scheduler`` on grpc.aio, plus health and reflection.
+
+Handlers validate the request, then call the scheduling core under the daemon's lock. A refused
+request changes nothing and gets ``INVALID_ARGUMENT`` naming the field; an unknown task
+``NOT_FOUND``; a request whose deadline has already passed ``DEADLINE_EXCEEDED`` before any work.
+Sizes are bounded (``MAX_BATCH_TASKS`` tasks per batch, ``MAX_CANDIDATES`` candidate devices,
+``MAX_TOP_K`` explained candidates) on top of the server's message size limit. While the daemon
+cannot decide soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a
+shutdown), the RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
+(or answers with a placement) waits for ``SchedulerService.durable`` before it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+import numpy as np
+import structlog
+from google.protobuf.message import DecodeError as ProtobufDecodeError
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hlb.daemon.config import TlsSettings
+from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
+from hlb.daemon.errors import InvalidEventError, UnknownTaskError
+from hlb.daemon.serve.interceptors import HandlerWrapper
+from hlb.daemon.serve.tls import server_credentials
+from hlb.daemon.state.graph import TaskState
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = api.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+MAX_BATCH_TASKS = 10_000
+MAX_CANDIDATES = 100_000
+MAX_TOP_K = 1_000
+MAX_EXCLUDED = 100
+
+# Called with each task that Place accepted, so that it is also recorded on the tasks topic.
+OnSubmitted = Callable[[ev.TaskSpec], None]
+# Returns once the decisions made so far are durable (the daemon's journal); awaited before answering.
+Durable = Callable[[], Awaitable[None]]
+
+
+async def _nothing_to_wait_for() -> None:
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, details: str) -> NoReturn:
+    await context.abort(code, details)
+    raise AssertionError("unreachable: abort raises")
+
+
+async def _check_deadline(context: grpc.aio.ServicerContext[object, object]) -> None:
+    """Refuse work whose caller has already given up (a deadline of 0 or less left)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was handled")
+
+
+class SchedulerService(api_grpc.SchedulerServicer):
+    def __init__(self, scheduler: Scheduler, lock: threading.RLock, on_submitted: OnSubmitted) -> None:
+        self.scheduler = scheduler
+        self.lock = lock
+        self.on_submitted = on_submitted
+        self.staleness_ms: Callable[[], float] = lambda: -1.0
+        # Why decisions are refused now (answered UNAVAILABLE), e.g. a replay after a restart that
+        # has not caught up; None: served.
+        self.refusal: Callable[[], str | None] = lambda: None
+        self.durable: Durable = _nothing_to_wait_for
+
+    async def _check_serving(self, context: grpc.aio.ServicerContext[object, object]) -> None:
+        why = self.refusal()
+        if why is not None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, why)
+
+    async def Place(
+        self, request: api.PlaceRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.PlaceResponse:
+        if not request.HasField("task"):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        await self._check_serving(context)
+        await _check_deadline(context)
+        try:
+            with self.lock:
+                is_new = request.task.id not in self.scheduler.graph.tasks
+                decision = self.scheduler.place(request.task, dry_run=request.dry_run)
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if is_new and not request.dry_run:
+            self.on_submitted(request.task)
+        if not request.dry_run:
+            await self.durable()  # the answer may be acted on: it must survive a crash
+        return _place_response(decision)
+
+    async def GetPlacement(
+        self, request: api.GetPlacementRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.GetPlacementResponse:
+        if not request.task_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task_id: required")
+        await self._check_serving(context)
+        await _check_deadline(context)
+        try:
+            with self.lock:
+                decision = self.scheduler.lookup(request.task_id)
+        except UnknownTaskError as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        if decision.placement is not None:
+            await self.durable()
+        if decision.placement is not None:
+            return api.GetPlacementResponse(placement=decision.placement)
+        return api.GetPlacementResponse(pending=decision.pending)
+
+    async def WatchPlacements(
+        self, request: api.WatchPlacementsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> AsyncIterator[ev.Placement]:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify(_: ev.Placement) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing; the stream ends with it
+                loop.call_soon_threadsafe(wake.set)
+
+        next_sequence = max(1, request.from_sequence)
+        with self.lock:
+            unsubscribe = self.scheduler.ledger.subscribe(notify)
+        try:
+            while True:
+                wake.clear()
+                with self.lock:
+                    batch = self.scheduler.ledger.since(next_sequence)
+                for placement in batch:
+                    yield placement
+                    next_sequence = placement.sequence + 1
+                if not batch:
+                    await wake.wait()
+        finally:
+            with self.lock:
+                unsubscribe()
+
+    async def GetClusterState(
+        self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.ClusterState:
+        with self.lock:
+            return cluster_state(self.scheduler, self.staleness_ms())
+
+    async def PlaceBatch(
+        self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.PlaceBatchResponse:
+        if len(request.tasks) > MAX_BATCH_TASKS:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tasks: {len(request.tasks)} tasks, at most {MAX_BATCH_TASKS} per batch",
+            )
+        await self._check_serving(context)
+        await _check_deadline(context)
+        try:
+            with self.lock:
+                tasks = self.scheduler.graph.tasks
+                new = [spec for spec in request.tasks if spec.id not in tasks]
+                decisions = self.scheduler.place_batch(request.tasks, dry_run=request.dry_run)
+        except InvalidEventError as exc:  # names the task's index: "tasks[3]: ..."
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.dry_run:
+            for spec in new:
+                self.on_submitted(spec)
+            await self.durable()  # one fsync for the whole batch
+        reply = api.PlaceBatchResponse()
+        for decision in decisions:
+            result = reply.results.add()
+            if decision.placement is not None:
+                result.placement.CopyFrom(decision.placement)
+            elif decision.pending is not None:
+                result.pending.CopyFrom(decision.pending)
+        return reply
+
+    async def ScoreDevices(
+        self, request: api.ScoreDevicesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.ScoreDevicesResponse:
+        if not request.HasField("task"):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        if not request.device_ids:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "device_ids: at least one candidate required")
+        if len(request.device_ids) > MAX_CANDIDATES:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"device_ids: {len(request.device_ids)} candidates, at most {MAX_CANDIDATES}",
+            )
+        await self._check_serving(context)
+        await _check_deadline(context)
+        try:
+            with self.lock:
+                scores = self.scheduler.score_devices(request.task, request.device_ids)
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"task: {exc}")
+        return api.ScoreDevicesResponse(scores=scores, policy=self.scheduler.policy.name)
+
+    async def Explain(
+        self, request: api.ExplainRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> api.ExplainResponse:
+        which = request.WhichOneof("target")
+        if which is None or (which == "task_id" and not request.task_id):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "target: task_id or task required")
+        if request.top_k > MAX_TOP_K:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k: {request.top_k}, at most {MAX_TOP_K}")
+        await self._check_serving(context)
+        await _check_deadline(context)
+        target: str | ev.TaskSpec = request.task_id if which == "task_id" else request.task
+        try:
+            with self.lock:
+                why = self.scheduler.explain(target, request.top_k or DEFAULT_TOP_K, MAX_EXCLUDED)
+        except UnknownTaskError as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"task: {exc}")
+        reply = api.ExplainResponse(
+            candidates=why.candidates,
+            excluded=[
+                api.DeviceScore(device_id=e.device_id, feasible=False, reason=f"{e.constraint}: {e.detail}")
+                for e in why.excluded
+            ],
+            policy=why.policy,
+        )
+        if why.pending is not None:
+            reply.pending.CopyFrom(why.pending)
+        if why.placement is not None:
+            reply.placement.CopyFrom(why.placement)
+        return reply
+
+
+def _place_response(decision: Decision) -> api.PlaceResponse:
+    if decision.placement is not None:
+        return api.PlaceResponse(placement=decision.placement)
+    return api.PlaceResponse(pending=decision.pending)
+
+
+def cluster_state(scheduler: Scheduler, staleness_ms: float) -> api.ClusterState:
+    """The summary ``GetClusterState`` returns; the caller holds the lock."""
+    graph = scheduler.graph
+    rows = graph.devices.live_rows()
+    loads = graph.load(rows)
+    kinds = graph.devices.kind[rows]
+    healthy = graph.devices.health[rows] != ev.HEALTH_FAILED
+    summaries = []
+    for kind in np.unique(kinds):
+        of_kind = kinds == kind
+        summaries.append(
+            api.KindSummary(
+                kind=ev.DeviceKind.ValueType(int(kind)),
+                devices=int(of_kind.sum()),
+                healthy=int((healthy & of_kind).sum()),
+                mean_utilization=float(loads[of_kind].mean()),
+            )
+        )
+    states = graph.task_table.state[graph.task_table.live_rows()]
+    running = int(np.isin(states, [TaskState.PLACED, TaskState.RUNNING]).sum())
+    return api.ClusterState(
+        devices=len(graph.devices),
+        hosts=len(graph.hosts),
+        kinds=summaries,
+        pending_tasks=scheduler.pending_count,
+        running_tasks=running,
+        last_sequence=scheduler.ledger.last_sequence,
+        policy=scheduler.policy.name,
+        model_version=scheduler.policy.model_version,
+        degraded=scheduler.policy.degraded,
+        staleness_ms=staleness_ms,
+        mean_utilization=float(loads.mean()) if len(loads) else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands for request bytes that do not decode, so the handler can refuse them itself."""
+
+    error: str
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except (ProtobufDecodeError, RecursionError) as exc:
+            return _Malformed(str(exc))
+
+    return parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext[Any, Any], request: _Malformed) -> NoReturn:
+    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid protobuf message: {request.error}")
+
+
+class RefuseMalformed(HandlerWrapper):
+    """Request bytes that do not decode get ``INVALID_ARGUMENT``; grpc alone answers ``UNKNOWN``."""
+
+    def applies(self, handler: grpc.RpcMethodHandler[Any, Any]) -> bool:
+        return handler.request_deserializer is not None
+
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
+        assert handler.request_deserializer is not None
+        parse = _lenient(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            unary: Any = handler.unary_unary  # the stubs type the sync server's handlers only
+
+            async def checked_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, request)
+                return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(checked_unary, parse, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            stream: Any = handler.unary_stream
+
+            async def checked_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, request)
+                async for item in stream(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(checked_stream, parse, handler.response_serializer)
+        if handler.unary_stream is not None:  # a coroutine that writes to the context (health's Watch)
+            writer: Any = handler.unary_stream
+
+            async def checked_writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, request)
+                await writer(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(checked_writer, parse, handler.response_serializer)
+        return handler  # streaming requests (reflection) decode message by message; grpc handles those
+
+
+class GrpcServer:
+    """The aio server with the Scheduler, health and (optionally) reflection services.
+
+    ``tls`` with a certificate makes the port TLS-only (mutual TLS when it requires client
+    certificates); without it the port is plaintext. ``interceptors`` run outermost first.
+    Raises ``ConfigError`` for unusable TLS files and ``OSError`` when ``listen`` cannot be bound.
+    """
+
+    def __init__(
+        self,
+        service: api_grpc.SchedulerServicer,
+        listen: str,
+        max_message_bytes: int,
+        reflect: bool,
+        *,
+        tls: TlsSettings | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),  # type: ignore[type-arg]
+    ) -> None:
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(
+            interceptors=[*interceptors, RefuseMalformed()],  # innermost: the others see its refusals
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        api_grpc.add_SchedulerServicer_to_server(service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if reflect:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
+        self.tls = tls is not None and tls.enabled
+        try:
+            if tls is not None and tls.enabled:
+                self.port = self.server.add_secure_port(listen, server_credentials(tls))
+            else:
+                self.port = self.server.add_insecure_port(listen)
+        except RuntimeError as exc:  # grpcio's "Failed to bind": a host that does not resolve, say
+            raise OSError(f"cannot listen on {listen}: {exc}") from None
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen}")
+
+    async def start(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def set_serving(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,1 @@
+"""The daemon's state: the infrastructure graph, device profiles and the placement ledger."""

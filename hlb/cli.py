@@ -1,0 +1,57 @@
+"""The ``hlb`` command. Each subcommand lives in the package that owns it and loads lazily.
+
+A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``; nothing is
+imported until its name is given, so ``hlb place`` never loads librdkafka or the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("hlb.daemon.runtime.service", "run the daemon (Kafka in, gRPC out)"),
+    "place": ("hlb.daemon.serve.client", "place, look up, explain or score a task, or watch placements over gRPC"),
+    "agent": ("hlb.sim.agent", "simulated telemetry agent and job submitter publishing to Kafka"),
+    "demo": ("hlb.sim.demo", "start Kafka, the daemon and an agent, and show placements arriving"),
+    "broker": ("hlb.sim.kafka_local", "fetch, start or stop a local single-node Kafka broker"),
+    "cells": ("hlb.daemon.cells.plan", "which partition each cell lands on with several instances (cells plan)"),
+    "bench": ("hlb.bench.cli", "benchmarks that print JSON (latency, ...)"),
+    "eval": ("hlb.sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),
+    "train": ("hlb.export.train_cli", "train the GNN in the simulator: imitation, then RL (needs the export extra)"),
+    "export": ("hlb.export.cli", "write the GNN's encoder and scorer ONNX files (needs the export extra)"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items())
+    return (
+        "usage: hlb COMMAND [options]\n\n"
+        "hlb: a holistic load balancer for heterogeneous AI infrastructure.\n\n"
+        f"commands:\n{rows}\n\n"
+        "Run 'hlb COMMAND --help' for a command's options."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"hlb: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"hlb {name}")
+    module.add_arguments(parser)
+    code: int = module.run(parser.parse_args(rest))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
