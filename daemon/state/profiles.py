@@ -37,7 +37,7 @@ from hlb.daemon.state.graph import InfraGraph, Rows
 from hlb.v1 import events_pb2 as ev
 
 PROFILES_FORMAT = "hlb-device-profiles/1"
-DEFAULT_PROFILES_PATH = Path(__file__).parent / "data" / "profiles.json"
+DEFAULT_PROFILES_PATH = Path(__file__).parent.parent / "data" / "profiles.json"
 # Run time given to a task on a device that cannot run it at all (finite, so scores stay finite).
 NEVER_S = 1.0e12
 
