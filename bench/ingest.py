@@ -147,8 +147,8 @@ def add_ingest_arguments(parser: argparse.ArgumentParser) -> None:
 def run_ingest(args: argparse.Namespace) -> int:
     from hlb.daemon.bus.kafka import KafkaBus, KafkaSource
     from hlb.daemon.config import KafkaSettings, Topics
-    from hlb.daemon.decide.policy import LeastLoaded
     from hlb.daemon.decide.scheduler import Scheduler
+    from hlb.daemon.decide.scorers import LeastLoaded
     from hlb.daemon.ingest.pipeline import Ingestor
     from hlb.daemon.state.graph import InfraGraph
     from hlb.daemon.state.ledger import PlacementLedger
@@ -236,8 +236,8 @@ def _restart(scheduler: Any, offsets: dict[tuple[str, int], int]) -> dict[str, f
     import tempfile
     from pathlib import Path
 
-    from hlb.daemon.decide.policy import LeastLoaded
     from hlb.daemon.decide.scheduler import Scheduler
+    from hlb.daemon.decide.scorers import LeastLoaded
     from hlb.daemon.record import snapshot
     from hlb.daemon.state.graph import InfraGraph
     from hlb.daemon.state.ledger import PlacementLedger

@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def policy_name(text: str) -> str:
     """An argparse ``type`` for ``--policy``: a name ``make_policy`` knows (the baselines or ``gnn``)."""
-    from hlb.daemon.decide.policy import POLICY_NAMES  # here, not at the top: `hlb bench --help` stays cheap
+    from hlb.daemon.decide.presets import POLICY_NAMES  # here, not at the top: `hlb bench --help` stays cheap
 
     names = (*POLICY_NAMES, "gnn")
     if text not in names:
@@ -208,7 +208,7 @@ def _journal_service(service: Any, scheduler: Any, journal_dir: Any, sync: str) 
     from hlb.daemon.config import Topics
     from hlb.daemon.record.journal import AnswerGate, JournaledPublisher, JournalFile
     from hlb.daemon.runtime.metrics import DaemonMetrics
-    from hlb.daemon.runtime.service import DecisionPublisher
+    from hlb.daemon.runtime.publish import DecisionPublisher
 
     journal = JournalFile.open(Path(journal_dir))
     publisher = JournaledPublisher(Discard(), journal)
@@ -250,7 +250,7 @@ def model_folder(named: Path | None) -> Iterator[tuple[Path, str]]:
     """The model to benchmark and what it is: ``named``, else the shipped one, else random weights
     exported into a temporary folder (removed afterwards)."""
     from hlb.daemon.config import DEFAULT_MODEL_DIR
-    from hlb.daemon.decide.gnn.policy import file_signature
+    from hlb.daemon.decide.gnn.scorer import file_signature
 
     if named is not None:
         yield named, str(named)
@@ -275,18 +275,18 @@ def model_folder(named: Path | None) -> Iterator[tuple[Path, str]]:
 
 
 def gnn_policy(model: Path, fallbacks: list[str]) -> Any:
-    """The GNN as the daemon runs it (background refresh), on CPU."""
+    """The ``gnn`` preset as the daemon runs it (background refresh), on CPU."""
     from hlb.daemon.config import ModelSettings
-    from hlb.daemon.decide.gnn.policy import GnnPolicy
+    from hlb.daemon.decide.presets import make_policy
 
     settings = ModelSettings(path=model, providers=("CPUExecutionProvider",))
-    return GnnPolicy(settings, mode="background", on_fallback=fallbacks.append)
+    return make_policy("gnn", model=settings, mode="background", on_fallback=fallbacks.append)
 
 
 def build_scheduler(devices: int, pending: int, policy: str | Any) -> Any:
     """A scheduler with the synthetic cluster and ``pending`` tasks that stay queued (``policy``: a
     name or a policy object)."""
-    from hlb.daemon.decide.policy import make_policy
+    from hlb.daemon.decide.presets import make_policy
     from hlb.daemon.decide.scheduler import Scheduler
     from hlb.daemon.state.graph import InfraGraph
     from hlb.daemon.state.ledger import PlacementLedger
@@ -321,19 +321,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark and return its figures."""
     if args.policy != "gnn":
         return measure_with(args, args.policy, {})
+    from hlb.daemon.decide.presets import gnn_scorer
+
     with model_folder(args.model) as (folder, what):
         fallbacks: list[str] = []
         policy = gnn_policy(folder, fallbacks)
+        scorer = gnn_scorer(policy)
+        assert scorer is not None
         try:
             result = measure_with(args, policy, {"model": what})
         finally:
-            policy.stop()
+            scorer.stop()
         result["gnn"] = {
             "model": what,
-            "model_version": policy.model_version,
-            "provider": policy.provider,
-            "degraded": policy.degraded,
-            "embedding_refreshes": policy.refreshes,
+            "model_version": scorer.model_version,
+            "provider": scorer.provider,
+            "degraded": scorer.degraded,
+            "embedding_refreshes": scorer.refreshes,
             "fallback_decisions": len(fallbacks),
             "fallback_reasons": sorted(set(fallbacks)),
         }
@@ -346,13 +350,15 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from hlb.daemon.decide.presets import gnn_scorer
     from hlb.v1 import scheduler_pb2 as api
     from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
     scheduler = build_scheduler(args.devices, args.pending, policy)
     lock = threading.RLock()
-    if hasattr(policy, "start"):  # the GNN: loaded and warmed up on the cluster before the first call
-        policy.start(scheduler.graph, lock)
+    scorer = None if isinstance(policy, str) else gnn_scorer(policy)
+    if scorer is not None:  # the GNN: loaded and warmed up on the cluster before the first call
+        scorer.start(scheduler.graph, lock)
     task = task_maker()
 
     journal_dir = tempfile.TemporaryDirectory(prefix="hlb-bench-journal-") if args.journal else None

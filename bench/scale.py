@@ -4,7 +4,7 @@ For each ``--devices`` size, a graph built as ``hlb bench graph`` builds it (hos
 every device reporting metrics), with a fifth of the devices running a task: the time of one
 embedding refresh (the encoder's inputs read from the graph, the encoder run, the new cache),
 ``--repeats`` times after a changed metric each, as the daemon's refresh thread does it. Then, in a
-fresh process, the resident memory of a daemon (``hlb.daemon.runtime.service`` imported) holding a graph of
+fresh process, the resident memory of a daemon (``hlb.daemon.main`` imported) holding a graph of
 ``--rss-devices`` devices with the GNN loaded and its embeddings built (docs/design.md §7: 100,000
 devices in under 1 GB), and the pause of a full garbage collection there.
 
@@ -80,7 +80,7 @@ def build_graph(devices: int) -> Any:
 
 def _policy(model: Path, threads: int) -> Any:
     from hlb.daemon.config import ModelRefreshSettings, ModelSettings
-    from hlb.daemon.decide.gnn.policy import GnnPolicy
+    from hlb.daemon.decide.gnn.scorer import GnnScorer
 
     settings = ModelSettings(
         path=model,
@@ -88,7 +88,7 @@ def _policy(model: Path, threads: int) -> Any:
         providers=("CPUExecutionProvider",),
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
     )
-    return GnnPolicy(settings, mode="sync")
+    return GnnScorer(settings, mode="sync")
 
 
 def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def _status_mb(field: str) -> float:
 
 def child_rss(devices: int, model: Path, threads: int) -> dict[str, Any]:
     """Run in a fresh process: the daemon's modules, a graph of ``devices``, the GNN loaded and encoded."""
-    import hlb.daemon.runtime.service  # noqa: F401  (everything a daemon imports)
+    import hlb.daemon.main  # noqa: F401  (everything a daemon imports)
 
     imported = _status_mb("VmRSS")
     graph = build_graph(devices)

@@ -202,8 +202,29 @@ class ModelRefreshSettings(_Section):
     poll_s: float = Field(0.05, gt=0, le=60)
 
 
+class RulesSettings(_Section):
+    """The rules that the ``rules`` and ``gnn`` policies run as plugins (``hlb.daemon.decide.rules``)."""
+
+    # Leave a one-device task queued for a busy device where it would finish sooner (the device's
+    # expected free time, from the run time estimates of the tasks placed there, plus its run time
+    # there) when the scorer ranks that device above the free one it could take now.
+    wait_for_faster: bool = True
+    # With wait_for_faster on, a gang also stays queued for the devices of one host (free now or
+    # busy) where it would finish in under this share of its estimated finish on the devices it
+    # could take now, counting the wait for the last of them (chosen on training seeds); 0: gangs
+    # never wait.
+    gang_wait_factor: float = Field(0.5, ge=0.0, le=1.0)
+    # Queue order within a priority: shortest estimated run time first (on
+    # the fastest device model the task may use, times its gang), or arrival order.
+    queue_order: Literal["shortest-first", "arrival"] = "shortest-first"
+    # Place an inference service that declares its request rate and request work (labels
+    # request_rate_per_s, request_work_ref_ms) on the slowest devices whose estimated request
+    # latency meets its latency_slo_ms, keeping faster ones for work whose finish depends on speed.
+    fit_services: bool = True
+
+
 class ModelSettings(_Section):
-    """The GNN that ``scheduler.policy: gnn`` runs, and its onnxruntime sessions."""
+    """The GNN that ``scheduler.policy: gnn`` scores with, and its onnxruntime sessions."""
 
     # Folder with encoder.onnx and scorer.onnx; null: the model shipped in the package.
     path: Path | None = None
@@ -216,23 +237,16 @@ class ModelSettings(_Section):
     # Two-stage ranking: the scorer ranks the best `shortlist` feasible devices by hetero-greedy's
     # estimated finish (its physical prior), more for a gang; 0: every feasible device.
     shortlist: int = Field(64, ge=0, le=1_000_000)
-    # Leave a one-device task queued for a busy device where it would finish sooner (the device's
-    # expected free time, from the run time estimates of the tasks placed there, plus its run time
-    # there) when the scorer ranks that device above the free one it could take now.
-    wait_for_faster: bool = True
-    # With wait_for_faster on, a gang also stays queued for the devices of one host (free now or
-    # busy) where it would finish in under this share of its estimated finish on the devices it
-    # could take now, counting the wait for the last of them (chosen on training seeds); 0: gangs
-    # never wait.
-    gang_wait_factor: float = Field(0.5, ge=0.0, le=1.0)
-    # Queue order within a priority while the GNN decides: shortest estimated run time first (on
-    # the fastest device model the task may use, times its gang), or arrival order.
-    queue_order: Literal["shortest-first", "arrival"] = "shortest-first"
-    # Place an inference service that declares its request rate and request work (labels
-    # request_rate_per_s, request_work_ref_ms) on the slowest devices whose estimated request
-    # latency meets its latency_slo_ms, keeping faster ones for work whose finish depends on speed.
-    fit_services: bool = True
     refresh: ModelRefreshSettings = ModelRefreshSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rules_moved(cls, data: Any) -> Any:
+        moved = sorted(set(data) & set(RulesSettings.model_fields)) if isinstance(data, dict) else []
+        if moved:
+            keys = ", ".join(f"model.{k} -> scheduler.rules.{k}" for k in moved)
+            raise ValueError(f"the rules are settings of every policy that runs them now: move {keys}")
+        return data
 
     @field_validator("providers")
     @classmethod
@@ -248,8 +262,11 @@ class ModelSettings(_Section):
 
 
 class SchedulerSettings(_Section):
-    # "gnn" runs the model of the `model` section, falling back to hetero-greedy while it cannot.
-    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "gnn"] = "gnn"
+    # A preset (hlb.daemon.decide.presets): a baseline scorer alone; "rules": hetero-greedy with the
+    # rules below; "gnn": the model of the `model` section with the same rules, falling back to
+    # plain hetero-greedy while the model cannot decide.
+    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "rules", "gnn"] = "gnn"
+    rules: RulesSettings = RulesSettings()
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
     seed: int = Field(0, ge=0, description="seed of the random policy")
     # Tasks one device may hold at once: 1 gives each task its devices to itself (what GPU device

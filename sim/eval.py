@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from hlb.daemon.decide.policy import POLICY_NAMES, ObjectiveWeights, Policy, make_policy
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
+from hlb.daemon.decide.framework import ObjectiveWeights, Policy
+from hlb.daemon.decide.presets import POLICY_NAMES, make_policy
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.metrics import METRICS, compute_metrics, job_outcomes
 from hlb.sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
@@ -52,20 +54,22 @@ TABLE_METRICS = (
     "jct_gap",
 )
 SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
-# The daemon's GNN, run from its ONNX files as hlb serve runs them: ``gnn`` with its default
-# settings, and variants with a rule off (model.wait_for_faster, model.queue_order,
-# model.fit_services, model.gang_wait_factor 0), to measure what each contributes: (wait, queue
-# order, fit services, gangs wait). Without wait_for_faster no task waits, gangs included.
-GNN_VARIANTS: dict[str, tuple[bool, str, bool, bool]] = {
-    "gnn": (True, "shortest-first", True, True),
-    "gnn-no-wait": (False, "shortest-first", True, True),
-    "gnn-fifo": (True, "arrival", True, True),
-    "gnn-no-wait-fifo": (False, "arrival", True, True),
-    "gnn-no-fit": (True, "shortest-first", False, True),
-    "gnn-no-gang-wait": (True, "shortest-first", True, False),
-    "gnn-no-rules": (False, "arrival", False, False),
+# The presets that run the rules (``scheduler.rules``), each also with rules off, to measure what
+# each contributes: ``gnn`` (the daemon's GNN, run from its ONNX files as hlb serve runs them) and
+# ``rules`` (hetero-greedy: the same rules and physical prior without the learned scorer). Without
+# wait_for_faster no task waits, gangs included.
+RULE_VARIANTS: dict[str, dict[str, Any]] = {
+    "": {},
+    "-no-wait": {"wait_for_faster": False},
+    "-fifo": {"queue_order": "arrival"},
+    "-no-wait-fifo": {"wait_for_faster": False, "queue_order": "arrival"},
+    "-no-fit": {"fit_services": False},
+    "-no-gang-wait": {"gang_wait_factor": 0.0},
+    "-no-rules": {"wait_for_faster": False, "queue_order": "arrival", "fit_services": False, "gang_wait_factor": 0.0},
 }
-LEARNED_POLICIES = tuple(GNN_VARIANTS)
+GNN_VARIANTS = tuple(f"gnn{suffix}" for suffix in RULE_VARIANTS)
+RULES_VARIANTS = tuple(f"rules{suffix}" for suffix in RULE_VARIANTS if suffix != "-no-rules")
+LEARNED_POLICIES = GNN_VARIANTS
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def make_sim_policy(
     and the GNN; ``scheduler.weights`` in the daemon); the others, and the lookahead teacher,
     ignore them. Default: completion time alone.
 
-    ``gnn`` is the daemon's :class:`hlb.daemon.decide.gnn.policy.GnnPolicy` over the ONNX files in ``model``
+    ``gnn`` is the daemon's :class:`hlb.daemon.decide.gnn.scorer.GnnScorer` over the ONNX files in ``model``
     (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
     whenever the graph changed; it loads them on its
     first decision, and a decision it would leave to hetero-greedy's fallback is a RuntimeError
@@ -109,48 +113,29 @@ def make_sim_policy(
 
         return LookaheadPolicy()
     if name in GNN_VARIANTS:
-        return _gnn_policy(model, *GNN_VARIANTS[name], refresh_rows, weights)
+        return make_policy(
+            "gnn", weights, model=_gnn_settings(model, refresh_rows), rules=_rules(name), on_fallback=_refuse_fallback
+        )
+    if name in RULES_VARIANTS:
+        return make_policy("rules", weights, rules=_rules(name))
     if name not in POLICY_NAMES:
-        names = ", ".join((*POLICY_NAMES, *LEARNED_POLICIES, *SIM_POLICIES))
+        names = ", ".join((*POLICY_NAMES, *RULES_VARIANTS, *LEARNED_POLICIES, *SIM_POLICIES))
         raise ValueError(f"unknown policy {name!r}: one of {names}")
     return make_policy(name, weights=weights, seed=seed)
 
 
-def _gnn_settings(
-    model: str | None,
-    wait: bool = True,
-    order: str = "shortest-first",
-    fit: bool = True,
-    gangs_wait: bool = True,
-    refresh_rows: int = 1,
-) -> Any:
-    """The daemon's ``model`` settings with these rules; the gang wait factor is the default's or 0."""
-    from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+def _rules(name: str) -> RulesSettings:
+    """The rules of variant ``name`` (``gnn`` or ``rules`` with a :data:`RULE_VARIANTS` suffix)."""
+    return RulesSettings(**RULE_VARIANTS[name.removeprefix("gnn").removeprefix("rules")])
 
+
+def _gnn_settings(model: str | None, refresh_rows: int = 1) -> ModelSettings:
+    """The daemon's ``model`` settings for the files in ``model``, re-encoding in sync mode."""
     return ModelSettings(
         path=Path(model) if model else None,
         watch=False,
-        wait_for_faster=wait,
-        queue_order=order,
-        fit_services=fit,
-        gang_wait_factor=ModelSettings().gang_wait_factor if gangs_wait else 0.0,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=refresh_rows),
     )
-
-
-def _gnn_policy(
-    model: str | None,
-    wait: bool,
-    order: str,
-    fit: bool,
-    gangs_wait: bool,
-    refresh_rows: int,
-    weights: ObjectiveWeights | None = None,
-) -> Policy:
-    from hlb.daemon.decide.gnn.policy import GnnPolicy
-
-    settings = _gnn_settings(model, wait, order, fit, gangs_wait, refresh_rows)
-    return GnnPolicy(settings, weights, mode="sync", on_fallback=_refuse_fallback)
 
 
 def check_gnn_model(model: str | None) -> None:

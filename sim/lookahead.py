@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.decide.policy import Policy, Scores, Wait, make_policy
+from hlb.daemon.decide.framework import Policy, Scores, Wait
+from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.state.graph import InfraGraph, Rows, Task
 from hlb.sim.simulator import Simulation, SimulationAware
 from hlb.v1 import events_pb2 as ev

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.decide.policy import BatchChooser, Policy, Wait
+from hlb.daemon.decide.framework import BatchChooser, Policy, Wait
 from hlb.daemon.decide.waiting import RunTimes, declared_load, service_lifetime_s
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.state.graph import (

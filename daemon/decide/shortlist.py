@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.decide.policy import GANG_POOL_FACTOR, Scores
+from hlb.daemon.decide.framework import GANG_POOL_FACTOR, Scores
 from hlb.daemon.state.graph import InfraGraph, Occupancy, Rows
 from hlb.v1 import events_pb2 as ev
 

@@ -1,10 +1,10 @@
-"""What a learned policy needs to wait for a faster busy device and to order the queue shortest first.
+"""The estimates behind the rules: waiting for a faster busy device, shortest first, services fitted.
 
-The GNN in the daemon (:class:`hlb.daemon.decide.gnn.policy.GnnPolicy`) and the torch model it is trained as
-(``hlb.export.train.TorchGnnPolicy``) decide by the same rules, so what training optimizes is what the
-daemon runs:
+The plugins of :mod:`hlb.daemon.decide.rules` run these for any scorer (the ``rules`` and ``gnn``
+presets), and the torch model is trained under the same rules (``hlb.export.train``), so what
+training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` setting:
 
-- **Waiting** (``model.wait_for_faster``): a one-device task that could take a free device now is
+- **Waiting** (``wait_for_faster``): a one-device task that could take a free device now is
   compared with the busy devices where it would finish sooner, counting the wait: the device's
   expected free time (``InfraGraph.devices.free_at_ms``, kept by the scheduler from the run time
   estimates of the tasks placed there), the run time of the tasks already waiting for it, then its
@@ -12,16 +12,16 @@ daemon runs:
   each described as it will be once free; the policy's scorer scores them, and the task waits for
   the best of them when that scores above the free device. A device that overran its expected end counts as free in
   as long as it has overrun, so the longer it overruns the less it attracts.
-- **Gangs waiting for a faster host** (``model.gang_wait_factor``, with waiting on): a gang that
+- **Gangs waiting for a faster host** (``gang_wait_factor``, with waiting on): a gang that
   could take devices now is compared with each host whose devices, free now or busy, would finish
   it first, counting the wait for the last of them (:func:`gang_wait`); it waits for the best such
   host when it would finish there in under the factor times its estimated finish on the devices it
   could take now. A rule by estimated finish, as the service rule is: the scorer does not weigh
   it. The factor (0.5) was chosen on training seeds of the training families.
-- **Queue order** (``model.queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
+- **Queue order** (``queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use, times its gang (shortest first), with a service
   (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
-- **Services where they meet their SLO** (``model.fit_services``): a service that declares its
+- **Services where they meet their SLO** (``fit_services``): a service that declares its
   request rate and request work (:data:`hlb.daemon.state.graph.SERVICE_LOAD_LABELS`) lives as long on any
   device, so speed only matters to it up to its SLO. :func:`slo_fit` keeps, of the devices it could
   take, those of the slowest speed whose estimated request latency meets the SLO, and leaves the
@@ -33,13 +33,12 @@ daemon runs:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.decide.gnn import features as feat
-from hlb.daemon.decide.policy import Wait
+from hlb.daemon.decide.framework import Wait, WaitOptions
+from hlb.daemon.decide.scorers import device_share
 from hlb.daemon.state.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph, Rows, Task
 from hlb.daemon.state.profiles import NEVER_S, DeviceProfiles
 from hlb.v1 import events_pb2 as ev
@@ -106,26 +105,6 @@ class RunTimes:
         )
 
 
-@dataclass(frozen=True)
-class WaitOptions:
-    """The busy devices (``rows`` [B]) a task could wait for instead of the free one it could take
-    now (``free_row``), with the scorer's pair features of each as it will be once free [B, PAIR],
-    the estimated wait and run time of each (s) [B], and the estimated finish on the free one (s)."""
-
-    free_row: int
-    rows: Rows
-    pair: feat.Matrix
-    wait_s: NDArray[np.float64]
-    runtime_s: NDArray[np.float64]
-    free_finish_s: float
-
-    def chosen(self, graph: InfraGraph, index: int) -> Wait:
-        """The wait for ``rows[index]``."""
-        row = int(self.rows[index])
-        device_id = graph.devices.ids[row] or ""
-        return Wait(row, device_id, float(self.wait_s[index]), float(self.runtime_s[index]), self.free_finish_s)
-
-
 def free_in_s(graph: InfraGraph, busy: Rows, now_ms: int) -> NDArray[np.float64]:
     """Seconds until each of the ``busy`` rows is expected free (``free_at_ms``); a device that
     overran its expected end counts as free in as long as it has overrun. [B] -> [B]."""
@@ -144,7 +123,6 @@ def wait_options(
     gang: Rows,
     now_ms: int,
     queued_s: Mapping[int, float],
-    profiles: DeviceProfiles,
     runtimes: RunTimes,
 ) -> WaitOptions | None:
     """The options of a one-device task (with work, not a service) that could take ``gang`` now,
@@ -154,7 +132,7 @@ def wait_options(
     if len(gang) != 1 or spec.latency_slo_ms > 0 or spec.work_ref_s <= 0 or not graph.exclusive:
         return None
     by_model = runtimes.by_model(spec, graph)
-    free_finish = float(by_model[graph.devices.model[gang[0]]] / feat.device_share(graph, gang)[0])
+    free_finish = float(by_model[graph.devices.model[gang[0]]] / device_share(graph, gang)[0])
     if free_finish <= by_model.min():  # no device could finish it sooner
         return None
     busy = graph.busy_rows(spec, faster_models=np.flatnonzero(by_model[:-1] < free_finish))
@@ -169,9 +147,7 @@ def wait_options(
     if not len(better):
         return None
     top = better[np.argsort(finish[better], kind="stable")[:WAIT_CANDIDATES]]
-    rows = busy[top]
-    pair = feat.pair_features(spec, graph, rows, profiles, wait_s=wait_s[top])
-    return WaitOptions(int(gang[0]), rows, pair, wait_s[top], runtime[top], free_finish)
+    return WaitOptions(int(gang[0]), busy[top], wait_s[top], runtime[top], free_finish)
 
 
 def gang_wait(

@@ -18,7 +18,7 @@ from hlb.bench.cli import machine
 from hlb.bench.latency import add_arguments, synthetic_devices
 from hlb.cli import main
 from hlb.daemon import config
-from hlb.daemon.decide.policy import POLICY_NAMES
+from hlb.daemon.decide.presets import POLICY_NAMES
 
 
 def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from hlb.cli import main
-from hlb.daemon.decide.policy import make_policy
+from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.serve.api import GrpcServer, SchedulerService
 from hlb.daemon.state.graph import InfraGraph

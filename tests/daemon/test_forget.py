@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from hlb.daemon.config import SchedulerSettings
-from hlb.daemon.decide.policy import LeastLoaded
 from hlb.daemon.decide.scheduler import FORGET_PER_END, Scheduler
+from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.record import snapshot as snap
 from hlb.daemon.state.graph import InfraGraph, TaskState

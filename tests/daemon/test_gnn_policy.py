@@ -17,11 +17,13 @@ from structlog.testing import capture_logs
 
 from hlb.bench.latency import synthetic_devices
 from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.framework import ObjectiveWeights
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import ModelError
-from hlb.daemon.decide.gnn.policy import EmbeddingCache, GnnPolicy
-from hlb.daemon.decide.policy import HeteroGreedy, ObjectiveWeights, make_policy
+from hlb.daemon.decide.gnn.scorer import EmbeddingCache, GnnScorer
+from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import HeteroGreedy
 from hlb.daemon.decide.shortlist import ShortlistBatch
 from hlb.daemon.decide.waiting import request_latency_ms
 from hlb.daemon.state.graph import InfraGraph
@@ -94,7 +96,7 @@ def fallbacks() -> tuple[list[str], Any]:
 
 def test_scores_come_from_the_scorer_over_cached_embeddings(model_dir: Path) -> None:
     graph = cluster()
-    policy = GnnPolicy(settings(model_dir), mode="sync")
+    policy = GnnScorer(settings(model_dir), mode="sync")
     rows = graph.feasible_rows(SPEC)
     scores = policy.score(SPEC, graph, rows)
     cache = policy.cache
@@ -113,9 +115,10 @@ def test_scores_come_from_the_scorer_over_cached_embeddings(model_dir: Path) -> 
 
 def test_make_policy_gnn_re_encodes_after_every_change_in_sync_mode(model_dir: Path) -> None:
     graph = cluster()
-    policy = make_policy("gnn", model=settings(model_dir, mode="sync", min_changed_rows=1))
-    assert isinstance(policy, GnnPolicy)
-    scheduler = Scheduler(graph, policy, PlacementLedger(), "c", clock=lambda: 1.0)
+    preset = make_policy("gnn", model=settings(model_dir, mode="sync", min_changed_rows=1))
+    policy = gnn_scorer(preset)
+    assert policy is not None
+    scheduler = Scheduler(graph, preset, PlacementLedger(), "c", clock=lambda: 1.0)
     first = scheduler.place(ev.TaskSpec(id="a", memory_per_device_gb=1.0, work_ref_s=60.0))
     assert first.placement is not None
     assert first.placement.policy == "gnn"
@@ -127,7 +130,7 @@ def test_make_policy_gnn_re_encodes_after_every_change_in_sync_mode(model_dir: P
 
 def test_sync_mode_re_encodes_for_a_device_added_since_the_cache(model_dir: Path) -> None:
     graph = cluster(16)
-    policy = GnnPolicy(settings(model_dir, min_changed_rows=10_000), mode="sync")
+    policy = GnnScorer(settings(model_dir, min_changed_rows=10_000), mode="sync")
     policy.score(SPEC, graph, graph.feasible_rows(SPEC))
     before = policy.cache
     assert before is not None
@@ -144,7 +147,7 @@ def test_sync_mode_re_encodes_for_a_device_added_since_the_cache(model_dir: Path
 def test_a_device_unknown_to_the_cache_is_decided_by_the_fallback_in_background_mode(model_dir: Path) -> None:
     graph = cluster(16)
     seen, count = fallbacks()
-    policy = GnnPolicy(settings(model_dir, poll_s=60.0), mode="background", on_fallback=count)
+    policy = GnnScorer(settings(model_dir, poll_s=60.0), mode="background", on_fallback=count)
     policy.start(graph, threading.RLock())
     try:
         # Another device takes the row a removed one had: the cached embedding is not its own.
@@ -165,7 +168,7 @@ def test_a_device_unknown_to_the_cache_is_decided_by_the_fallback_in_background_
 # -- fallbacks -------------------------------------------------------------------------------
 
 
-def check_falls_back(policy: GnnPolicy, seen: list[str], code: str) -> None:
+def check_falls_back(policy: GnnScorer, seen: list[str], code: str) -> None:
     graph = cluster()
     rows = graph.feasible_rows(SPEC)
     with capture_logs() as logs:
@@ -182,7 +185,7 @@ def check_falls_back(policy: GnnPolicy, seen: list[str], code: str) -> None:
 
 def test_a_copy_shares_the_model_but_a_policy_refreshing_in_the_background_is_not_copied(model_dir: Path) -> None:
     graph = cluster(16)
-    policy = GnnPolicy(settings(model_dir, poll_s=60.0), mode="background")
+    policy = GnnScorer(settings(model_dir, poll_s=60.0), mode="background")
     policy.start(graph, threading.RLock())
     try:
         with pytest.raises(TypeError, match="background refresher"):
@@ -197,26 +200,26 @@ def test_a_copy_shares_the_model_but_a_policy_refreshing_in_the_background_is_no
 
 def test_a_missing_model_folder_falls_back_to_hetero_greedy(tmp_path: Path) -> None:
     seen, count = fallbacks()
-    check_falls_back(GnnPolicy(settings(tmp_path / "nowhere"), mode="sync", on_fallback=count), seen, "model_missing")
+    check_falls_back(GnnScorer(settings(tmp_path / "nowhere"), mode="sync", on_fallback=count), seen, "model_missing")
 
 
 def test_a_missing_model_file_falls_back(model_dir: Path) -> None:
     (model_dir / "scorer.onnx").unlink()
     seen, count = fallbacks()
-    check_falls_back(GnnPolicy(settings(model_dir), mode="sync", on_fallback=count), seen, "model_missing")
+    check_falls_back(GnnScorer(settings(model_dir), mode="sync", on_fallback=count), seen, "model_missing")
 
 
 def test_corrupt_model_bytes_fall_back(model_dir: Path) -> None:
     data = (model_dir / "encoder.onnx").read_bytes()
     (model_dir / "encoder.onnx").write_bytes(data[: len(data) // 3] + b"\x00garbage" * 100)
     seen, count = fallbacks()
-    check_falls_back(GnnPolicy(settings(model_dir), mode="sync", on_fallback=count), seen, "model_corrupt")
+    check_falls_back(GnnScorer(settings(model_dir), mode="sync", on_fallback=count), seen, "model_corrupt")
 
 
 def test_a_model_for_another_feature_schema_falls_back(model_dir: Path) -> None:
     set_metadata(model_dir / "scorer.onnx", **{"hlb.feature_schema_version": "999"})
     seen, count = fallbacks()
-    policy = GnnPolicy(settings(model_dir), mode="sync", on_fallback=count)
+    policy = GnnScorer(settings(model_dir), mode="sync", on_fallback=count)
     check_falls_back(policy, seen, "model_schema")
     assert "feature schema version '999'" in policy.degraded
 
@@ -225,7 +228,7 @@ def test_an_inference_error_at_request_time_falls_back(model_dir: Path) -> None:
     graph = cluster()
     rows = graph.feasible_rows(SPEC)
     seen, count = fallbacks()
-    policy = GnnPolicy(settings(model_dir), mode="sync", on_fallback=count)
+    policy = GnnScorer(settings(model_dir), mode="sync", on_fallback=count)
     policy.score(SPEC, graph, rows)
     cache = policy.cache
     assert cache is not None
@@ -243,7 +246,7 @@ def test_scores_that_are_not_finite_count_as_an_inference_error(model_dir: Path)
     graph = cluster()
     rows = graph.feasible_rows(SPEC)
     seen, count = fallbacks()
-    policy = GnnPolicy(settings(model_dir), mode="sync", on_fallback=count)
+    policy = GnnScorer(settings(model_dir), mode="sync", on_fallback=count)
     policy.score(SPEC, graph, rows)
     assert policy.cache is not None
     policy.cache.model.score = lambda *a: np.full(len(rows), np.nan, dtype=np.float32)  # type: ignore[method-assign]
@@ -258,7 +261,7 @@ def serving(model_dir: Path) -> Any:
     """A background policy serving the model in ``model_dir`` on a cluster, its thread idle."""
     graph = cluster()
     _seen, count = fallbacks()
-    policy = GnnPolicy(settings(model_dir, poll_s=60.0), mode="background", on_fallback=count)
+    policy = GnnScorer(settings(model_dir, poll_s=60.0), mode="background", on_fallback=count)
     policy.start(graph, threading.RLock())
     yield policy, graph
     policy.stop()
@@ -333,7 +336,7 @@ def test_new_settings_that_do_not_load_raise_and_keep_the_running_model(serving:
 def test_the_watcher_loads_a_model_that_appears_after_start(model_dir: Path, tmp_path: Path) -> None:
     later = tmp_path / "later"
     graph = cluster()
-    policy = GnnPolicy(settings(later, watch=True, poll_s=0.01), mode="background")
+    policy = GnnScorer(settings(later, watch=True, poll_s=0.01), mode="background")
     policy.start(graph, threading.RLock())
     try:
         assert policy.degraded.startswith("model_missing")
@@ -357,7 +360,7 @@ def wait_until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
 def test_requests_during_a_refresh_use_the_old_cache_entirely(model_dir: Path) -> None:
     graph = cluster()
     lock = threading.RLock()
-    policy = GnnPolicy(settings(model_dir, poll_s=0.01, min_changed_rows=1), mode="background")
+    policy = GnnScorer(settings(model_dir, poll_s=0.01, min_changed_rows=1), mode="background")
     policy.start(graph, lock)
     try:
         old = policy.cache
@@ -408,7 +411,7 @@ def test_requests_during_a_refresh_use_the_old_cache_entirely(model_dir: Path) -
 def test_background_refresh_follows_changed_rows_and_the_staleness_budget(model_dir: Path) -> None:
     graph = cluster()
     now = [0.0]
-    policy = GnnPolicy(
+    policy = GnnScorer(
         settings(model_dir, poll_s=60.0, min_changed_rows=10, staleness_s=5.0),
         mode="background",
         monotonic=lambda: now[0],
@@ -441,8 +444,8 @@ def test_background_refresh_follows_changed_rows_and_the_staleness_budget(model_
 def test_weights_reach_the_scorer(model_dir: Path) -> None:
     graph = cluster()
     rows = graph.feasible_rows(SPEC)
-    energy = GnnPolicy(settings(model_dir), ObjectiveWeights(completion_time=0.0, energy=1.0), mode="sync")
-    speed = GnnPolicy(settings(model_dir), ObjectiveWeights(completion_time=1.0), mode="sync")
+    energy = GnnScorer(settings(model_dir), ObjectiveWeights(completion_time=0.0, energy=1.0), mode="sync")
+    speed = GnnScorer(settings(model_dir), ObjectiveWeights(completion_time=1.0), mode="sync")
     assert not np.allclose(energy.score(SPEC, graph, rows), speed.score(SPEC, graph, rows))
 
 
@@ -451,14 +454,17 @@ def test_weights_reach_the_scorer(model_dir: Path) -> None:
 
 def serving_scheduler(
     model_dir: Path, devices: int, shortlist: int, graph: InfraGraph | None = None
-) -> tuple[Scheduler, GnnPolicy]:
-    """A scheduler deciding with the GNN as the daemon runs it (background mode, its thread idle),
-    task features dated by a fixed clock; on ``graph``, else on a cluster of ``devices`` shared ones."""
+) -> tuple[Scheduler, GnnScorer]:
+    """A scheduler deciding with the ``gnn`` preset as the daemon runs it (background mode, its thread
+    idle), task features dated by a fixed clock; on ``graph``, else on a cluster of ``devices``
+    shared ones. Returns the scheduler and the preset's GNN scorer."""
     graph = graph if graph is not None else cluster(devices)
-    policy = GnnPolicy(settings(model_dir, shortlist=shortlist, poll_s=60.0), mode="background")
+    preset = make_policy("gnn", model=settings(model_dir, shortlist=shortlist, poll_s=60.0), mode="background")
+    policy = gnn_scorer(preset)
+    assert policy is not None
     policy.clock_ms = lambda: 1_000_000.0
     policy.start(graph, threading.RLock())
-    return Scheduler(graph, policy, PlacementLedger(), "c", clock=lambda: 1000.0), policy
+    return Scheduler(graph, preset, PlacementLedger(), "c", clock=lambda: 1000.0), policy
 
 
 def one_device_tasks(n: int, prefix: str = "t") -> list[ev.TaskSpec]:

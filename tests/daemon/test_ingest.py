@@ -8,8 +8,8 @@ import threading
 from hlb.daemon.bus.kafka import parse_lag
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Topics
-from hlb.daemon.decide.policy import LeastLoaded
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.ingest.pipeline import Ingestor, drain
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger

@@ -8,20 +8,11 @@ import numpy as np
 import pytest
 
 from hlb.daemon.config import ModelSettings
-from hlb.daemon.decide.gnn.policy import GnnPolicy
-from hlb.daemon.decide.policy import (
-    POLICY_NAMES,
-    BestFit,
-    Heft,
-    HeteroGreedy,
-    LeastLoaded,
-    ObjectiveWeights,
-    Policy,
-    RoundRobin,
-    choose_gang,
-    make_policy,
-)
+from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy, Policy, choose_gang
+from hlb.daemon.decide.gnn.scorer import GnnScorer
+from hlb.daemon.decide.presets import POLICY_NAMES, PRESETS, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import BestFit, Heft, HeteroGreedy, LeastLoaded, RoundRobin
 from hlb.daemon.state.graph import InfraGraph, TaskState
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
@@ -50,10 +41,17 @@ def test_make_policy_knows_exactly_the_documented_names() -> None:
         assert make_policy(name, {"completion_time": 1.0}, seed=3).name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
+    assert PRESETS == (*POLICY_NAMES, "rules", "gnn")
+    rules = make_policy("rules")
+    assert isinstance(rules, PluginPolicy)
+    assert isinstance(rules.scorer, HeteroGreedy)
+    assert rules.name == "rules"
     gnn = make_policy("gnn", model=ModelSettings(path=Path("/nonexistent/hlb-model")))
-    assert isinstance(gnn, GnnPolicy)
-    assert gnn.mode == "sync"
+    assert isinstance(gnn, PluginPolicy)
+    assert isinstance(gnn.scorer, GnnScorer)
+    assert gnn.scorer.mode == "sync"
     assert gnn.name == "hetero-greedy"  # no model there: the best baseline decides
+    assert not gnn.waits  # and the rules do not run meanwhile
 
 
 def test_weights_are_validated() -> None:

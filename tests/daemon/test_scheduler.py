@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlb.daemon.decide.policy import POLICY_NAMES, LeastLoaded, make_policy
+from hlb.daemon.decide.presets import POLICY_NAMES, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.state.graph import InfraGraph, TaskState
 from hlb.daemon.state.ledger import PlacementLedger

@@ -11,8 +11,8 @@ import pytest
 
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Topics
-from hlb.daemon.decide.policy import LeastLoaded
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.ingest.pipeline import Ingestor, drain
 from hlb.daemon.record import snapshot as snap
 from hlb.daemon.state.graph import InfraGraph

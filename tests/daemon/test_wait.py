@@ -1,15 +1,15 @@
 """Waiting for a faster busy device, shortest-first queue order, and services on the slowest devices
-that meet their SLO: what the GNN policy may do and the baselines never do (``model.wait_for_faster``,
-``model.queue_order``, ``model.fit_services``)."""
+that meet their SLO: what the GNN policy may do and the baselines never do (``scheduler.rules.wait_for_faster``,
+``scheduler.rules.queue_order``, ``scheduler.rules.fit_services``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hlb.daemon.config import ModelRefreshSettings, ModelSettings
-from hlb.daemon.decide.gnn.policy import GnnPolicy
-from hlb.daemon.decide.policy import Policy, make_policy
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
+from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.state.graph import InfraGraph, TaskState, check_task_spec, check_task_specs
@@ -31,18 +31,20 @@ class Clock:
 
 def gnn(
     wait_for_faster: bool = True, queue_order: str = "shortest-first", fit_services: bool = True, gang_wait: float = 0.5
-) -> GnnPolicy:
-    """The shipped model, re-encoding before each decision (as in a simulation)."""
+) -> Policy:
+    """The ``gnn`` preset on the shipped model, re-encoding before each decision (as in a simulation)."""
     settings = ModelSettings(
         providers=("CPUExecutionProvider",),
         watch=False,
+        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
+    )
+    rules = RulesSettings(
         wait_for_faster=wait_for_faster,
         queue_order=queue_order,
         fit_services=fit_services,
         gang_wait_factor=gang_wait,
-        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
     )
-    return GnnPolicy(settings, mode="sync")
+    return make_policy("gnn", model=settings, rules=rules)
 
 
 def runtime_s(model: str, work_ref_s: float) -> float:
@@ -61,8 +63,9 @@ def make_scheduler(policy: Policy, clock: Clock) -> Scheduler:
     scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "c", clock=clock)
     for model in (FAST, SLOW):
         scheduler.apply_telemetry(upsert(model))
-    if isinstance(policy, GnnPolicy):
-        policy.clock_ms = lambda: clock() * 1000.0
+    scorer = gnn_scorer(policy)
+    if scorer is not None:
+        scorer.clock_ms = lambda: clock() * 1000.0
     return scheduler
 
 
@@ -188,7 +191,9 @@ def test_queue_order_is_shortest_first_within_a_priority() -> None:
     queue = ["urgent", "service", "unknown-pair", "unknown", "short", "long"]
     assert [t.spec.id for t in scheduler._queue()] == queue
     arrival = gnn(wait_for_faster=False, queue_order="arrival")
-    arrival._cache = policy.cache
+    scorer, loaded = gnn_scorer(arrival), gnn_scorer(policy)
+    assert scorer is not None and loaded is not None
+    scorer._cache = loaded.cache
     scheduler.policy = arrival
     assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short", "service", "unknown-pair", "unknown"]
 
@@ -203,7 +208,7 @@ def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
     assert scheduler._expected_end == {}
 
 
-# -- services where they meet their SLO (model.fit_services) ------------------------------------
+# -- services where they meet their SLO (scheduler.rules.fit_services) ------------------------------------
 
 RATE_PER_S, REQUEST_MS = 40.0, 10.0  # 40 requests/s of 10 reference-device ms: a V100 would be 40% busy
 
@@ -294,7 +299,7 @@ def test_a_bad_declared_load_is_refused_naming_the_label(label: str, value: str)
     assert "svc" not in scheduler.graph.tasks
 
 
-# -- a gang waiting for one host's faster devices (model.gang_wait_factor) ------------------------
+# -- a gang waiting for one host's faster devices (scheduler.rules.gang_wait_factor) ------------------------
 
 
 def two_hosts(policy: Policy, clock: Clock) -> Scheduler:
@@ -304,8 +309,9 @@ def two_hosts(policy: Policy, clock: Clock) -> Scheduler:
         for i in range(2):
             device = ev.Device(id=f"{host[1]}{i}", host_id=host, kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
             scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
-    if isinstance(policy, GnnPolicy):
-        policy.clock_ms = lambda: clock() * 1000.0
+    scorer = gnn_scorer(policy)
+    if scorer is not None:
+        scorer.clock_ms = lambda: clock() * 1000.0
     return scheduler
 
 

@@ -22,8 +22,8 @@ from hlb.daemon.bus.codec import decode
 from hlb.daemon.bus.seam import MemoryBus, RawEvent
 from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
 from hlb.daemon.config import Topics
-from hlb.daemon.decide.policy import LeastLoaded
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import EventError
 from hlb.daemon.ingest.pipeline import Ingestor
 from hlb.daemon.state.graph import InfraGraph

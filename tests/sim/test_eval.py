@@ -11,7 +11,8 @@ import pytest
 from scipy import stats
 
 from hlb.cli import main
-from hlb.daemon.decide.policy import HeteroGreedy, ObjectiveWeights
+from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy
+from hlb.daemon.decide.scorers import HeteroGreedy
 from hlb.sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown, parse_weights
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -114,19 +115,26 @@ def test_bad_arguments_are_clear_errors(
 def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     name: str, wait: bool, order: str, fit: bool, gang_factor: float
 ) -> None:
-    from hlb.daemon.decide.gnn.policy import GnnPolicy
+    from hlb.daemon.decide.framework import PluginPolicy
+    from hlb.daemon.decide.gnn.scorer import GnnScorer
 
     policy = make_sim_policy(name, refresh_rows=256)
-    assert isinstance(policy, GnnPolicy)
-    assert (policy.settings.wait_for_faster, policy.settings.queue_order) == (wait, order)
-    assert policy.settings.fit_services is fit
-    assert policy.settings.gang_wait_factor == gang_factor
-    assert policy.settings.refresh.min_changed_rows == 256
-    assert policy.mode == "sync"
+    assert isinstance(policy, PluginPolicy)
+    assert isinstance(policy.scorer, GnnScorer)
+    assert policy.scorer.settings.refresh.min_changed_rows == 256
+    assert policy.scorer.mode == "sync"
+    assert (policy.queue_order is not None) == (order == "shortest-first")
+    assert [f.name for f in policy.filters] == (["service-fit"] if fit else [])
+    permits = ["gang-wait"] if wait and gang_factor > 0 else []
+    permits += ["service-wait"] if wait and fit else []
+    permits += ["faster-device"] if wait else []
+    assert [p.name for p in policy.permits] == permits
+    gang = [p for p in policy.permits if p.name == "gang-wait"]
+    assert all(getattr(p, "factor", None) == gang_factor for p in gang)
 
 
 def test_weights_reach_the_policies_that_weigh_objectives_and_the_results(tmp_path: Path) -> None:
-    from hlb.daemon.decide.gnn.policy import GnnPolicy
+    from hlb.daemon.decide.presets import gnn_scorer
 
     weights = parse_weights("completion_time=1, energy=2.5")
     assert weights == ObjectiveWeights(completion_time=1.0, utilization=0.0, energy=2.5)
@@ -134,11 +142,15 @@ def test_weights_reach_the_policies_that_weigh_objectives_and_the_results(tmp_pa
     greedy = make_sim_policy("hetero-greedy", weights=weights)
     assert isinstance(greedy, HeteroGreedy)
     assert greedy.weights == weights
-    gnn = make_sim_policy("gnn-no-wait", weights=weights)
-    assert isinstance(gnn, GnnPolicy)
+    gnn = gnn_scorer(make_sim_policy("gnn-no-wait", weights=weights))
+    assert gnn is not None
     assert (gnn.weights, gnn.fallback.weights) == (weights, weights)
-    default = make_sim_policy("gnn")
-    assert isinstance(default, GnnPolicy)
+    rules = make_sim_policy("rules-no-wait", weights=weights)
+    assert isinstance(rules, PluginPolicy)
+    assert isinstance(rules.scorer, HeteroGreedy)
+    assert rules.scorer.weights == weights
+    default = gnn_scorer(make_sim_policy("gnn"))
+    assert default is not None
     assert default.weights == ObjectiveWeights()  # default: completion time alone
 
     out = tmp_path / "weighted"

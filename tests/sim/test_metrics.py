@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from hlb.daemon.decide.policy import POLICY_NAMES, Policy
+from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.presets import POLICY_NAMES
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.lookahead import LookaheadPolicy
 from hlb.sim.metrics import (
@@ -18,8 +19,9 @@ from hlb.sim.metrics import (
     slo_attainment,
     time_average,
 )
+from hlb.sim.result import SimResult, TaskRecord, Timeline
 from hlb.sim.scenarios import build_cluster, build_workload
-from hlb.sim.simulator import SimConfig, SimResult, TaskRecord, Timeline, simulate
+from hlb.sim.simulator import SimConfig, simulate
 
 
 def record(task_id: str, **fields: Any) -> TaskRecord:

@@ -34,6 +34,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from hlb.daemon.decide.scorers import device_share
 from hlb.daemon.state.graph import (
     DEVICE_NODE,
     HOST_NODE,
@@ -631,17 +632,6 @@ def estimated_speed(
                 speed = np.where(hit, measured, speed)
                 profiled |= hit
     return speed, profiled
-
-
-def device_share(graph: InfraGraph, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.float64]:
-    """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
-    there (``1 / (n + 1)``), or what measured load leaves free when that is less. ``occupancy``:
-    instead of the rows' own. [N] -> [N] in (0, 1]."""
-    d = graph.devices
-    placed = 1.0 / (1.0 + (d.n_tasks[rows] if occupancy is None else occupancy.n_tasks))
-    measured = np.maximum(1.0 - d.utilization[rows], 0.05)
-    share: NDArray[np.float64] = np.minimum(placed, measured)
-    return share
 
 
 def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:

@@ -1,4 +1,4 @@
-"""The learned policy: the exported GNN scores a task's feasible candidates against cached embeddings.
+"""The learned scorer: the exported GNN scores a task's feasible candidates against cached embeddings.
 
 A decision runs only the scorer (:meth:`GnnModel.score`) over the candidates: the task's features
 and the (task, device) pair features come fresh from the graph on every call, the device
@@ -18,10 +18,13 @@ Refresh modes (``model.refresh.mode``):
   tasks), then builds the encoder's inputs from the copies and runs the encoder outside it, so
   requests never wait for either. A request naming a device the cache does not know yet (added
   since the refresh) is decided by the fallback and wakes the thread.
-- ``sync`` (the simulator, ``hlb eval``): :meth:`GnnPolicy.refresh_if_changed` runs before each
+- ``sync`` (the simulator, ``hlb eval``): :meth:`GnnScorer.refresh_if_changed` runs before each
   score, in the caller's thread, under the same rules; a new device always re-encodes first.
 
-Safety: a missing, corrupt or schema-mismatched model, or an inference error, makes the policy
+The rules (waiting, shortest first, services fitted) are plugins of the ``gnn`` preset
+(``hlb.daemon.decide.presets``), which run while this scorer is :attr:`~GnnScorer.ready`.
+
+Safety: a missing, corrupt or schema-mismatched model, or an inference error, makes the scorer
 decide with hetero-greedy (the best baseline), log why once, report itself ``degraded`` and count
 each such decision (``on_fallback``). A new model (the files changed, or SIGHUP) is loaded,
 checked and warmed up on the current graph, and only then replaces the running one; a bad one is
@@ -34,7 +37,7 @@ import copy
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,12 +47,13 @@ import structlog
 from numpy.typing import NDArray
 
 from hlb.daemon.config import ModelSettings
+from hlb.daemon.decide.framework import BatchChooser, ObjectiveWeights, Policy, Scores, WaitOptions
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
-from hlb.daemon.decide.policy import BatchChooser, HeteroGreedy, ObjectiveWeights, Policy, Scores, Wait, choose_gang
+from hlb.daemon.decide.scorers import HeteroGreedy
 from hlb.daemon.decide.shortlist import ShortlistBatch, shortlist
-from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
-from hlb.daemon.state.graph import InfraGraph, Occupancy, Rows, Task
+from hlb.daemon.decide.waiting import declared_load
+from hlb.daemon.state.graph import InfraGraph, Occupancy, Rows
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -111,7 +115,7 @@ def file_signature(directory: Path) -> FileSignature:
     return tuple(signature)
 
 
-class GnnPolicy(Policy):
+class GnnScorer(Policy):
     """Scores with the GNN; hetero-greedy decides whenever the GNN cannot (see the module docstring).
 
     A decision is two-stage (:mod:`hlb.daemon.decide.shortlist`): hetero-greedy's score (the scorer's physical
@@ -152,7 +156,6 @@ class GnnPolicy(Policy):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._task_x: tuple[ev.TaskSpec, int, feat.Matrix] | None = None
-        self._runtimes = RunTimes(self.fallback.profiles)
         # Unix ms that date task features (waiting time, deadline slack); a simulation's clock in one.
         self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
         self.refreshes = 0
@@ -173,6 +176,11 @@ class GnnPolicy(Policy):
     def degraded(self) -> str:
         """Why the GNN does not decide now (the fallback does); empty while it does."""
         return "" if self._cache is not None else f"{self._degraded_code}: {self._degraded}"
+
+    @property
+    def ready(self) -> bool:
+        """While the GNN decides (a model is loaded): the rules of its preset run only then."""
+        return self._cache is not None
 
     @property
     def model_version(self) -> str:
@@ -237,11 +245,8 @@ class GnnPolicy(Policy):
     # -- two-stage ranking -------------------------------------------------------------------
 
     def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
-        """The best ``model.shortlist`` feasible rows by hetero-greedy's score (more for a gang);
-        all of them while the fallback decides (it ranks by that score anyway). For a service that
-        declares its load, only those :func:`hlb.daemon.decide.waiting.slo_fit` keeps (``model.fit_services``)."""
-        if self._fits(spec):
-            feasible = slo_fit(spec, graph, feasible, self.fallback.profiles)
+        """The best ``model.shortlist`` feasible rows by hetero-greedy's score (more for a gang); all of
+        them while the fallback decides (it ranks by that score anyway)."""
         k = self.settings.shortlist
         if self._cache is None or k <= 0 or len(feasible) <= k:
             return feasible
@@ -249,68 +254,31 @@ class GnnPolicy(Policy):
         picked: Rows = feasible[shortlist(graph, feasible, prior, k, max(1, spec.num_devices))]
         return picked
 
-    def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
-    ) -> tuple[Rows, float]:
-        """The gang among the shortlist of ``feasible`` (among ``feasible`` when ``scores`` are given)."""
-        if scores is not None or len(feasible) < max(1, spec.num_devices):  # the latter: nothing to score
-            return choose_gang(self, spec, graph, feasible, scores)
+    def prepare(self, graph: InfraGraph) -> None:
+        """Sync mode: load the model on first use, re-encode a changed graph (:meth:`refresh_if_changed`)."""
         if self.mode == "sync":
-            self.refresh_if_changed(graph)  # loads the model on first use: the shortlist applies from then
-        rows = self.shortlist(spec, graph, feasible)
-        return choose_gang(self, spec, graph, rows, self.score(spec, graph, rows))
+            self.refresh_if_changed(graph)
 
-    def _fits(self, spec: ev.TaskSpec) -> bool:
-        """Whether ``model.fit_services`` applies to the task (a service that declares its load)
-        while the GNN decides."""
-        return self.settings.fit_services and self._cache is not None and declared_load(spec) is not None
-
-    # -- waiting and queue order ---------------------------------------------------------------
-
-    @property
-    def waits(self) -> bool:
-        """While the GNN decides and ``model.wait_for_faster`` is on (the fallback never waits)."""
-        return self.settings.wait_for_faster and self._cache is not None
-
-    def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
-    ) -> Wait | None:
-        """A busy device to wait for instead of the free one in ``gang`` (scored ``score``): the
-        best of :func:`hlb.daemon.decide.waiting.wait_options` by the scorer, when it scores above ``score``;
-        for a service with a declared load, :func:`hlb.daemon.decide.waiting.service_wait`; for a gang, the
-        host of :func:`hlb.daemon.decide.waiting.gang_wait` (``model.gang_wait_factor``)."""
+    def score_waits(self, spec: ev.TaskSpec, graph: InfraGraph, waits: WaitOptions) -> Scores | None:
+        """The scorer's scores of busy devices described as they will be once free (pair features
+        with the wait counted); None while the GNN cannot score them. [B] -> [B]."""
         cache = self._cache
         if cache is None:
             return None
-        if len(gang) > 1:
-            factor = self.settings.gang_wait_factor
-            return gang_wait(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, factor)
-        if self._fits(spec):
-            return service_wait(spec, graph, gang, now_ms, self.fallback.profiles)
-        options = wait_options(spec, graph, gang, now_ms, queued_s, self.fallback.profiles, self._runtimes)
-        if options is None:
-            return None
-        positions = cache.positions_of(graph, options.rows)
+        positions = cache.positions_of(graph, waits.rows)
         if positions is None:
             return None
+        pair = feat.pair_features(spec, graph, waits.rows, self.fallback.profiles, wait_s=waits.wait_s)
         try:
             scores = cache.model.score(
-                self._task_features(spec), cache.device_emb[positions], options.pair, cache.context, self._weights
+                self._task_features(spec), cache.device_emb[positions], pair, cache.context, self._weights
             )
-            if scores.shape != (len(options.rows),) or not np.isfinite(scores).all():
+            if scores.shape != (len(waits.rows),) or not np.isfinite(scores).all():
                 raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
         except Exception as error:  # onnxruntime raises its own untyped errors
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
             return None
-        best = int(np.argmax(scores))
-        return options.chosen(graph, best) if float(scores[best]) > score else None
-
-    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        """Shortest first within a priority (``model.queue_order``, :meth:`hlb.daemon.decide.waiting.RunTimes.ranks`);
-        arrival order while the fallback decides."""
-        if self.settings.queue_order != "shortest-first" or self._cache is None or not tasks:
-            return None
-        return self._runtimes.ranks(graph, tasks)
+        return scores.astype(np.float64)
 
     def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
         """Task features besides the shape: priority, waiting time and deadline, latency SLO, and a
@@ -321,7 +289,7 @@ class GnnPolicy(Policy):
         """One-device tasks without dependencies, while the model serves in background mode (sync
         mode re-encodes between decisions): a :class:`ShortlistBatch` on the current cache."""
         cache = self._cache
-        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies or self._fits(spec):
+        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies:
             return None
         runtime = self.fallback.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
         fallback = self.fallback
@@ -357,18 +325,17 @@ class GnnPolicy(Policy):
         """In a simulation (``hlb.sim.simulator.Simulation``): date task features by its clock."""
         self.clock_ms = sim.clock.now_ms
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> GnnPolicy:
+    def __deepcopy__(self, memo: dict[int, Any]) -> GnnScorer:
         """A copy for a simulation's fork (the lookahead oracle forks its base policy at each
         decision): it shares the loaded model, re-encodes it on the fork's graph at its first
         decision, dates tasks by the fork's clock (copied through ``memo`` with the simulation), and
         keeps none of this policy's per-decision state. Only a policy that refreshes in sync mode (a
         simulation's) can be copied: a background refresher belongs to one graph."""
         if self._thread is not None:
-            raise TypeError("a GnnPolicy with a background refresher cannot be copied")
+            raise TypeError("a GnnScorer with a background refresher cannot be copied")
         twin = copy.copy(self)
         twin.clock_ms = copy.deepcopy(self.clock_ms, memo)
         twin._task_x = None
-        twin._runtimes = RunTimes(self.fallback.profiles)
         return twin
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
@@ -634,4 +601,4 @@ class GnnPolicy(Policy):
             )
 
 
-__all__ = ["EmbeddingCache", "GnnPolicy", "file_signature"]
+__all__ = ["EmbeddingCache", "GnnScorer", "file_signature"]

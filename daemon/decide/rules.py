@@ -1,0 +1,132 @@
+"""The rules as plugins: any scorer that is ready runs them (the ``rules`` and ``gnn`` presets).
+
+Each is a small plugin at one extension point of :mod:`hlb.daemon.decide.framework`, built on the
+estimates of :mod:`hlb.daemon.decide.waiting` (which says what each rule does and why):
+
+- :class:`ShortestFirst` (queue order): shortest estimated run time first within a priority;
+- :class:`ServiceFit` (filter): a service that declares its load goes to the slowest devices that
+  meet its latency SLO;
+- :class:`GangWait`, :class:`ServiceWait`, :class:`FasterDevice` (permit, in that order): a gang
+  waits for a host where it would finish in under ``factor`` of its finish now; a fitted service
+  waits for a busy device that meets its SLO when no free one does; any other one-device task
+  waits for a busy device the scorer ranks above the free one it could take now.
+
+``scheduler.rules`` in the configuration turns each on or off; :func:`rule_plugins` builds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hlb.daemon.config import RulesSettings
+from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrder, Wait
+from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
+from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.daemon.state.profiles import DeviceProfiles
+from hlb.v1 import events_pb2 as ev
+
+
+class ShortestFirst:
+    """Queue order: :meth:`RunTimes.ranks` (shortest estimated run time times the gang first)."""
+
+    name = "shortest-first"
+
+    def __init__(self, profiles: DeviceProfiles) -> None:
+        self.runtimes = RunTimes(profiles)
+
+    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        return self.runtimes.ranks(graph, tasks) if tasks else None
+
+
+@dataclass(frozen=True)
+class ServiceFit:
+    """Filter: a service with a declared load keeps the slowest devices meeting its SLO (:func:`slo_fit`)."""
+
+    profiles: DeviceProfiles
+    name: str = "service-fit"
+
+    def applies(self, spec: ev.TaskSpec) -> bool:
+        return declared_load(spec) is not None
+
+    def filter(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Rows:
+        return slo_fit(spec, graph, rows, self.profiles)
+
+
+@dataclass(frozen=True)
+class ServiceWait:
+    """Permit: a one-device service with a declared load waits for a busy device meeting its SLO
+    when no free one does (:func:`service_wait`)."""
+
+    profiles: DeviceProfiles
+    name: str = "service-wait"
+
+    def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
+        return len(gang) == 1 and declared_load(spec) is not None
+
+    def wait(self, request: PermitRequest) -> Wait | None:
+        return service_wait(request.spec, request.graph, request.gang, request.now_ms, self.profiles)
+
+
+@dataclass(frozen=True)
+class GangWait:
+    """Permit: a gang waits for the host where it would finish first when that is under ``factor`` of
+    its finish on the gang it could take now (:func:`gang_wait`)."""
+
+    profiles: DeviceProfiles
+    factor: float
+    name: str = "gang-wait"
+
+    def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
+        return len(gang) > 1
+
+    def wait(self, request: PermitRequest) -> Wait | None:
+        r = request
+        return gang_wait(r.spec, r.graph, r.gang, r.now_ms, r.queued_s, self.profiles, self.factor)
+
+
+class FasterDevice:
+    """Permit: a one-device task waits for the busy device the scorer ranks best among
+    :func:`wait_options`, when it ranks it above the free device it could take now."""
+
+    name = "faster-device"
+
+    def __init__(self, profiles: DeviceProfiles) -> None:
+        self.runtimes = RunTimes(profiles)
+
+    def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
+        return len(gang) == 1
+
+    def wait(self, request: PermitRequest) -> Wait | None:
+        r = request
+        options = wait_options(r.spec, r.graph, r.gang, r.now_ms, r.queued_s, self.runtimes)
+        if options is None:
+            return None
+        scores = r.scorer.score_waits(r.spec, r.graph, options)
+        if scores is None:
+            return None
+        best = int(np.argmax(scores))
+        return options.chosen(r.graph, best) if float(scores[best]) > r.score else None
+
+
+def rule_plugins(
+    settings: RulesSettings, profiles: DeviceProfiles
+) -> tuple[QueueOrder | None, tuple[Filter, ...], tuple[Permit, ...]]:
+    """The queue order, filters and permits ``settings`` turn on. Without ``wait_for_faster`` no task
+    waits, gangs and services included."""
+    queue_order = ShortestFirst(profiles) if settings.queue_order == "shortest-first" else None
+    filters: tuple[Filter, ...] = (ServiceFit(profiles),) if settings.fit_services else ()
+    permits: list[Permit] = []
+    if settings.wait_for_faster:
+        if settings.gang_wait_factor > 0:
+            permits.append(GangWait(profiles, settings.gang_wait_factor))
+        if settings.fit_services:
+            permits.append(ServiceWait(profiles))
+        permits.append(FasterDevice(profiles))
+    return queue_order, filters, tuple(permits)
+
+
+__all__ = ["FasterDevice", "GangWait", "ServiceFit", "ServiceWait", "ShortestFirst", "rule_plugins"]
