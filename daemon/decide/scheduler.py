@@ -15,41 +15,33 @@ the ledger with a sequence number, and a replayed submission binds to its earlie
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from numpy.typing import NDArray
 
-from hlb.daemon.decide.framework import BatchChooser, Policy, Wait
-from hlb.daemon.decide.waiting import RunTimes, declared_load, service_lifetime_s
+from hlb.daemon.decide.batch import BatchScores
+from hlb.daemon.decide.device_waits import DeviceWaits
+from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
+from hlb.daemon.decide.framework import Policy
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.state.graph import (
     CONSTRAINTS,
     Exclusion,
     InfraGraph,
-    Rows,
     Task,
     TaskState,
     check_task_spec,
     check_task_specs,
 )
 from hlb.daemon.state.ledger import PlacementLedger
-from hlb.daemon.state.profiles import NEVER_S, default_profiles
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
 Clock = Callable[[], float]  # seconds since the Unix epoch
 
 DEFAULT_TOP_K = 5
-# Ended tasks forgotten (``keep_ended_s``) whose id and final state are still remembered, oldest
-# dropped first: a dependency on one resolves, and a submission reusing its id is refused.
-DEFAULT_REMEMBER_ENDED = 200_000
-# Ended tasks forgotten at most per task that ends: a few at a time, so that no call holds the
-# daemon's lock for long, and more than one, so that a backlog (after a restore) drains.
-FORGET_PER_END = 16
 
 
 class Decision(NamedTuple):
@@ -69,149 +61,6 @@ class Explanation:
     excluded: list[Exclusion] = field(default_factory=list)
     pending: api.Pending | None = None
     placement: ev.Placement | None = None
-
-
-ShapeKey = tuple[object, ...]
-MAX_CACHED_SHAPES = 16
-
-
-def _shape(spec: ev.TaskSpec, policy: Policy, plain: bool = False) -> ShapeKey | None:
-    """What a row-local policy's scores depend on, or None for a task whose scores depend on more
-    (its dependencies' placements). ``plain``: the spec names no lists (``Task.plain``)."""
-    lists: tuple[tuple[object, ...], ...] = ((), (), ())
-    if not plain:
-        if spec.dependencies:
-            return None
-        kinds, models, preferred = spec.allowed_kinds, spec.allowed_models, spec.preferred_models
-        if kinds or models or preferred:  # most specs name none: no copy (a batch asks per task)
-            lists = (tuple(kinds), tuple(models), tuple(preferred))
-    return (
-        *policy.task_key(spec),
-        spec.workload_class,
-        spec.kind,
-        spec.num_devices,
-        spec.memory_per_device_gb,
-        spec.work_ref_s,
-        *lists,
-    )
-
-
-@dataclass
-class _Shape:
-    """One task shape's feasible rows (ascending) and their scores, with the rows bound since."""
-
-    spec: ev.TaskSpec
-    score: Callable[[Rows], NDArray[np.float64]]  # the policy's batch_scorer for the shape
-    rows: Rows
-    scores: NDArray[np.float64]
-    stale: set[int] = field(default_factory=set)  # device rows bound since ``scores`` were computed
-
-
-class _BatchScores:
-    """Feasible rows and their scores per task shape, kept exact through one batch.
-
-    A policy may decide a shape's tasks its own way instead (``Policy.batch_chooser``: the GNN's
-    scores computed ahead); then it is told of every binding, and whether it was its own answer.
-
-    Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
-    memory and capacity: rows never become feasible, and only the rows just bound change score or
-    drop out. With a row-local policy, rescoring those rows gives exactly what a full pass would.
-
-    Rescoring is lazy: a binding only marks its rows stale in every shape, and a shape's stale rows
-    are checked and rescored together (one vectorized call) when a task of that shape needs them.
-    When the policy declares that a binding never raises a row's score
-    (``Policy.binding_lowers_scores``), a stale score is an upper bound of the true one, so a
-    one-device task whose best score is on a row that is not stale takes that row without any
-    rescoring: no other row can beat it, nor tie it from an earlier position.
-    """
-
-    def __init__(self, graph: InfraGraph, policy: Policy) -> None:
-        self.graph = graph
-        self.policy = policy
-        self.entries: dict[ShapeKey, _Shape] = {}
-        # With the default choose_gang a task of one device takes the first of the best scores.
-        self.first_best = type(policy).choose_gang is Policy.choose_gang
-        self.upper_bounds = policy.binding_lowers_scores and self.first_best
-        self.choosers: dict[ShapeKey, BatchChooser | None] = {}
-        self.answered: BatchChooser | None = None  # the chooser that answered the last ``choose``
-
-    def choose(self, spec: ev.TaskSpec, plain: bool = False) -> tuple[Rows, Rows, float] | None:
-        """(feasible rows, gang, mean score) as ``feasible_rows`` and ``choose_gang`` would give them
-        now; None for a task whose scores depend on more than its shape (not cached). ``plain``:
-        the spec names no lists (``Task.plain``)."""
-        self.answered = None
-        key = _shape(spec, self.policy, plain)
-        if key is None:
-            return None
-        if key in self.choosers:
-            chooser = self.choosers[key]
-        else:
-            chooser = self.choosers[key] = self.policy.batch_chooser(spec, self.graph)
-        if chooser is not None:
-            self.answered = chooser
-            return chooser.choose(spec)
-        if not self.policy.row_local:
-            return None
-        entry = self.entries.get(key)
-        if entry is None:
-            rows = self.graph.feasible_rows(spec)
-            scorer = self.policy.batch_scorer(spec, self.graph)
-            entry = _Shape(spec, scorer, rows, np.array(scorer(rows), dtype=np.float64))
-            if len(self.entries) >= MAX_CACHED_SHAPES:
-                del self.entries[next(iter(self.entries))]
-            self.entries[key] = entry
-        elif entry.stale:
-            if self.upper_bounds and spec.num_devices <= 1 and len(entry.rows):
-                best = int(entry.scores.argmax())
-                if int(entry.rows[best]) not in entry.stale:
-                    return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
-            self._refresh(entry)
-        if self.first_best and spec.num_devices <= 1:  # choose_gang's answer, without its call
-            if not len(entry.rows):
-                return entry.rows, entry.rows, 0.0
-            best = int(entry.scores.argmax())
-            return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])
-        gang, score = self.policy.choose_gang(spec, self.graph, entry.rows, entry.scores)
-        return entry.rows, gang, score
-
-    def bound(self, changed: Sequence[int]) -> None:
-        """The batch bound ``changed`` device rows: their scores are stale in every shape."""
-        for entry in self.entries.values():
-            entry.stale.update(changed)
-        for chooser in self.choosers.values():
-            if chooser is not None:
-                chooser.bound(changed, chooser is self.answered)
-        self.answered = None
-
-    def _refresh(self, entry: _Shape) -> None:
-        """Recheck and rescore the entry's stale rows; drop those that no longer fit."""
-        rows = entry.rows
-        if len(entry.stale) == 1:  # the common case (one device bound since): a slice, no masks
-            row = entry.stale.pop()
-            i = int(rows.searchsorted(row))
-            if i == len(rows) or rows[i] != row:
-                return
-            one = rows[i : i + 1]
-            if self.graph.room(entry.spec, one)[0]:
-                entry.scores[i : i + 1] = entry.score(one)
-            else:
-                entry.rows, entry.scores = np.delete(rows, i), np.delete(entry.scores, i)
-            return
-        changed = np.fromiter(sorted(entry.stale), dtype=np.int64, count=len(entry.stale))
-        entry.stale.clear()
-        if not len(rows):
-            return
-        at: NDArray[np.intp] = rows.searchsorted(changed)
-        at = at[(at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == changed)]
-        if not len(at):
-            return
-        ok = self.graph.room(entry.spec, rows[at])
-        if ok.any():
-            entry.scores[at[ok]] = entry.score(rows[at[ok]])
-        if not ok.all():
-            keep = np.ones(len(rows), dtype=np.bool_)
-            keep[at[~ok]] = False
-            entry.rows, entry.scores = rows[keep], entry.scores[keep]
 
 
 class Scheduler:
@@ -240,25 +89,8 @@ class Scheduler:
         self._seen = (graph.version, graph.metrics_version)
         self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
         self._order_version = -1
-        # For a policy that may wait for a busy device (Policy.waits): when each placed task is
-        # expected to end (Unix ms, from the device profiles' run time estimate), and which row each
-        # waiting task waits for with how many seconds of run time (other tasks queue behind it).
-        self._runtimes = RunTimes(default_profiles())
-        self._expected_end: dict[str, int] = {}
-        self._waiting: dict[str, Wait] = {}
-        self._queued_s: dict[int, float] = {}
-        self.waits_decided = 0  # decisions to wait for a busy device, dry runs aside
-        # Ended tasks are forgotten ``keep_ended_s`` after they ended (0: kept for the process's
-        # life): dropped from the graph and the ledger's memory, their id and final state kept in
-        # ``forgotten`` (the newest ``remember_ended``). A task that a task not yet ended depends
-        # on is kept until that one ends (its placement gives the child's data locality).
-        self.keep_ended_s = keep_ended_s
-        self.remember_ended = remember_ended
-        self.forgotten: dict[str, TaskState] = {}
-        self._forgotten_order: deque[str] = deque()  # the same ids, oldest first
-        self.forgotten_total = 0
-        self._ended: deque[tuple[float, str]] = deque()  # (when it ended, task id), oldest first
-        self._dependents: dict[str, int] = {}  # task id -> tasks not ended yet that depend on it
+        self.device_waits = DeviceWaits()  # for a policy that may wait for a busy device
+        self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
 
     @property
     def policy(self) -> Policy:
@@ -316,8 +148,7 @@ class Scheduler:
         else:
             final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
             self.graph.release(task, final)
-            if self._expected_end.pop(task_id, None) is not None:
-                self._update_free_at(task.device_rows)
+            self.device_waits.ended(self.graph, task)
             self._dirty = True
             self._task_ended(task)
 
@@ -330,12 +161,12 @@ class Scheduler:
         task_id = spec.id  # each read of a protobuf field costs a lookup
         known = task_id in self.graph.tasks
         if not known and self.forgotten and task_id in self.forgotten:
-            raise InvalidEventError(self._forgotten_message(task_id, "already ended"), "duplicate_id")
+            raise InvalidEventError(self.ended.message(task_id, "already ended"), "duplicate_id")
         task = self.graph.add_task(spec, cell, checked=checked, plain=plain)
         if known:
             return task
         if not plain:
-            self._count_dependents(spec, 1)
+            self.ended.count_dependents(spec, 1)
         earlier = self.ledger.get(task_id)
         if earlier is not None:
             self._unbound[task_id] = earlier
@@ -413,12 +244,12 @@ class Scheduler:
                     f"tasks[{i}]: task {task_id} is already known with another spec", "duplicate_id"
                 )
             if forgotten and known is None and task_id in forgotten:
-                why = self._forgotten_message(task_id, "already ended")
+                why = self.ended.message(task_id, "already ended")
                 raise InvalidEventError(f"tasks[{i}]: {why}", "duplicate_id")
         order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
         decisions: list[Decision | None] = [None] * len(specs)
         probes: list[Task] = []
-        cache = _BatchScores(self.graph, self.policy)
+        cache = BatchScores(self.graph, self.policy)
         try:
             for i in order:
                 spec = specs[i]
@@ -452,7 +283,7 @@ class Scheduler:
         task = self.graph.tasks.get(task_id)
         if task is None:
             if task_id in self.forgotten:
-                raise UnknownTaskError(self._forgotten_message(task_id, "ended"))
+                raise UnknownTaskError(self.ended.message(task_id, "ended"))
             raise UnknownTaskError(f"unknown task {task_id!r}")
         if task.state == TaskState.PENDING:
             return Decision(pending=self._pending_message(task))
@@ -473,9 +304,14 @@ class Scheduler:
         return len(self._pending)
 
     @property
+    def waits_decided(self) -> int:
+        """Decisions to wait for a busy device, dry runs aside."""
+        return self.device_waits.decided
+
+    @property
     def waiting_count(self) -> int:
         """Queued tasks the policy holds for a busy device where they would finish sooner."""
-        return len(self._waiting)
+        return len(self.device_waits.waiting)
 
     def score_devices(self, spec: ev.TaskSpec, device_ids: Sequence[str]) -> list[api.DeviceScore]:
         """The policy's scores for ``spec`` over the caller's devices, in their order. A device that
@@ -554,24 +390,9 @@ class Scheduler:
     def _dequeue(self, task_id: str) -> None:
         if self._pending.pop(task_id, None) is not None:
             self._order = None
-        self._stop_waiting(task_id)
+        self.device_waits.stop(task_id)
 
     # -- waiting for a busy device (a policy that may wait) ------------------------------------
-
-    def _start_waiting(self, task_id: str, wait: Wait) -> None:
-        self.waits_decided += 1
-        self._waiting[task_id] = wait
-        self._queued_s[wait.row] = self._queued_s.get(wait.row, 0.0) + wait.runtime_s
-
-    def _stop_waiting(self, task_id: str) -> None:
-        wait = self._waiting.pop(task_id, None)
-        if wait is None:
-            return
-        left = self._queued_s.get(wait.row, 0.0) - wait.runtime_s
-        if left > 1e-9:
-            self._queued_s[wait.row] = left
-        else:
-            self._queued_s.pop(wait.row, None)
 
     @property
     def _may_wait(self) -> bool:
@@ -579,46 +400,21 @@ class Scheduler:
         return self.policy.waits and self.graph.exclusive
 
     def _expect_end(self, task: Task) -> None:
-        """Record when ``task`` (bound now, or started now) should end on its devices: its run time
-        estimate on the slowest of them from now. Only on exclusive devices (a task waits for one
-        only there) and for a policy that waits. A service lives its lifetime wherever it runs
-        (known from its declared load, :func:`hlb.daemon.decide.waiting.service_lifetime_s`). A task without
-        work, or a service without a declared load, has no end to expect, and a device holding only
-        such tasks never attracts a waiting task."""
-        spec = task.spec
-        if not self._may_wait or spec.work_ref_s <= 0 or not task.device_rows:
-            return
-        if spec.latency_slo_ms > 0:
-            load = declared_load(spec)
-            if load is None:
-                return
-            runtime = service_lifetime_s(spec, load)
-        else:
-            rows = np.asarray(task.device_rows, dtype=np.int64)
-            runtime = float(self._runtimes.of_rows(spec, self.graph, rows).max())
-        if runtime >= NEVER_S:
-            return
-        self._expected_end[spec.id] = int((self.clock() + runtime) * 1000.0)
-        self._update_free_at(task.device_rows)
-
-    def _update_free_at(self, rows: Sequence[int]) -> None:
-        """Each row's ``free_at_ms``: the earliest expected end among its tasks (0: none expected)."""
-        d, ends = self.graph.devices, self._expected_end
-        for row in rows:
-            known = [ends[t] for t in self.graph.tasks_on_device(row) if t in ends]
-            d.free_at_ms[row] = min(known) if known else 0
+        """:meth:`DeviceWaits.expect_end`, for a policy that waits (the only one that reads it)."""
+        if self._may_wait:
+            self.device_waits.expect_end(self.graph, task, self.clock())
 
     def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
         return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))
 
-    def _try_place(self, task: Task, dry_run: bool, cache: _BatchScores | None = None) -> ev.Placement | None:
+    def _try_place(self, task: Task, dry_run: bool, cache: BatchScores | None = None) -> ev.Placement | None:
         """The task's placement if it fits now (recorded unless ``dry_run``); else None and why, on the task.
 
         ``cache``: a batch's feasible rows and scores by shape, told about the binding made here.
         """
         spec, task_id = task.spec, task.spec.id  # each read of a protobuf field costs a lookup
         if not dry_run:
-            self._stop_waiting(task_id)  # decided afresh: an earlier wait no longer holds a device
+            self.device_waits.stop(task_id)  # decided afresh: an earlier wait no longer holds a device
         waiting_for = None if task.plain or not spec.dependencies else self._unfinished_dependency(task)
         if waiting_for is not None:
             task.pending_reason = waiting_for
@@ -635,11 +431,11 @@ class Scheduler:
         may_wait = self._may_wait
         if may_wait:
             now_ms = int(self.clock() * 1000.0)
-            wait = self.policy.wait_for(spec, self.graph, gang, score, now_ms, self._queued_s)
+            wait = self.policy.wait_for(spec, self.graph, gang, score, now_ms, self.device_waits.queued_s)
             if wait is not None:
                 task.pending_reason = wait.reason
                 if not dry_run:
-                    self._start_waiting(task_id, wait)
+                    self.device_waits.start(task_id, wait)
                 return None
         rows: list[int] = gang.tolist()
         device_ids = self.graph.device_ids_of(rows)
@@ -676,83 +472,42 @@ class Scheduler:
                 return f"waiting for dependency {dep.task_id} ({state.label})"
         return None
 
-    # -- forgetting ended tasks ----------------------------------------------------------------
+    # -- forgetting ended tasks (hlb.daemon.decide.forgetting) -------------------------------
 
     def _task_ended(self, task: Task) -> None:
-        """``task`` reached a final state now: it no longer holds its dependencies, and it is
-        forgotten ``keep_ended_s`` from now."""
-        spec = task.spec
-        self._count_dependents(spec, -1)
-        now = self.clock()
-        self._ended.append((now, spec.id))
-        if self.keep_ended_s > 0:
-            self.forget_ended(now, FORGET_PER_END)
+        self.ended.task_ended(self.graph, task.spec, self.clock())
 
     def forget_ended(self, now: float, limit: int | None = None) -> int:
-        """Forget the tasks that ended ``keep_ended_s`` or more before ``now`` (none while it is 0;
-        at most ``limit`` of them), except those a task not ended yet depends on (looked at again
-        ``keep_ended_s`` later); returns how many. Runs by itself as tasks end, a few each time."""
-        if self.keep_ended_s <= 0:
-            return 0
-        horizon, ended, tasks = now - self.keep_ended_s, self._ended, self.graph.tasks
-        gone: list[str] = []
-        kept: list[str] = []
-        budget = len(ended) if limit is None else limit
-        while ended and ended[0][0] <= horizon and budget > 0:
-            budget -= 1
-            task_id = ended.popleft()[1]
-            task = tasks.get(task_id)
-            if task is None:  # forgotten already
-                continue
-            if task_id in self._dependents:
-                kept.append(task_id)
-                continue
-            del tasks[task_id]
-            self.forgotten[task_id] = task.state
-            self._forgotten_order.append(task_id)
-            gone.append(task_id)
-        ended.extend((now, task_id) for task_id in kept)
-        self._trim_forgotten()
-        self.ledger.forget(gone)
-        self.forgotten_total += len(gone)
-        return len(gone)
+        """See :meth:`EndedTasks.forget_ended`."""
+        return self.ended.forget_ended(self.graph, now, limit)
 
     def remember_restored(self, forgotten: dict[str, TaskState]) -> None:
-        """After a snapshot is installed: the forgotten ids it kept, the ended tasks it holds (to be
-        forgotten ``keep_ended_s`` from now) and the dependencies of those not ended. The ledger's
-        decisions of forgotten tasks (read back from the topic) are dropped from memory again."""
-        self.forgotten = dict(forgotten)
-        self._forgotten_order = deque(self.forgotten)
-        self._trim_forgotten()
-        now = self.clock()
-        self._ended.clear()
-        self._dependents.clear()
-        for task_id, task in self.graph.tasks.items():
-            if task.state.is_final:
-                self._ended.append((now, task_id))
-            else:
-                self._count_dependents(task.spec, 1)
-        self.ledger.forget(list(self.forgotten))
+        """See :meth:`EndedTasks.remember_restored`."""
+        self.ended.remember_restored(self.graph, forgotten, self.clock())
 
-    def _count_dependents(self, spec: ev.TaskSpec, step: int) -> None:
-        """``spec``'s task starts (1) or stops (-1) holding each of its dependencies in memory."""
-        dependents = self._dependents
-        for dep in spec.dependencies:
-            left = dependents.get(dep.task_id, 0) + step
-            if left > 0:
-                dependents[dep.task_id] = left
-            else:
-                dependents.pop(dep.task_id, None)
+    @property
+    def forgotten(self) -> dict[str, TaskState]:
+        return self.ended.forgotten
 
-    def _trim_forgotten(self) -> None:
-        """Keep the newest ``remember_ended`` forgotten ids."""
-        forgotten, order = self.forgotten, self._forgotten_order
-        while len(forgotten) > self.remember_ended:
-            del forgotten[order.popleft()]
+    @property
+    def forgotten_total(self) -> int:
+        return self.ended.forgotten_total
 
-    def _forgotten_message(self, task_id: str, what: str) -> str:
-        state = self.forgotten[task_id].label
-        return f"task {task_id!r} {what} ({state}) and was forgotten after scheduler.keep_ended_s"
+    @property
+    def keep_ended_s(self) -> float:
+        return self.ended.keep_ended_s
+
+    @keep_ended_s.setter
+    def keep_ended_s(self, value: float) -> None:
+        self.ended.keep_ended_s = value
+
+    @property
+    def remember_ended(self) -> int:
+        return self.ended.remember_ended
+
+    @remember_ended.setter
+    def remember_ended(self, value: int) -> None:
+        self.ended.remember_ended = value
 
     def _pending_message(self, task: Task) -> api.Pending:
         return api.Pending(

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from hlb.daemon.config import SchedulerSettings
-from hlb.daemon.decide.scheduler import FORGET_PER_END, Scheduler
+from hlb.daemon.decide.forgetting import FORGET_PER_END
+from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.record import snapshot as snap

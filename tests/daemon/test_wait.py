@@ -122,7 +122,7 @@ def test_tasks_waiting_for_one_device_queue_behind_each_other() -> None:
     assert scheduler.lookup("x").pending is not None
     # x cancelled: what it held on the fast device is no longer counted for the next task.
     scheduler.apply_task_event(ev.TaskEvent(cell="c", cancelled=ev.EntityRef(id="x")))
-    assert scheduler._queued_s == {}
+    assert scheduler.device_waits.queued_s == {}
 
 
 def test_a_device_overdue_by_longer_than_the_gain_is_not_waited_for() -> None:
@@ -158,7 +158,7 @@ def test_a_dry_run_tells_of_the_wait_and_holds_nothing() -> None:
     decision = scheduler.place(spec, dry_run=True)
     assert decision.pending is not None
     assert decision.pending.reason.startswith("waiting for device")
-    assert scheduler._queued_s == {}
+    assert scheduler.device_waits.queued_s == {}
     assert "x" not in scheduler.graph.tasks
 
 
@@ -192,7 +192,8 @@ def test_queue_order_is_shortest_first_within_a_priority() -> None:
     assert [t.spec.id for t in scheduler._queue()] == queue
     arrival = gnn(wait_for_faster=False, queue_order="arrival")
     scorer, loaded = gnn_scorer(arrival), gnn_scorer(policy)
-    assert scorer is not None and loaded is not None
+    assert scorer is not None
+    assert loaded is not None
     scorer._cache = loaded.cache
     scheduler.policy = arrival
     assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short", "service", "unknown-pair", "unknown"]
@@ -205,7 +206,7 @@ def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
     finish(scheduler, "busy")
     assert scheduler.graph.tasks["busy"].state == TaskState.FINISHED
     assert scheduler.graph.devices.free_at_ms[scheduler.graph.devices.index[FAST]] == 0
-    assert scheduler._expected_end == {}
+    assert scheduler.device_waits.expected_end == {}
 
 
 # -- services where they meet their SLO (scheduler.rules.fit_services) ------------------------------------
@@ -260,7 +261,7 @@ def test_a_service_waits_for_a_busy_device_that_meets_its_slo_ahead_of_batch_wor
     # the service's lifetime too, so it takes the slow one.
     assert [p.task_id for p in scheduler.schedule_pending()] == ["x"]
     assert device_of(scheduler, "x") == SLOW
-    assert scheduler._queued_s == {scheduler.graph.devices.index[FAST]: pytest.approx(7200.0)}
+    assert scheduler.device_waits.queued_s == {scheduler.graph.devices.index[FAST]: pytest.approx(7200.0)}
     pending = scheduler.lookup("svc").pending
     assert pending is not None
     assert pending.reason == (
@@ -386,4 +387,4 @@ def test_a_gang_waiting_for_a_host_holds_nothing_on_a_dry_run() -> None:
     decision = scheduler.place(spec, dry_run=True)
     assert decision.pending is not None
     assert decision.pending.reason.startswith("waiting for 2 devices")
-    assert scheduler._queued_s == {}
+    assert scheduler.device_waits.queued_s == {}

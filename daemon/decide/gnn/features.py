@@ -4,6 +4,10 @@ Two consumers read the same arrays: the daemon, which feeds them to the exported
 through onnxruntime, and ``export/``, which trains the torch model on them. Nothing here imports
 torch.
 
+Longer than hlb's modules usually are, on purpose: each feature's schema entry (name, transform,
+scale) and the code that computes it stay in one file, in input order, so that a change to one is
+seen beside the other, and :data:`FEATURE_SCHEMA_VERSION` versions them together.
+
 Every feature is a physical quantity with a documented fixed scale (:data:`DEVICE_FEATURES` and
 friends list name, transform and scale in input order), never a one-hot device model name, so a
 model trained on some accelerators and cluster sizes reads others the same way. Transforms:

@@ -29,6 +29,9 @@ decide with hetero-greedy (the best baseline), log why once, report itself ``deg
 each such decision (``on_fallback``). A new model (the files changed, or SIGHUP) is loaded,
 checked and warmed up on the current graph, and only then replaces the running one; a bad one is
 logged and the running one keeps serving.
+
+Longer than hlb's modules usually are, on purpose: loading, warming up, refreshing and scoring all
+turn on the one embedding cache and its swap under the daemon's lock, and are read together.
 """
 
 from __future__ import annotations
