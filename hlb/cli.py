@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("hlb.daemon.runtime.service", "run the daemon (Kafka in, gRPC out)"),
+    "serve": ("hlb.daemon.main", "run the daemon (Kafka in, gRPC out)"),
     "place": ("hlb.daemon.serve.client", "place, look up, explain or score a task, or watch placements over gRPC"),
     "agent": ("hlb.sim.agent", "simulated telemetry agent and job submitter publishing to Kafka"),
     "demo": ("hlb.sim.demo", "start Kafka, the daemon and an agent, and show placements arriving"),

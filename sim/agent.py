@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     from hlb.daemon.config import EX_CONFIG, load_settings
     from hlb.daemon.errors import ConfigError
     from hlb.daemon.logs import configure_logging
-    from hlb.daemon.runtime.service import make_bus
+    from hlb.daemon.runtime.daemon import make_bus
 
     try:
         settings = load_settings(args.config)

@@ -24,7 +24,7 @@ from hlb.daemon.bus.seam import EventBus, MemoryBus
 from hlb.daemon.config import EX_CONFIG, Settings, load_settings
 from hlb.daemon.errors import BrokerError, ConfigError
 from hlb.daemon.logs import configure_logging
-from hlb.daemon.runtime.service import Daemon, make_bus
+from hlb.daemon.runtime.daemon import Daemon, make_bus
 from hlb.daemon.serve.client import PLACEMENT_HEADER, placement_row
 from hlb.sim.agent import duration_s, make_agent, submission_rate
 from hlb.sim.kafka_local import LocalBroker, free_port, java_available

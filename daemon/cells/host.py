@@ -1,7 +1,7 @@
 """Several ``hlb serve`` instances sharing the cells through Kafka (docs/design.md §9).
 
 With ``cells.enabled``, an instance is a ``CellHost``: a member of the consumer group that shares
-the partitions of the input topics (``hlb.daemon.cells.bus``), running one shard (``Daemon.run_shard``:
+the partitions of the input topics (``hlb.daemon.cells.bus``), running one shard (``hlb.daemon.cells.shard``:
 graph, queue, ledger, snapshots, ingest) per partition it is given, one cell per partition, and
 one gRPC server (``CellRouter``) that answers for every cell:
 
@@ -39,9 +39,9 @@ from hlb.daemon.cells.bus import (
     ensure_cell_topics,
 )
 from hlb.daemon.cells.plan import shard_of
+from hlb.daemon.cells.shard import Shard
 from hlb.daemon.config import Settings
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
-from hlb.daemon.runtime.service import Daemon
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, cluster_state
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
@@ -69,7 +69,7 @@ class ShardRun:
 
     shard: int
     stop: asyncio.Event = field(default_factory=asyncio.Event)
-    daemon: Daemon | None = None
+    daemon: Shard | None = None
     task: asyncio.Task[None] | None = None
     announced: Claim | None = None
 
@@ -130,11 +130,11 @@ class CellHost:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(run.stop.wait(), RETRY_S)
 
-    def _make_shard(self, shard: int) -> Daemon:
+    def _make_shard(self, shard: int) -> Shard:
         s = self.settings
         claim = self.board.get(shard) if self.board is not None else None
         settings = s.model_copy(update={"state_dir": s.state_dir / "shards" / str(shard)})
-        daemon = Daemon(settings, PartitionBus(s.kafka, shard), shard=shard)
+        daemon = Shard(settings, PartitionBus(s.kafka, shard), shard)
         daemon.scheduler.cell = claim.cell if claim is not None else ""
         return daemon
 
@@ -362,7 +362,7 @@ class CellRouter(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"cell: at most {MAX_CELL_CHARS} characters")
         return cell, shard_of(cell, self.host.partitions)
 
-    async def _local(self, cell: str, shard: int, context: Context) -> Daemon | None:
+    async def _local(self, cell: str, shard: int, context: Context) -> Shard | None:
         """The shard of ``cell`` when it runs here (None: owned elsewhere)."""
         run = self.host.shards.get(shard)
         if run is None:

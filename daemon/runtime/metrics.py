@@ -15,13 +15,15 @@ do not share counters. Metric names and meanings are listed in docs/monitoring.m
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
+import structlog
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -33,7 +35,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hlb.daemon.bus.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
+from hlb.daemon.bus.seam import EventBus, MemoryBus
+from hlb.daemon.config import Settings
 from hlb.daemon.serve.interceptors import HandlerWrapper
+
+log = structlog.get_logger(__name__)
 
 # Seconds. Decisions are meant to take well under a millisecond at 1k devices (docs/design.md §7);
 # the upper buckets catch a 10k-device cluster or a slow scorer.
@@ -274,3 +281,31 @@ class MetricsServer:
 def start_metrics_server(metrics: DaemonMetrics, listen: str) -> MetricsServer | None:
     """The endpoint, or None when ``listen`` is empty (metrics disabled)."""
     return MetricsServer(metrics, listen) if listen else None
+
+
+def lag_probe(bus: EventBus, settings: Settings, inputs: Sequence[str]) -> LagProbe | None:
+    """What reads the consumer group's lag on ``inputs`` from ``bus``; None where it cannot be read."""
+    if isinstance(bus, MemoryBus):
+        return MemoryLagProbe(bus, inputs, settings.kafka.group_id)
+    if settings.bus == "kafka":
+        return KafkaLagProbe(settings.kafka, inputs, settings.kafka.group_id)
+    return None
+
+
+async def watch_lag(probe: LagProbe, interval_s: float, record: Callable[[Lag], None]) -> None:
+    """Read the lag every ``interval_s`` and ``record`` it, until cancelled; while the broker is
+    away the last figures stay, and that is logged once."""
+    failing = False
+    try:
+        while True:
+            try:
+                record(await asyncio.to_thread(probe.read))
+            except Exception as exc:  # the broker is away: keep the last figures, say so once
+                if not failing:
+                    log.warning("consumer lag unavailable", error=str(exc))
+                failing = True
+            else:
+                failing = False
+            await asyncio.sleep(interval_s)
+    finally:
+        probe.close()

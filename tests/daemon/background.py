@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Settings
-from hlb.daemon.runtime.service import Daemon
+from hlb.daemon.runtime.daemon import Daemon
 
 T = TypeVar("T")
 

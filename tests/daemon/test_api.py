@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import load_settings
-from hlb.daemon.runtime.service import Daemon
+from hlb.daemon.runtime.daemon import Daemon
 from hlb.daemon.serve.api import SchedulerService
 from hlb.sim.agent import inventory_events
 from hlb.sim.kafka_local import free_port

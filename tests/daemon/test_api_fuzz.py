@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import load_settings
 from hlb.daemon.record.statedump import canonical_state
-from hlb.daemon.runtime.service import Daemon
+from hlb.daemon.runtime.daemon import Daemon
 from hlb.sim.agent import inventory_events
 from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev

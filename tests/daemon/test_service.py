@@ -24,10 +24,14 @@ from structlog.testing import capture_logs
 
 from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets
 from hlb.daemon.config import Settings, Topics, load_settings
-from hlb.daemon.decide.policy import LeastLoaded, Policy, make_policy
+from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.runtime import service as service_module
-from hlb.daemon.runtime.service import Daemon, ReloadResult, changed_keys, replace_key
+from hlb.daemon.decide.scorers import LeastLoaded
+from hlb.daemon.runtime import policy as policy_module
+from hlb.daemon.runtime import reload as reload_module
+from hlb.daemon.runtime.daemon import Daemon
+from hlb.daemon.runtime.reload import ReloadResult, changed_keys, replace_key
 from hlb.daemon.serve.api import GrpcServer, SchedulerService
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
@@ -246,7 +250,7 @@ def _settings_from_files_only(monkeypatch: pytest.MonkeyPatch) -> None:
 def logging_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """configure_logging as the reloader calls it, recorded instead of reconfiguring the test process."""
     calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(service_module, "configure_logging", lambda level, fmt: calls.append((level, fmt)))
+    monkeypatch.setattr(reload_module, "configure_logging", lambda level, fmt: calls.append((level, fmt)))
     return calls
 
 
@@ -358,7 +362,7 @@ def test_reload_keeps_the_running_config_whatever_the_loader_raises(
     def broken(config_path: Path | None) -> Settings:
         raise RuntimeError("a loader bug")
 
-    monkeypatch.setattr(service_module, "load_settings", broken)
+    monkeypatch.setattr(reload_module, "load_settings", broken)
     with capture_logs() as logs:
         result = asyncio.run(daemon.reload())
     assert "a loader bug" in (result.error or "")
@@ -560,11 +564,11 @@ def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
     before = daemon.scheduler.policy
     built: list[str] = []
 
-    def make(name: str, weights: object = None, seed: int = 0) -> Policy:
+    def make(name: str, weights: object = None, seed: int = 0, **settings: object) -> Policy:
         built.append(name)
         return LeastLoaded()
 
-    monkeypatch.setattr(service_module, "make_policy", make)
+    monkeypatch.setattr(policy_module, "make_policy", make)
     daemon.reloaders["scheduler."](daemon.settings)
     assert built == ["least-loaded"]
     assert daemon.scheduler.policy is not before
@@ -573,7 +577,7 @@ def test_the_scheduler_reloader_builds_the_new_policy_and_swaps_it_in(
 def test_decisions_are_published_to_their_topics_and_counted_per_policy() -> None:
     from prometheus_client import CollectorRegistry, Counter
 
-    from hlb.daemon.runtime.service import DecisionPublisher
+    from hlb.daemon.runtime.publish import DecisionPublisher
     from hlb.v1 import events_pb2 as ev
 
     class Recorder:

@@ -1,0 +1,510 @@
+"""The daemon, wired from its parts, and its life as a service (``hlb serve``, ``hlb.daemon.main``).
+
+Start-up: check the gRPC listener and its TLS files, restore the placement ledger from its
+topic, then the decisions of the journal (``hlb.daemon.record.journal``) that the topic lacks (published
+again), then the newest snapshot (``hlb.daemon.runtime.restore``); note the input topics' end offsets
+(high watermarks) now; start ingest on its own thread, the gRPC server and the metrics endpoint.
+Health stays NOT_SERVING, and the deciding RPCs answer UNAVAILABLE, until ingest has replayed the
+inputs up to those end offsets: only then does the graph hold everything decided and submitted
+before the start. Then SERVING (health) and READY=1 (systemd).
+
+With the Kafka bus, every decision is in the journal before the RPC that made it answers
+(``Daemon.durable``): in the file, fsynced off the request path (``journal.sync: write``), or on
+disk (``fsync``). Either way a SIGKILL cannot make the restarted daemon forget an
+answer; with ``fsync`` neither can the machine going down.
+
+SIGTERM or SIGINT, in this order: STOPPING=1 and health NOT_SERVING; the gRPC server refuses new
+RPCs and gives in-flight ones ``grpc.grace_s``; ingest stops, which stores and commits the
+offsets of everything applied; ``Daemon.on_shutdown_snapshot`` runs (the snapshot seam); the
+producer flushes what is still queued; the metrics endpoint closes last. Exit code 0.
+
+SIGHUP re-reads the config file (``Daemon.reload``; ``hlb.daemon.runtime.reload``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from hlb.daemon.bus.lag import Lag
+from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
+from hlb.daemon.config import Settings
+from hlb.daemon.decide.scheduler import Clock, Scheduler
+from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
+from hlb.daemon.record import snapshot
+from hlb.daemon.record.journal import AnswerGate, JournaledPublisher, JournalFile
+from hlb.daemon.record.statedump import canonical_state, write_dump
+from hlb.daemon.runtime.metrics import (
+    DaemonMetrics,
+    MetricsServer,
+    RpcMetricsInterceptor,
+    StateSample,
+    lag_probe,
+    start_metrics_server,
+    watch_lag,
+)
+from hlb.daemon.runtime.policy import (
+    build_policy,
+    has_model,
+    model_provider,
+    reload_model_files,
+    start_policy,
+    stop_policy,
+)
+from hlb.daemon.runtime.publish import CountingPublisher, DecisionPublisher
+from hlb.daemon.runtime.reload import (
+    Reloader,
+    ReloadResult,
+    model_reloader,
+    rate_limit_reloader,
+    reload_logging,
+    reload_settings,
+    reloader_for,
+    scheduler_reloader,
+    token_bucket,
+)
+from hlb.daemon.runtime.restore import (
+    ReplayTargets,
+    newest_snapshot,
+    read_ledger,
+    read_watermarks,
+    replay_targets,
+    restore_journal,
+    wait_for_replay,
+)
+from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
+from hlb.daemon.serve.api import GrpcServer, SchedulerService, cluster_state
+from hlb.daemon.serve.ratelimit import RateLimitInterceptor
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
+
+log = structlog.get_logger(__name__)
+
+JOURNAL_SYNC_S = 0.05  # decisions made by ingest reach the disk this often (the API's at once)
+JOURNAL_ACK_S = 1.0  # how often acknowledged records are dropped from the journal
+
+
+def make_bus(settings: Settings) -> EventBus:
+    if settings.bus == "memory":
+        return MemoryBus()
+    from hlb.daemon.bus.kafka import KafkaBus  # librdkafka loads only when Kafka is used
+
+    return KafkaBus(settings.kafka)
+
+
+class Daemon:
+    """One hlb instance: graph, scheduler, ingest thread and gRPC server around one lock.
+
+    Seams for the parts that plug in here:
+
+    - ``on_shutdown_snapshot``: called once on shutdown, after ingest has stopped and before
+      the producer is flushed; a no-op until snapshots exist. An exception is logged and makes
+      the exit code 1.
+    - ``reloaders``: dotted-key prefix (``"scheduler."``) or exact key -> ``Reloader``. A model
+      loader registers ``"model."`` here; a changed key without a reloader needs a restart.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        clock: Clock = time.time,
+        *,
+        config_path: Path | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        notifier: SystemdNotifier | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.clock = clock
+        self.config_path = config_path
+        self.lock = threading.RLock()
+        self.ledger = PlacementLedger()
+        self.metrics = DaemonMetrics()
+        policy = build_policy(settings, self.metrics.record_fallback)
+        self.scheduler = Scheduler(
+            InfraGraph(settings.scheduler.max_tasks_per_device),
+            policy,
+            self.ledger,
+            settings.cell,
+            clock,
+            keep_ended_s=settings.scheduler.keep_ended_s,
+            remember_ended=settings.scheduler.remember_ended,
+        )
+        self.raw_publisher = bus.publisher()
+        self.decisions = DecisionPublisher(
+            self.raw_publisher, settings.kafka.topics, self.scheduler, clock, self.metrics.placements
+        )
+        # The journal: on by default with Kafka (a memory bus ends with the process anyway).
+        self.journal_enabled = settings.bus == "kafka"
+        self.journal: JournalFile | None = None
+        self._answer_gate: AnswerGate | None = None
+        self._journaled: JournaledPublisher | None = None
+        # Input partitions -> the offset replay must reach before the daemon serves (see run()).
+        self.replay_targets: ReplayTargets = {}
+        self.ready = asyncio.Event()
+        self.port = 0
+        self.metrics_port = 0
+        self.notifier = notifier if notifier is not None else SystemdNotifier()
+        self.serving = False
+        self.on_shutdown_snapshot: Callable[[], None] = lambda: None
+        self.rate_limit = RateLimitInterceptor(token_bucket(settings, monotonic), self.metrics.count_rate_limited)
+        reload_rate_limit = rate_limit_reloader(self.rate_limit, monotonic)
+        self.reloaders: dict[str, Reloader] = {
+            "log.": reload_logging,
+            "scheduler.": scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback),
+            "model.": model_reloader(self.scheduler, lambda: self.settings),
+            "grpc.max_requests_per_s": reload_rate_limit,
+            "grpc.request_burst": reload_rate_limit,
+        }
+        # Keys under a reloader's section that it cannot apply: the graph is built with them.
+        self.restart_only = {"scheduler.max_tasks_per_device"}
+        self._monotonic = monotonic
+        self._ingestor: Ingestor | None = None
+        self.snapshots: snapshot.SnapshotStore | None = (
+            snapshot.FileSnapshotStore(settings.state_dir / "snapshots", settings.snapshot.keep)
+            if settings.snapshot.enabled and settings.bus == "kafka"  # a memory bus ends with the process
+            else None
+        )
+        self._lag: Lag = {}
+        self._reload_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def publisher(self) -> Publisher:
+        """Where the daemon's decisions go: the bus's publisher, journaled once run() opens the
+        journal, or a shard's transactions (``hlb.daemon.cells.shard``)."""
+        return self.decisions.publisher
+
+    @publisher.setter
+    def publisher(self, publisher: Publisher) -> None:
+        self.decisions.publisher = publisher
+
+    # -- restoring (hlb.daemon.runtime.restore) ----------------------------------------------
+
+    def restore_ledger(self) -> int:
+        """Load earlier decisions so that a replayed submission is not placed twice."""
+        placements = read_ledger(self.bus, self.settings.kafka)
+        with self.lock:
+            return self.ledger.restore(placements)
+
+    def open_journal(self) -> int:
+        """Open the journal, restore its decisions the ledger lacks and publish them again; returns
+        how many were restored. Runs after ``restore_ledger`` and before anything is replayed."""
+        journal = JournalFile.open(self.settings.state_dir)
+        self.journal = journal
+        self._answer_gate = AnswerGate(
+            journal, self.settings.journal.sync, on_failure=self.metrics.journal_sync_failures.inc
+        )
+        self._journaled = JournaledPublisher(self.raw_publisher, journal)
+        self.publisher = self._journaled
+        with self.lock:
+            return restore_journal(journal.recovered, self.ledger, self.raw_publisher, self.settings.kafka)
+
+    def restore_snapshot(self) -> Offsets | None:
+        """Install the newest valid snapshot; returns the input offsets it covers (None: replay all)."""
+        if self.snapshots is None:
+            return None
+        topics = self.settings.kafka.topics
+        found = newest_snapshot(self.snapshots, {topics.telemetry, topics.tasks})
+        if found is None:
+            return None
+        name, state = found
+        with self.lock:
+            snapshot.install(state, self.scheduler)
+        log.info("snapshot restored", name=name, devices=len(state.graph.devices), offsets=len(state.offsets))
+        return state.offsets
+
+    def capture_replay_targets(self, inputs: Sequence[str], start: Offsets | None) -> None:
+        """Note, per input partition, the end offset replay must reach: its high watermark now,
+        unless the consumer begins at or past it (a snapshot's offsets, or a memory bus group's)."""
+        marks = read_watermarks(self.bus, self.settings, inputs)
+        if marks is not None:
+            self.replay_targets = replay_targets(marks, start, self.bus, self.settings.kafka.group_id)
+
+    def replay_left(self) -> int:
+        """Records still to replay before the start's end offsets are reached (0: caught up)."""
+        if not self.replay_targets:
+            return 0
+        if self._ingestor is None:
+            return sum(self.replay_targets.values())
+        with self.lock:
+            positions = dict(self._ingestor.positions)
+        left = 0
+        for partition, target in self.replay_targets.items():
+            left += max(0, target - positions.get(partition, 0))
+        if not left:
+            self.replay_targets = {}
+        return left
+
+    def refusal(self) -> str | None:
+        """Why the deciding RPCs are refused now (UNAVAILABLE), or None when they are served."""
+        if self.serving:
+            return None
+        left = self.replay_left() if self.replay_targets else 0
+        if left:
+            return f"replaying the inputs after a start: {left} records left before decisions are served"
+        return "the daemon is not serving (starting or stopping)"
+
+    # -- state, durability and what is observed ---------------------------------------------
+
+    async def durable(self) -> None:
+        """Wait until every decision made so far is in the journal, on disk or in the file as
+        ``journal.sync`` says (group commit)."""
+        if self._answer_gate is not None:
+            await self._answer_gate()
+
+    def dump_state(self) -> Path:
+        """Write the canonical state dump (``hlb.daemon.record.statedump``) to the state directory."""
+        with self.lock:
+            state = canonical_state(self.scheduler)
+            if self._ingestor is not None:
+                stats = self._ingestor.stats
+                state["ingest"] = {"applied": stats.applied, "rejected": dict(stats.rejected)}
+        path = write_dump(state, self.settings.state_dir)
+        log.info("state dumped", path=str(path))
+        return path
+
+    def write_snapshot(self) -> None:
+        if self.snapshots is not None and self._ingestor is not None:
+            snapshot.take(self.snapshots, self.scheduler, self._ingestor.positions, self.lock)
+
+    async def _snapshot_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.to_thread(self.write_snapshot)
+            except OSError as exc:  # a full disk must not stop the daemon; the next try may work
+                log.error("snapshot failed", error=str(exc))
+
+    def staleness_ms(self) -> float:
+        newest = self.scheduler.graph.newest_telemetry_ms
+        return -1.0 if newest == 0 else max(0.0, self.clock() * 1000 - newest)
+
+    def metrics_sample(self) -> StateSample:
+        """The daemon's observed values for ``/metrics``, read under the lock at one moment."""
+        with self.lock:
+            state = cluster_state(self.scheduler, self.staleness_ms())
+            stats = self._ingestor.stats if self._ingestor is not None else IngestStats()
+            applied, rejected = stats.applied, dict(stats.rejected)
+            policy = self.scheduler.policy
+            waiting = self.scheduler.waiting_count
+            held, forgotten = len(self.scheduler.graph.tasks), self.scheduler.forgotten_total
+        return StateSample(
+            serving=self.serving,
+            devices=state.devices,
+            hosts=state.hosts,
+            pending_tasks=state.pending_tasks,
+            waiting_for_device=waiting,
+            running_tasks=state.running_tasks,
+            last_sequence=state.last_sequence,
+            staleness_s=state.staleness_ms / 1000 if state.staleness_ms >= 0 else -1.0,
+            mean_utilization=state.mean_utilization,
+            policy=state.policy,
+            model_version=state.model_version,
+            events_applied=applied,
+            events_rejected=rejected,
+            consumer_lag=dict(self._lag),
+            degraded=state.degraded,
+            model_provider=model_provider(policy),
+            tasks_held=held,
+            tasks_forgotten=forgotten,
+        )
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set, then shut down in order. Raises if start-up or ingest fails."""
+        topics = self.settings.kafka.topics
+        grpc_settings = self.settings.grpc
+        service = self._make_service()
+        # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
+        server = GrpcServer(
+            service,
+            grpc_settings.listen,
+            grpc_settings.max_message_bytes,
+            grpc_settings.reflection,
+            tls=grpc_settings.tls,
+            interceptors=[self.rate_limit, RpcMetricsInterceptor(self.metrics, lambda: self.scheduler.policy.name)],
+        )
+        self.port = server.port
+        await asyncio.to_thread(
+            self.bus.ensure_topics, [topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory]
+        )
+        restored = await asyncio.to_thread(self.restore_ledger)
+        log.info("ledger restored", placements=restored, last_sequence=self.ledger.last_sequence)
+        if self.journal_enabled:
+            await asyncio.to_thread(self.open_journal)  # after the ledger topic: it fills the gaps
+        start = await asyncio.to_thread(self.restore_snapshot)  # after the ledger: it binds to it
+        self.ledger.subscribe(self.decisions.placement)
+
+        inputs = [topics.telemetry, topics.tasks]
+        await asyncio.to_thread(self.capture_replay_targets, inputs, start)
+        source = self.bus.source(inputs, self.settings.kafka.group_id, start)
+        # Dead letters and mirrored inventory are no decisions: they bypass the journal.
+        dead_letters = CountingPublisher(self.raw_publisher, topics.dlq, self.metrics)
+        self._ingestor = Ingestor(
+            source, dead_letters, self.scheduler, self.lock, topics, self.settings.kafka.max_event_bytes
+        )
+        ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
+        self.ingest = ingest
+        if self.snapshots is not None:
+            self.on_shutdown_snapshot = self.write_snapshot
+            self._spawn(self._snapshot_every(self.settings.snapshot.interval_s))
+        if self._journaled is not None and self._answer_gate is not None:
+            self._spawn(self._journal_upkeep(self._journaled, self._answer_gate))
+        metrics_server: MetricsServer | None = None
+        try:
+            # The model loads and warms up on the restored graph before health says SERVING.
+            await asyncio.to_thread(self._start_policy)
+            await server.start()  # health NOT_SERVING until the replay below has caught up
+            ingest.start()
+            metrics_server = self._start_metrics(inputs)
+            if await self._replay_until_caught_up(stop, ingest):
+                await server.set_serving()
+                self.serving = True
+                self.ready.set()
+                log.info(
+                    "serving",
+                    listen=grpc_settings.listen,
+                    port=server.port,
+                    tls=server.tls,
+                    metrics_port=self.metrics_port or None,
+                    bus=self.settings.bus,
+                )
+                self.notifier.ready(self._status_line())
+                await self._serve_until(stop, ingest)
+        finally:
+            await self._shutdown(server, ingest, metrics_server)
+        if ingest.failure is not None:
+            raise RuntimeError("ingest failed") from ingest.failure
+
+    def _make_service(self) -> SchedulerService:
+        service = SchedulerService(self.scheduler, self.lock, self.decisions.submitted)
+        service.staleness_ms = self.staleness_ms
+        service.refusal = self.refusal
+        service.durable = self.durable
+        return service
+
+    async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:
+        return await wait_for_replay(self.replay_left, stop, ingest, self.notifier, self._monotonic)
+
+    async def _journal_upkeep(self, journaled: JournaledPublisher, gate: AnswerGate) -> None:
+        """Bring what ingest decided into the journal as an answer would (``gate``: written and
+        fsynced by its thread, or fsynced; the API does so at once; a failure is retried here) and
+        drop acknowledged records."""
+        journal = journaled.journal
+        next_ack = self._monotonic() + JOURNAL_ACK_S
+        while True:
+            await asyncio.sleep(JOURNAL_SYNC_S)
+            try:
+                if journal.durable < journal.appended:
+                    await gate()
+                if self._monotonic() >= next_ack:
+                    next_ack = self._monotonic() + JOURNAL_ACK_S
+                    if len(journal):
+                        await asyncio.to_thread(journaled.acknowledge, 5.0)
+            except OSError as exc:  # a full disk: keep trying; the RPCs report their own failures
+                log.error("journal upkeep failed", error=str(exc))
+                self.metrics.journal_sync_failures.inc()
+
+    async def _serve_until(self, stop: asyncio.Event, ingest: IngestThread) -> None:
+        pinger = WatchdogPinger(self.notifier)
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while not stopped.done() and ingest.is_alive():
+                # The watchdog is fed from this loop, so a stuck event loop stops the pings.
+                pinger.tick(self._monotonic())
+                await asyncio.wait([stopped], timeout=min(1.0, pinger.interval_s or 1.0))
+        finally:
+            stopped.cancel()
+
+    async def _shutdown(self, server: GrpcServer, ingest: IngestThread, metrics_server: MetricsServer | None) -> None:
+        self.serving = False
+        stop_policy(self.scheduler.policy)
+        self.notifier.stopping("finishing in-flight requests")
+        log.info("stopping", grace_s=self.settings.grpc.grace_s)
+        await server.stop(self.settings.grpc.grace_s)  # health NOT_SERVING first, then refuse new RPCs
+        self.notifier.status("storing offsets")
+        if ingest.ident is not None:  # started
+            await asyncio.to_thread(ingest.stop)  # the source's close() commits the stored offsets
+        self.notifier.status("writing snapshot")
+        snapshot_error: BaseException | None = None
+        try:
+            await asyncio.to_thread(self.on_shutdown_snapshot)
+        except Exception as exc:
+            snapshot_error = exc
+            log.exception("snapshot failed")
+        undelivered = await asyncio.to_thread(self.publisher.flush, 10.0)
+        await self._cancel_background()
+        if self._journaled is not None and self.journal is not None:
+            if self._answer_gate is not None:
+                await asyncio.to_thread(self._answer_gate.close)
+            if not undelivered:  # the broker has everything: the journal may be emptied
+                await asyncio.to_thread(self._journaled.acknowledge, 1.0)
+            await asyncio.to_thread(self.journal.close)
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.stop)
+        applied = self._ingestor.stats.applied if self._ingestor is not None else 0
+        log.info("stopped", undelivered=undelivered, applied=applied)
+        if snapshot_error is not None:
+            raise RuntimeError("the shutdown snapshot failed") from snapshot_error
+
+    def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
+        self.metrics.observe(self.metrics_sample)
+        metrics_server = start_metrics_server(self.metrics, self.settings.metrics.listen)
+        if metrics_server is None:
+            return None
+        self.metrics_port = metrics_server.port
+        probe = lag_probe(self.bus, self.settings, inputs)
+        if probe is not None:
+            self._spawn(watch_lag(probe, self.settings.metrics.lag_interval_s, self._record_lag))
+        return metrics_server
+
+    def _record_lag(self, lag: Lag) -> None:
+        self._lag = lag
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_background(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _status_line(self) -> str:
+        return f"serving on {self.settings.grpc.listen}, ledger at sequence {self.ledger.last_sequence}"
+
+    # -- reload (hlb.daemon.runtime.reload) --------------------------------------------------
+
+    def request_reload(self) -> None:
+        """Schedule a reload on the running loop (the SIGHUP handler)."""
+        self._spawn(self.reload())
+
+    async def reload(self) -> ReloadResult:
+        """Re-read the config file and apply what can change while running (``reloaders``)."""
+        async with self._reload_lock:
+            self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+            try:
+                self.settings, result = await reload_settings(
+                    self.config_path, self.settings, lambda key: reloader_for(self.reloaders, self.restart_only, key)
+                )
+                self.metrics.reloads.labels(result=result.outcome).inc()
+                policy = self.scheduler.policy
+                if has_model(policy):  # SIGHUP also looks at the model files again
+                    await asyncio.to_thread(reload_model_files, policy)
+            finally:
+                self.notifier.ready(self._status_line())
+            return result
+
+    def _start_policy(self) -> None:
+        """Load and warm up a GNN's model on the current graph and start its refresh thread."""
+        start_policy(self.scheduler.policy, self.scheduler.graph, self.lock)

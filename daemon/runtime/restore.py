@@ -1,0 +1,171 @@
+"""What a start brings back before the daemon decides, in this order (``Daemon.run``):
+
+1. the placement ledger from its topic (``read_ledger``), so that a replayed submission is not
+   placed twice;
+2. the journal's decisions that the topic lacks (``restore_journal``), published again;
+3. the newest snapshot that checks out (``newest_snapshot``), bound to that ledger;
+4. per input partition, the offset replay must reach before decisions are served
+   (``replay_targets``): its high watermark at the start (``read_watermarks``), unless the
+   consumer begins at or past it; the daemon serves once ingest has reached them all
+   (``wait_for_replay``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Sequence
+
+import structlog
+
+from hlb.daemon.bus.codec import decode
+from hlb.daemon.bus.lag import EndOffsetProbe, KafkaEndOffsets, MemoryEndOffsets, Watermarks
+from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
+from hlb.daemon.config import KafkaSettings, Settings
+from hlb.daemon.errors import EventError
+from hlb.daemon.ingest.pipeline import IngestThread
+from hlb.daemon.record import snapshot
+from hlb.daemon.record.journal import JournalRecord
+from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.v1 import events_pb2 as ev
+
+log = structlog.get_logger(__name__)
+
+# Input partition -> the offset replay must reach before the daemon serves.
+ReplayTargets = dict[tuple[str, int], int]
+
+REPLAY_CHECK_S = 0.05
+
+
+def read_ledger(bus: EventBus, kafka: KafkaSettings) -> list[ev.Placement]:
+    """The decisions on the placements topic; an unreadable record is logged and skipped."""
+    placements = []
+    for record in bus.read_all(kafka.topics.placements):
+        try:
+            placements.append(decode(record.value, ev.Placement, kafka.max_event_bytes))
+        except EventError as exc:
+            log.warning("unreadable ledger record skipped", offset=record.offset, error=str(exc))
+    return placements
+
+
+def restore_journal(
+    records: Sequence[JournalRecord], ledger: PlacementLedger, publisher: Publisher, kafka: KafkaSettings
+) -> int:
+    """Restore the journal's decisions that ``ledger`` lacks and publish them again, and publish its
+    API submissions again (a repeat is a no-op); returns how many decisions were restored. A
+    decision the topic already holds, or numbered before its last, stays the topic's. Called under
+    the daemon's lock, after the ledger topic is read and before anything is replayed."""
+    topics = kafka.topics
+    restored = 0
+    resubmitted = 0
+    for record in records:
+        if record.topic == topics.placements:
+            try:
+                placement = decode(record.value, ev.Placement, kafka.max_event_bytes)
+            except EventError as exc:
+                log.warning("unreadable journal record skipped", error=str(exc))
+                continue
+            known = ledger.get(placement.task_id)
+            if known is not None:
+                if list(known.device_ids) != list(placement.device_ids):
+                    log.error(
+                        "journal and ledger topic disagree; the topic's decision stands",
+                        task_id=placement.task_id,
+                    )
+                continue
+            if placement.sequence <= ledger.last_sequence:
+                log.error(
+                    "journal decision numbered before the ledger topic's last; skipped",
+                    task_id=placement.task_id,
+                    sequence=placement.sequence,
+                )
+                continue
+            ledger.restore([placement])
+            publisher.publish(record.topic, record.key, record.value)
+            restored += 1
+        elif record.topic == topics.tasks:  # a submission through the API; a repeat is a no-op
+            publisher.publish(record.topic, record.key, record.value)
+            resubmitted += 1
+    log.info(
+        "journal recovered",
+        records=len(records),
+        placements_restored=restored,
+        submissions_republished=resubmitted,
+        last_sequence=ledger.last_sequence,
+    )
+    return restored
+
+
+def newest_snapshot(store: snapshot.SnapshotStore, inputs: Collection[str]) -> tuple[str, snapshot.Snapshot] | None:
+    """The newest snapshot that checks out and covers no topic but ``inputs``; None: replay the
+    inputs from their earliest records."""
+    found = snapshot.restore_newest(store)
+    if found is None:
+        log.info("no snapshot to restore: replaying the inputs from their earliest records")
+        return None
+    name, state = found
+    foreign = sorted({t for t, _ in state.offsets} - set(inputs))
+    if foreign:
+        log.error("snapshot skipped: it covers other input topics", name=name, topics=foreign)
+        return None
+    return found
+
+
+def read_watermarks(bus: EventBus, settings: Settings, topics: Sequence[str]) -> Watermarks | None:
+    """The watermarks of every partition of ``topics`` now; None where the bus cannot say."""
+    if isinstance(bus, MemoryBus):
+        probe: EndOffsetProbe = MemoryEndOffsets(bus, topics)
+    elif settings.bus == "kafka":
+        probe = KafkaEndOffsets(settings.kafka, topics)
+    else:
+        return None
+    try:
+        return probe.read()
+    finally:
+        probe.close()
+
+
+def replay_targets(marks: Watermarks, start: Offsets | None, bus: EventBus, group_id: str) -> ReplayTargets:
+    """Per input partition, its high watermark in ``marks`` where the consumer begins below it:
+    at ``start`` (a snapshot's offsets), else at a memory bus group's committed offset, else at
+    the earliest record."""
+    targets = {}
+    for (topic, partition), (low, high) in marks.items():
+        if start is not None:
+            begin = start.get((topic, partition), low)
+        elif isinstance(bus, MemoryBus):
+            begin = bus.committed(group_id, topic)
+        else:
+            begin = low
+        if high > max(begin, low):
+            targets[(topic, partition)] = high
+    log.info("replay targets", partitions={f"{t}[{p}]": o for (t, p), o in targets.items()})
+    return targets
+
+
+async def wait_for_replay(
+    left: Callable[[], int],
+    stop: asyncio.Event,
+    ingest: IngestThread,
+    notifier: SystemdNotifier,
+    monotonic: Callable[[], float],
+) -> bool:
+    """Wait until ingest has replayed to the start's end offsets (``left()`` records left reaches 0);
+    False when stopped (or ingest died) first. The watchdog is fed meanwhile: a long replay is
+    progress, not a hang."""
+    pinger = WatchdogPinger(notifier)
+    records_left = left()
+    if records_left:
+        log.info("replaying before serving", records_left=records_left)
+    reported = 0.0
+    while records_left:
+        if stop.is_set() or not ingest.is_alive():
+            return False
+        now = monotonic()
+        pinger.tick(now)
+        if now - reported >= 1.0:
+            notifier.status(f"replaying: {records_left} records left")
+            reported = now
+        await asyncio.sleep(REPLAY_CHECK_S)
+        records_left = left()
+    return not stop.is_set() and ingest.is_alive()
