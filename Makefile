@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo [DURATION=60]  start Kafka, the daemon and a simulated agent; show placements"
-	@echo "make test                 set up, start Kafka, run ruff, mypy and the whole test suite"
+	@echo "make test                 set up, start Kafka, run ruff, mypy, lint-imports and the whole test suite"
 	@echo "make model                train the GNN (hlb train) and export it to daemon/data/model (the shipped one)"
 	@echo "make proto                regenerate the checked-in code from proto/hlb/v1/*.proto"
 	@echo "make clean                remove the virtualenv, caches and demo files"
@@ -44,6 +44,7 @@ lint: install-export
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 test: install-export kafka lint
 	$(PY) -m hlb.sim.kafka_local exec -- $(PY) -m pytest $(PYTEST_ARGS)
