@@ -64,4 +64,4 @@ proto: install
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) .cache .demo .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .cache .demo .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache *.egg-info
