@@ -52,8 +52,10 @@ from torch import Tensor
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
 from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
-from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.lookahead import LookaheadPolicy

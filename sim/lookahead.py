@@ -35,7 +35,9 @@ from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import Policy, Scores, Wait
 from hlb.daemon.decide.presets import make_policy
-from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.sim.simulator import Simulation, SimulationAware
 from hlb.v1 import events_pb2 as ev
 

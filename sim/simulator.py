@@ -56,8 +56,9 @@ import numpy as np
 
 from hlb.daemon.decide.policy import Policy, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.state.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
 from hlb.sim.catalogue import Catalogue
 from hlb.sim.clock import SimClock
 from hlb.sim.network import Network

@@ -15,7 +15,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import BatchChooser, Policy
-from hlb.daemon.state.graph import InfraGraph, Rows
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 
 ShapeKey = tuple[object, ...]

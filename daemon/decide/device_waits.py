@@ -13,8 +13,9 @@ import numpy as np
 
 from hlb.daemon.decide.framework import Wait
 from hlb.daemon.decide.waiting import RunTimes, declared_load, service_lifetime_s
-from hlb.daemon.state.graph import InfraGraph, Task
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import NEVER_S, default_profiles
+from hlb.daemon.state.task import Task
 
 
 class DeviceWaits:

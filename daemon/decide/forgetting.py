@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 # Ended tasks forgotten (``keep_ended_s``) whose id and final state are still remembered, oldest

@@ -28,7 +28,9 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 Scores = NDArray[np.float64]

@@ -25,8 +25,10 @@ from numpy.typing import NDArray
 from hlb.daemon.config import RulesSettings
 from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrder, Wait
 from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
-from hlb.daemon.state.graph import InfraGraph, Rows, Task
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 

@@ -26,16 +26,11 @@ from hlb.daemon.decide.device_waits import DeviceWaits
 from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
-from hlb.daemon.state.graph import (
-    CONSTRAINTS,
-    Exclusion,
-    InfraGraph,
-    Task,
-    TaskState,
-    check_task_spec,
-    check_task_specs,
-)
+from hlb.daemon.state.checks import check_task_spec, check_task_specs
+from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import Task, TaskState
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 

@@ -23,8 +23,11 @@ from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import ObjectiveWeights, Policy, Scores, WaitOptions
 from hlb.daemon.decide.heft import upward_ranks
-from hlb.daemon.state.graph import HOST_NODE, SWITCH_NODE, InfraGraph, Occupancy, Rows, Task
+from hlb.daemon.state.feasibility import Occupancy
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
+from hlb.daemon.state.tables import HOST_NODE, SWITCH_NODE, Rows
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 # Transfer bandwidth (Gbit/s) by locality tier when the graph has no link that says better.

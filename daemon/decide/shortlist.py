@@ -35,7 +35,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import GANG_POOL_FACTOR, Scores
-from hlb.daemon.state.graph import InfraGraph, Occupancy, Rows
+from hlb.daemon.state.feasibility import Occupancy
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 
 Index = NDArray[np.intp]

@@ -39,8 +39,10 @@ from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import Wait, WaitOptions
 from hlb.daemon.decide.scorers import device_share
-from hlb.daemon.state.graph import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, InfraGraph, Rows, Task
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import NEVER_S, DeviceProfiles
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL, Task
 from hlb.v1 import events_pb2 as ev
 
 # Busy devices compared with the free one (the best by estimated finish, wait included).

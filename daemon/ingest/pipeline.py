@@ -40,7 +40,8 @@ from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
 from hlb.daemon.config import Topics
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import EventError, InvalidEventError
-from hlb.daemon.state.graph import Rows, Task
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)

@@ -41,7 +41,9 @@ import structlog
 from numpy.typing import NDArray
 
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.state.graph import InfraGraph, Table, Task, TaskState
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Table
+from hlb.daemon.state.task import Task, TaskState
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -199,8 +201,7 @@ def _restore(arrays: Arrays) -> Snapshot:
         int(v) for v in arrays["graph.counters"]
     )
     d = graph.devices
-    for row in d.index.values():
-        graph._groups.setdefault((int(d.kind[row]), int(d.model[row])), set()).add(row)
+    graph.feasibility.regroup(d)
 
     specs = unpack_bytes(arrays["tasks.spec.blob"], arrays["tasks.spec.len"])
     cells = _unpack_str_required(arrays, "tasks.cell")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.state.graph import DEVICE_NODE, HOST_NODE, Table
+from hlb.daemon.state.tables import DEVICE_NODE, HOST_NODE, Table
 
 DUMP_NAME = "state-dump.json"
 

@@ -33,7 +33,7 @@ from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.serve.interceptors import HandlerWrapper
 from hlb.daemon.serve.tls import server_credentials
-from hlb.daemon.state.graph import TaskState
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.state.graph import InfraGraph, Rows
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 
 PROFILES_FORMAT = "hlb-device-profiles/1"

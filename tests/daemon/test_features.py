@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hlb.daemon.decide.gnn import features as feat
-from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 GPU = ev.DEVICE_KIND_GPU

@@ -11,8 +11,9 @@ from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.record import snapshot as snap
-from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 KEEP_S = 600.0

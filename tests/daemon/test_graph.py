@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlb.daemon.errors import InvalidEventError
-from hlb.daemon.state.graph import DeviceTable, InfraGraph, TaskState, TaskTable, check_task_specs
+from hlb.daemon.state.checks import check_task_specs
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import DeviceTable, TaskTable
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU

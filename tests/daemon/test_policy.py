@@ -13,8 +13,9 @@ from hlb.daemon.decide.gnn.scorer import GnnScorer
 from hlb.daemon.decide.presets import POLICY_NAMES, PRESETS, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import BestFit, Heft, HeteroGreedy, LeastLoaded, RoundRobin
-from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 GPU = ev.DEVICE_KIND_GPU

@@ -13,8 +13,9 @@ from hlb.daemon.decide.presets import POLICY_NAMES, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
-from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU

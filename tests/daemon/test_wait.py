@@ -12,9 +12,11 @@ from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.errors import InvalidEventError
-from hlb.daemon.state.graph import InfraGraph, TaskState, check_task_spec, check_task_specs
+from hlb.daemon.state.checks import check_task_spec, check_task_specs
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 FAST, SLOW = "A100-SXM4-80GB", "V100-SXM2-32GB"

@@ -12,8 +12,9 @@ from hlb.daemon.config import Topics
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.ingest.pipeline import Ingestor, drain
-from hlb.daemon.state.graph import InfraGraph, TaskState
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import TaskState
 from hlb.sim.agent import Agent, inventory_events
 from hlb.v1 import events_pb2 as ev
 

@@ -39,17 +39,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.decide.scorers import device_share
-from hlb.daemon.state.graph import (
-    DEVICE_NODE,
-    HOST_NODE,
-    SWITCH_NODE,
-    InfraGraph,
-    Occupancy,
-    Rows,
-    TaskState,
-    TaskTable,
-)
+from hlb.daemon.state.feasibility import Occupancy
+from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles
+from hlb.daemon.state.tables import DEVICE_NODE, HOST_NODE, SWITCH_NODE, Rows, TaskTable
+from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 FEATURE_SCHEMA_VERSION = 2  # 2: pair feature finish_s

@@ -56,7 +56,9 @@ from hlb.daemon.decide.gnn.inference import ENCODER_FILE, SCORER_FILE, GnnModel,
 from hlb.daemon.decide.scorers import HeteroGreedy
 from hlb.daemon.decide.shortlist import ShortlistBatch, shortlist
 from hlb.daemon.decide.waiting import declared_load
-from hlb.daemon.state.graph import InfraGraph, Occupancy, Rows
+from hlb.daemon.state.feasibility import Occupancy
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)

@@ -1,0 +1,187 @@
+"""What a valid event looks like, checked before the graph changes: ids, numeric ranges, enum
+values and task specs.
+
+Each check raises ``InvalidEventError`` naming the field and the reason, or returns; none
+changes anything. The checks that need the graph's state (an unknown device, a device still in
+use, a switch tree that must stay a tree, a dependency cycle) are the graph's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hlb.daemon.errors import InvalidEventError
+from hlb.daemon.state.task import SERVICE_LOAD_LABELS
+from hlb.v1 import events_pb2 as ev
+
+MAX_GANG = 4096
+MAX_MEMORY_GB = 1.0e6
+MAX_ID_CHARS = 256
+DEVICE_KINDS = frozenset(ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED}  # what a device may be
+MAX_HEALTH = max(ev.Health.values())
+# proto3 enums are open (any int32 decodes): the values a task spec may name.
+TASK_KINDS = frozenset(int(v) for v in ev.TaskKind.values())
+
+
+def check_id(value: str, what: str) -> None:
+    if not value:
+        raise InvalidEventError(f"{what}: empty id", "missing_id")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidEventError(f"{what}: id longer than {MAX_ID_CHARS} characters", "invalid_id")
+
+
+def check_range(value: float, what: str, low: float, high: float) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidEventError(f"{what}={value!r} is outside [{low}, {high}]", "out_of_range")
+
+
+def check_ranges(values: NDArray[np.float64], ids: Sequence[str], what: str, low: float, high: Any) -> None:
+    """Vectorized ``check_range``; ``high`` may be an array (per-row bound). Names the first offender."""
+    bad = ~(np.isfinite(values) & (values >= low) & (values <= high))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        bound = high[i] if isinstance(high, np.ndarray) else high
+        raise InvalidEventError(f"device {ids[i]} {what}={values[i]!r} is outside [{low}, {bound}]", "out_of_range")
+
+
+# -- inventory and telemetry -----------------------------------------------------------------------
+
+
+def check_device(spec: ev.Device) -> None:
+    check_id(spec.id, "device")
+    check_id(spec.host_id, f"device {spec.id} host")
+    in_range = (
+        0.0 <= spec.memory_gb <= MAX_MEMORY_GB
+        and 0.0 <= spec.peak_tflops <= 1.0e7
+        and 0.0 <= spec.idle_power_w <= 1.0e5
+        and 0.0 <= spec.peak_power_w <= 1.0e5
+    )  # false for NaN too; the checks below then name the value (inventory loads are long)
+    if not in_range:
+        check_range(spec.memory_gb, f"device {spec.id} memory_gb", 0.0, MAX_MEMORY_GB)
+        check_range(spec.peak_tflops, f"device {spec.id} peak_tflops", 0.0, 1.0e7)
+        check_range(spec.idle_power_w, f"device {spec.id} idle_power_w", 0.0, 1.0e5)
+        check_range(spec.peak_power_w, f"device {spec.id} peak_power_w", 0.0, 1.0e5)
+    if spec.kind not in DEVICE_KINDS:
+        raise InvalidEventError(f"device {spec.id}: unknown kind {spec.kind}", "out_of_range")
+
+
+def check_host(spec: ev.Host) -> None:
+    check_id(spec.id, "host")
+    if spec.rack_id:
+        check_id(spec.rack_id, f"host {spec.id} rack")
+    check_range(spec.cpu_cores, f"host {spec.id} cpu_cores", 0.0, 1.0e6)
+    check_range(spec.memory_gb, f"host {spec.id} memory_gb", 0.0, MAX_MEMORY_GB)
+
+
+def check_link(link: ev.Link) -> None:
+    check_id(link.id, "link")
+    check_id(link.src_id, f"link {link.id} src")
+    check_id(link.dst_id, f"link {link.id} dst")
+    check_range(link.bandwidth_gbps, f"link {link.id} bandwidth_gbps", 0.0, 1.0e6)
+    check_range(link.latency_us, f"link {link.id} latency_us", 0.0, 1.0e9)
+    if link.kind not in ev.LinkKind.values():
+        raise InvalidEventError(f"link {link.id}: unknown kind {link.kind}", "out_of_range")
+
+
+def check_device_metrics(
+    utilization: NDArray[np.float64],
+    memory_used_gb: NDArray[np.float64],
+    power_w: NDArray[np.float64],
+    temperature_c: NDArray[np.float64],
+    health: NDArray[np.int64],
+    ids: Sequence[str],
+    memory_gb: NDArray[np.float64],
+) -> None:
+    """Check one report per device, vectorized. Shapes: every array [N]; ``memory_gb``: the
+    devices' memory in all, which their reported use may not exceed; ``ids`` names them in errors."""
+    check_ranges(utilization, ids, "utilization", 0.0, 1.0)
+    check_ranges(memory_used_gb, ids, "memory_used_gb", 0.0, memory_gb)
+    check_ranges(power_w, ids, "power_w", 0.0, 1.0e5)
+    check_ranges(temperature_c, ids, "temperature_c", -100.0, 400.0)
+    bad = (health < 0) | (health > MAX_HEALTH)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidEventError(f"device {ids[i]}: unknown health {int(health[i])}", "out_of_range")
+
+
+# -- task specs ------------------------------------------------------------------------------------
+
+
+def check_task_spec(spec: ev.TaskSpec) -> None:
+    """Raise ``InvalidEventError`` naming the field when a task spec is out of range."""
+    check_id(spec.id, "task")
+    if spec.num_devices > MAX_GANG:
+        raise InvalidEventError(f"task {spec.id}: num_devices={spec.num_devices} exceeds {MAX_GANG}", "out_of_range")
+    check_range(spec.memory_per_device_gb, f"task {spec.id} memory_per_device_gb", 0.0, MAX_MEMORY_GB)
+    check_range(spec.work_ref_s, f"task {spec.id} work_ref_s", 0.0, 1.0e10)
+    check_range(spec.latency_slo_ms, f"task {spec.id} latency_slo_ms", 0.0, 1.0e9)
+    if spec.kind not in TASK_KINDS:
+        raise InvalidEventError(f"task {spec.id}: unknown kind {spec.kind}", "out_of_range")
+    for kind in spec.allowed_kinds:
+        if kind not in DEVICE_KINDS:
+            raise InvalidEventError(f"task {spec.id}: unknown allowed kind {kind}", "out_of_range")
+    for label in SERVICE_LOAD_LABELS:
+        if label in spec.labels:
+            _check_label_number(spec, label)
+    for dep in spec.dependencies:
+        if dep.task_id == spec.id:
+            raise InvalidEventError(f"task {spec.id} depends on itself", "cycle")
+        check_id(dep.task_id, f"task {spec.id} dependency")
+        check_range(dep.transfer_gb, f"task {spec.id} dependency transfer_gb", 0.0, MAX_MEMORY_GB)
+
+
+def _check_label_number(spec: ev.TaskSpec, label: str) -> None:
+    text = spec.labels[label]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0.0 < value <= 1.0e9):
+        raise InvalidEventError(f"task {spec.id}: label {label}={text!r} is not a number in (0, 1e9]", "out_of_range")
+
+
+def check_task_specs(specs: Sequence[ev.TaskSpec]) -> list[bool]:
+    """``check_task_spec`` for many specs at once: raises for the first bad one (lowest index) with
+    ``tasks[i]: `` before the message, exactly as checking them one by one in order would. Returns
+    for each spec whether it is plain (``Task.plain``: no dependencies, allowed kinds or models,
+    preferred models or labels).
+
+    The numeric ranges are checked vectorized; only a spec that fails one, or that has lists to
+    check (allowed kinds, dependencies) or an id of unusual length, goes through the full check.
+    """
+    n = len(specs)
+    if not n:
+        return []
+    memory = np.fromiter((s.memory_per_device_gb for s in specs), dtype=np.float64, count=n)
+    work = np.fromiter((s.work_ref_s for s in specs), dtype=np.float64, count=n)
+    slo = np.fromiter((s.latency_slo_ms for s in specs), dtype=np.float64, count=n)
+    gang = np.fromiter((s.num_devices for s in specs), dtype=np.int64, count=n)
+    bad = ~(np.isfinite(memory) & (memory >= 0.0) & (memory <= MAX_MEMORY_GB))
+    bad |= ~(np.isfinite(work) & (work >= 0.0) & (work <= 1.0e10))
+    bad |= ~(np.isfinite(slo) & (slo >= 0.0) & (slo <= 1.0e9))
+    bad |= gang > MAX_GANG
+    kinds = TASK_KINDS
+    plain = [False] * n
+    for i, spec in enumerate(specs):
+        checked_lists = len(spec.allowed_kinds) or len(spec.dependencies)
+        labels = spec.labels
+        if (
+            not 0 < len(spec.id) <= MAX_ID_CHARS
+            or spec.kind not in kinds
+            or checked_lists
+            or (labels and any(label in labels for label in SERVICE_LOAD_LABELS))
+        ):
+            bad[i] = True
+        elif not labels and not len(spec.allowed_models) and not len(spec.preferred_models):
+            plain[i] = True
+    for index in np.flatnonzero(bad).tolist():
+        try:
+            check_task_spec(specs[index])
+        except InvalidEventError as exc:
+            raise InvalidEventError(f"tasks[{index}]: {exc}", exc.reason) from None
+    return plain
