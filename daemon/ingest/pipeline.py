@@ -1,10 +1,15 @@
 """Ingest: records off the bus, decoded, validated and applied to the scheduler, batch by batch.
 
-Each record goes through a pipeline of small steps, one list per topic (``decode → validate →
-apply``); a step returns the record's event or raises ``EventError``. A record that fails goes to
+Each record goes through a pipeline of small steps, one list per topic (``Ingestor.pipelines``):
+decode, validate (a payload; for tasks, no dependency cycle), apply. A step returns the record's
+event or raises ``EventError``. A record that fails goes to
 the dead-letter topic with headers naming where it came from and why, and is counted by reason;
 the batch goes on. The source's position is stored only after the whole batch has been applied,
 which makes delivery at-least-once; applying is idempotent, so a replayed record changes nothing.
+
+Ingest changes the graph only through the scheduler's and the graph's own methods
+(``apply_telemetry``, ``apply_task_event``, ``apply_metrics_arrays``); the dependency-cycle step
+is the state stage's ``dependency_cycle``.
 
 The hot path is metrics. ``hlb.daemon.bus.wire`` reads the device reports of a whole batch from the
 wire format into numpy columns at once, without protobuf objects; a run of consecutive records
@@ -40,6 +45,7 @@ from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
 from hlb.daemon.config import Topics
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import EventError, InvalidEventError
+from hlb.daemon.state.checks import dependency_cycle
 from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
@@ -125,43 +131,6 @@ def no_dependency_cycle(tasks: Callable[[], Mapping[str, Task]]) -> Step:
         return event
 
     return check
-
-
-def dependency_cycle(spec: ev.TaskSpec, tasks: Mapping[str, Task]) -> list[str]:
-    """The cycle ``spec`` would close (``[spec.id, dep, ..., spec.id]``), or [] when there is none.
-
-    A known task may depend on one not submitted yet, so a new task can close a cycle through
-    known tasks' dependencies. A replay of a known submission is no new edge.
-    """
-    known = tasks.get(spec.id)
-    if known is not None and known.spec == spec:
-        return []
-    start = spec.id
-    parent: dict[str, str] = {}
-    stack = [d.task_id for d in spec.dependencies]
-    for dep in stack:
-        parent.setdefault(dep, start)
-    seen: set[str] = set()
-    while stack:
-        node = stack.pop()
-        if node == start:
-            path: list[str] = []
-            at = parent[start]
-            while at != start:
-                path.append(at)
-                at = parent[at]
-            return [start, *reversed(path), start]
-        if node in seen:
-            continue
-        seen.add(node)
-        upstream = tasks.get(node)
-        if upstream is None:
-            continue
-        for upstream_dep in upstream.spec.dependencies:
-            if upstream_dep.task_id not in seen:
-                parent.setdefault(upstream_dep.task_id, node)
-                stack.append(upstream_dep.task_id)
-    return []
 
 
 def applier(apply: Callable[[Event], None]) -> Step:
@@ -387,6 +356,7 @@ class Ingestor:
         graph = self.scheduler.graph
         if hi > lo:
             span = rows[lo - base : hi - base]
+            times = np.repeat(columns.event_time_ms[a:b], columns.count[a:b])  # of each report's record
             try:
                 graph.apply_metrics_arrays(
                     span,
@@ -396,6 +366,7 @@ class Ingestor:
                     columns.temperature_c[lo:hi],
                     columns.health[lo:hi],
                     _RowIds(graph.devices.ids, span),
+                    times,
                 )
             except InvalidEventError as exc:
                 if b - a == 1:
@@ -405,10 +376,7 @@ class Ingestor:
                 self._apply_known(batch, columns, a, middle, rows, base)
                 self._apply_known(batch, columns, middle, b, rows, base)
                 return
-            times = np.repeat(columns.event_time_ms[a:b], columns.count[a:b])
-            known = times > 0  # later reports of a row overwrite earlier ones, as in event order
-            graph.devices.metrics_ms[span[known]] = times[known]
-        graph.newest_telemetry_ms = max(graph.newest_telemetry_ms, int(columns.event_time_ms[a:b].max()))
+        graph.saw_telemetry(int(columns.event_time_ms[a:b].max()))
         self.stats.applied += b - a
         self.stats.metrics_reports += hi - lo
 

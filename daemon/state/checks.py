@@ -1,22 +1,22 @@
 """What a valid event looks like, checked before the graph changes: ids, numeric ranges, enum
-values and task specs.
+values, task specs, and dependency cycles.
 
 Each check raises ``InvalidEventError`` naming the field and the reason, or returns; none
-changes anything. The checks that need the graph's state (an unknown device, a device still in
-use, a switch tree that must stay a tree, a dependency cycle) are the graph's own.
+changes anything. The checks that need the graph's state beyond its known tasks (an unknown
+device, a device still in use, a switch tree that must stay a tree) are the graph's own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.errors import InvalidEventError
-from hlb.daemon.state.task import SERVICE_LOAD_LABELS
+from hlb.daemon.state.task import SERVICE_LOAD_LABELS, Task
 from hlb.v1 import events_pb2 as ev
 
 MAX_GANG = 4096
@@ -185,3 +185,40 @@ def check_task_specs(specs: Sequence[ev.TaskSpec]) -> list[bool]:
         except InvalidEventError as exc:
             raise InvalidEventError(f"tasks[{index}]: {exc}", exc.reason) from None
     return plain
+
+
+def dependency_cycle(spec: ev.TaskSpec, tasks: Mapping[str, Task]) -> list[str]:
+    """The cycle ``spec`` would close (``[spec.id, dep, ..., spec.id]``), or [] when there is none.
+
+    A known task may depend on one not submitted yet, so a new task can close a cycle through
+    known tasks' dependencies. A replay of a known submission is no new edge.
+    """
+    known = tasks.get(spec.id)
+    if known is not None and known.spec == spec:
+        return []
+    start = spec.id
+    parent: dict[str, str] = {}
+    stack = [d.task_id for d in spec.dependencies]
+    for dep in stack:
+        parent.setdefault(dep, start)
+    seen: set[str] = set()
+    while stack:
+        node = stack.pop()
+        if node == start:
+            path: list[str] = []
+            at = parent[start]
+            while at != start:
+                path.append(at)
+                at = parent[at]
+            return [start, *reversed(path), start]
+        if node in seen:
+            continue
+        seen.add(node)
+        upstream = tasks.get(node)
+        if upstream is None:
+            continue
+        for upstream_dep in upstream.spec.dependencies:
+            if upstream_dep.task_id not in seen:
+                parent.setdefault(upstream_dep.task_id, node)
+                stack.append(upstream_dep.task_id)
+    return []

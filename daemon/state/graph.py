@@ -31,6 +31,7 @@ from hlb.daemon.state.checks import (
     check_link,
     check_range,
     check_task_spec,
+    dependency_cycle,
 )
 from hlb.daemon.state.feasibility import Exclusion, FeasibilityFilter, Occupancy
 from hlb.daemon.state.tables import (
@@ -185,7 +186,11 @@ class InfraGraph:
             self._apply_inventory(kind, event)
             self.version += 1
             self.changes += 1
-        self.newest_telemetry_ms = max(self.newest_telemetry_ms, event.event_time_ms)
+        self.saw_telemetry(event.event_time_ms)
+
+    def saw_telemetry(self, event_time_ms: int) -> None:
+        """Telemetry of ``event_time_ms`` was applied: ``newest_telemetry_ms`` is at least that."""
+        self.newest_telemetry_ms = max(self.newest_telemetry_ms, event_time_ms)
 
     def _apply_inventory(self, kind: str, event: ev.TelemetryEvent) -> None:
         if kind == "device_upsert":
@@ -387,12 +392,13 @@ class InfraGraph:
         temperature_c: NDArray[np.float64],
         health: NDArray[np.int64],
         ids: Sequence[str],
-        event_time_ms: int = 0,
+        event_time_ms: int | NDArray[np.int64] = 0,
     ) -> None:
         """Validate then apply one report per row. Shapes: every array [N]; ``ids`` names rows in errors.
 
         A health of HEALTH_UNSPECIFIED keeps the device's current health. When a row appears
-        twice, the later report wins.
+        twice, the later report wins. ``event_time_ms``: the reports' event time, one for all or
+        one per report ([N], as a poll of many records brings); 0 leaves a row's time as it was.
         """
         d = self.devices
         check_device_metrics(utilization, memory_used_gb, power_w, temperature_c, health, ids, d.memory_gb[rows])
@@ -402,7 +408,10 @@ class InfraGraph:
         d.temperature_c[rows] = temperature_c
         known = health != ev.HEALTH_UNSPECIFIED
         d.health[rows[known]] = health[known]
-        if event_time_ms:
+        if isinstance(event_time_ms, np.ndarray):
+            timed = event_time_ms > 0
+            d.metrics_ms[rows[timed]] = event_time_ms[timed]
+        elif event_time_ms:
             d.metrics_ms[rows] = event_time_ms
         self.metrics_version += 1
         self.changes += len(rows)
@@ -439,8 +448,8 @@ class InfraGraph:
             if known.spec != spec:
                 raise InvalidEventError(f"task {task_id} was already submitted with another spec", "duplicate_id")
             return known
-        if not plain:
-            self._check_no_cycle(spec)
+        if not plain and dependency_cycle(spec, self.tasks):
+            raise InvalidEventError(f"task {spec.id}: its dependencies lead back to it", "cycle")
         self._arrivals += 1
         task = Task(spec=spec, cell=cell, arrival=self._arrivals, plain=plain)
         task.row = self.task_table.add(task_id)
@@ -464,22 +473,6 @@ class InfraGraph:
                     if 0 <= r < len(ids) and ids[r] == d
                 ]
                 t.hold(task.row, held)
-
-    def _check_no_cycle(self, spec: ev.TaskSpec) -> None:
-        """Refuse a task that closes a dependency cycle: a known task it (transitively) needs needs it."""
-        if not spec.dependencies:
-            return
-        seen: set[str] = set()
-        stack = [dep.task_id for dep in spec.dependencies]
-        while stack:
-            task_id = stack.pop()
-            if task_id == spec.id:
-                raise InvalidEventError(f"task {spec.id}: its dependencies lead back to it", "cycle")
-            upstream = self.tasks.get(task_id)
-            if task_id in seen or upstream is None:
-                continue
-            seen.add(task_id)
-            stack.extend(dep.task_id for dep in upstream.spec.dependencies)
 
     def bind(self, task: Task, rows: Sequence[int], device_ids: Sequence[str] | None = None) -> None:
         """Reserve the task's memory on each of its devices (rows of live devices; ``device_ids``:

@@ -113,6 +113,23 @@ def test_metrics_batches_apply_vectorized_with_event_time_and_keep_health_when_u
     assert list(graph.feasible_rows(ev.TaskSpec(id="t", memory_per_device_gb=30))) == [0, 2]
 
 
+def test_metrics_arrays_with_a_time_per_report_date_each_row_by_its_latest_timed_report() -> None:
+    graph = InfraGraph()
+    for i in range(3):
+        graph.apply_telemetry(upsert(f"d{i}", "h0"))
+    rows = np.array([0, 1, 1, 2], dtype=np.int64)
+    zeros = np.zeros(4)
+    health = np.zeros(4, dtype=np.int64)
+    times = np.array([500, 600, 700, 0], dtype=np.int64)  # d1 twice: the later wins; d2 untimed
+    graph.apply_metrics_arrays(rows, np.array([0.1, 0.2, 0.3, 0.4]), zeros, zeros, zeros, health, ["x"] * 4, times)
+    d = graph.devices
+    assert list(d.metrics_ms[:3]) == [500, 700, 0]
+    assert list(d.utilization[:3]) == [0.1, 0.3, 0.4]
+    graph.saw_telemetry(700)
+    graph.saw_telemetry(650)
+    assert graph.newest_telemetry_ms == 700
+
+
 def test_a_tables_copy_keeps_the_moment_it_was_taken() -> None:
     graph = InfraGraph()
     graph.apply_telemetry(upsert("d0", "h0"))
