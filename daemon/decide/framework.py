@@ -197,6 +197,13 @@ class Policy:
         """Queue order within a priority, higher first. Shapes: [len(tasks)]; None: arrival order."""
         return None
 
+    @property
+    def rank_per_task(self) -> bool:
+        """Whether a task's :meth:`rank` depends only on the task and the graph, not on the other
+        queued tasks: the queue then keeps its order as tasks come and go instead of re-sorting.
+        True for a policy that does not rank; a subclass that ranks says so itself."""
+        return type(self).rank is Policy.rank
+
     def choose_gang(
         self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: Scores | None = None
     ) -> tuple[Rows, float]:
@@ -244,6 +251,10 @@ class QueueOrder(Protocol):
     @property
     def name(self) -> str:
         """The plugin's name in configuration and explanations."""
+
+    @property
+    def per_task(self) -> bool:
+        """Whether a task's rank depends only on the task and the graph (``Policy.rank_per_task``)."""
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         """Higher first. Shapes: [len(tasks)]; None: arrival order."""
@@ -383,6 +394,10 @@ class PluginPolicy(Policy):
         if self.queue_order is None or not self.scorer.ready or not tasks:
             return None
         return self.queue_order.rank(graph, tasks)
+
+    @property
+    def rank_per_task(self) -> bool:
+        return self.queue_order is None or self.queue_order.per_task
 
     def attach(self, sim: Any) -> None:
         """In a simulation: the scorer dates what it reads by the simulation's clock, if it reads time."""

@@ -36,6 +36,7 @@ class ShortestFirst:
     """Queue order: :meth:`RunTimes.ranks` (shortest estimated run time times the gang first)."""
 
     name = "shortest-first"
+    per_task = True  # a task's run time estimate is its own
 
     def __init__(self, profiles: DeviceProfiles) -> None:
         self.runtimes = RunTimes(profiles)

@@ -25,6 +25,7 @@ from hlb.daemon.decide.batch import BatchScores
 from hlb.daemon.decide.device_waits import DeviceWaits
 from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
 from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.queue import PendingQueue
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.state.checks import check_task_spec, check_task_specs
 from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion
@@ -75,15 +76,16 @@ class Scheduler:
         self.ledger = ledger
         self.cell = cell
         self.clock = clock
-        self._pending: dict[str, Task] = {}
+        self.queue = PendingQueue()
+        # Queued since the last pass. A pass after arrivals alone tries only these (and the tasks
+        # waiting for a busy device): nothing was freed, so what did not fit before still does not.
+        self._arrived: dict[str, None] = {}
         # Ledger placements whose task or devices have not been replayed yet.
         self._unbound: dict[str, ev.Placement] = {}
         # Of those, the tasks whose start was replayed before their devices: running once bound.
         self._started_unbound: set[str] = set()
         self._dirty = True  # something changed that may let a queued task fit
         self._seen = (graph.version, graph.metrics_version)
-        self._order: list[Task] | None = None  # the queue, sorted; None when it must be re-sorted
-        self._order_version = -1
         self.device_waits = DeviceWaits()  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
 
@@ -95,7 +97,6 @@ class Scheduler:
     def policy(self, policy: Policy) -> None:
         """Swap the policy (a reload): the queue order (its ranks) and the next pass start afresh."""
         self._policy = policy
-        self._order = None
         self._dirty = True
 
     # -- events ----------------------------------------------------------------------------
@@ -167,9 +168,8 @@ class Scheduler:
             self._unbound[task_id] = earlier
             self._bind_restored()
         else:
-            self._pending[task_id] = task
-            self._order = None
-            self._dirty = True
+            self.queue.add(task, self.graph, self._policy)
+            self._arrived[task_id] = None
         return task
 
     # -- decisions -------------------------------------------------------------------------
@@ -177,14 +177,20 @@ class Scheduler:
     def schedule_pending(self) -> list[ev.Placement]:
         """Place every queued task that fits now, in queue order. A no-op when nothing changed."""
         seen = (self.graph.version, self.graph.metrics_version)
-        if not self._dirty and seen == self._seen:
+        full = self._dirty or seen != self._seen
+        if not full and not self._arrived:
             return []
         self._dirty, self._seen = False, seen
+        arrived, self._arrived = self._arrived, {}
+        if full:
+            tasks = list(self.queue.ordered(self.graph, self.policy))
+        else:
+            tasks = self.queue.in_order([*arrived, *self.device_waits.waiting], self.graph, self.policy)
         placed: list[ev.Placement] = []
         # Feasible sets only shrink during a pass, so a shape (kinds, models, gang) that did not fit
         # with m GB does not fit with more: such tasks are skipped without a look at the devices.
         refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], tuple[float, str]] = {}
-        for task in list(self._queue()):
+        for task in tasks:
             spec = task.spec
             shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), task.gang_size)
             smaller = refused.get(shape)
@@ -212,7 +218,7 @@ class Scheduler:
             probe = Task(spec=spec, cell=self.cell, arrival=0)
             return self._decision(probe, self._try_place(probe, dry_run=True))
         task = self.submit(spec, self.cell, checked=True)
-        if task.spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
+        if task.spec.id not in self.queue:  # decided before a restart: the ledger's answer stands
             return self.lookup(spec.id)
         return self._decision(task, self._try_place(task, dry_run=False))
 
@@ -262,7 +268,7 @@ class Scheduler:
                     decisions[i] = self._decision(probe, placement)
                 else:
                     task = self.submit(spec, self.cell, checked=True, plain=plain[i])
-                    if spec.id not in self._pending:  # decided before a restart: the ledger's answer stands
+                    if spec.id not in self.queue:  # decided before a restart: the ledger's answer stands
                         decisions[i] = self.lookup(spec.id)
                         continue
                     decisions[i] = self._decision(task, self._try_place(task, dry_run=False, cache=cache))
@@ -287,16 +293,40 @@ class Scheduler:
 
     def queue_position(self, task_id: str) -> int:
         """1 for the next task in the queue; 0 when the task is not queued."""
-        if task_id not in self._pending:
-            return 0
-        for position, task in enumerate(self._queue(), start=1):
-            if task.spec.id == task_id:
-                return position
-        return 0
+        return self.queue.position(task_id, self.graph, self.policy)
+
+    def queued(self) -> Sequence[Task]:
+        """The queued tasks, in queue order."""
+        return self.queue.ordered(self.graph, self.policy)
+
+    def restore(
+        self, graph: InfraGraph, pending: Sequence[str], unbound: Sequence[str], forgotten: dict[str, TaskState]
+    ) -> None:
+        """Take a snapshot's state: its ``graph``, its queued tasks (``pending``, in arrival order; one
+        the ledger already places, decided after the snapshot, is bound to that placement), its
+        placements not bound yet (``unbound``) and the ``forgotten`` ended tasks. The ledger must be
+        restored first."""
+        self.graph = graph
+        self.queue = PendingQueue()
+        self._arrived = {}
+        self._unbound = {}
+        for task_id in pending:
+            placement = self.ledger.get(task_id)
+            if placement is None:
+                self.queue.add(graph.tasks[task_id], graph, self.policy)
+            else:
+                self._unbound[task_id] = placement
+        for task_id in unbound:
+            placement = self.ledger.get(task_id)
+            if placement is not None:
+                self._unbound[task_id] = placement
+        self._bind_restored()
+        self.remember_restored(forgotten)
+        self._dirty = True
 
     @property
     def pending_count(self) -> int:
-        return len(self._pending)
+        return len(self.queue)
 
     @property
     def waits_decided(self) -> int:
@@ -370,21 +400,9 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _queue(self) -> list[Task]:
-        if self._order is None or self._order_version != self.graph.version:
-            tasks = list(self._pending.values())
-            ranks = self.policy.rank(self.graph, tasks)
-            if ranks is None:
-                tasks.sort(key=lambda t: (-t.spec.priority, t.arrival))
-            else:
-                rank_of = {t.spec.id: float(r) for t, r in zip(tasks, ranks, strict=True)}
-                tasks.sort(key=lambda t: (-t.spec.priority, -rank_of[t.spec.id], t.arrival))
-            self._order, self._order_version = tasks, self.graph.version
-        return self._order
-
     def _dequeue(self, task_id: str) -> None:
-        if self._pending.pop(task_id, None) is not None:
-            self._order = None
+        self.queue.remove(task_id)
+        self._arrived.pop(task_id, None)
         self.device_waits.stop(task_id)
 
     # -- waiting for a busy device (a policy that may wait) ------------------------------------

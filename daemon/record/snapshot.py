@@ -142,7 +142,7 @@ def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
     arrays["tasks.device_rows"] = np.array([r for t in tasks for r in t.device_rows], dtype=np.int64)
     _pack_str(arrays, "tasks.device_ids", [d for t in tasks for d in t.device_ids])
     # The scheduler's queue and restored-but-unbound placements (its private state, by design here).
-    _pack_str(arrays, "scheduler.pending", list(scheduler._pending))
+    _pack_str(arrays, "scheduler.pending", list(scheduler.queue.tasks))
     _pack_str(arrays, "scheduler.unbound", list(scheduler._unbound))
     _pack_str(arrays, "scheduler.forgotten", list(scheduler.forgotten))
     arrays["scheduler.forgotten_state"] = np.array([int(v) for v in scheduler.forgotten.values()], dtype=np.int8)
@@ -264,23 +264,7 @@ def install(snapshot: Snapshot, scheduler: Scheduler) -> None:
         )
     graph = snapshot.graph
     graph.max_tasks_per_device = scheduler.graph.max_tasks_per_device  # configuration, not state
-    scheduler.graph = graph
-    scheduler._pending = {}
-    scheduler._unbound = {}
-    for task_id in snapshot.pending:
-        placement = scheduler.ledger.get(task_id)
-        if placement is None:
-            scheduler._pending[task_id] = graph.tasks[task_id]
-        else:
-            scheduler._unbound[task_id] = placement
-    for task_id in snapshot.unbound:
-        placement = scheduler.ledger.get(task_id)
-        if placement is not None:
-            scheduler._unbound[task_id] = placement
-    scheduler._bind_restored()
-    scheduler.remember_restored(snapshot.forgotten)
-    scheduler._order = None
-    scheduler._dirty = True
+    scheduler.restore(graph, snapshot.pending, snapshot.unbound, snapshot.forgotten)
 
 
 # -- bytes ---------------------------------------------------------------------------------------

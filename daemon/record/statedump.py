@@ -76,7 +76,7 @@ def canonical_state(scheduler: Scheduler) -> dict[str, Any]:
         "switches": dict(sorted(switches.items())),
         "links": dict(sorted(links.items())),
         "tasks": dict(sorted(tasks.items())),
-        "queue": [task.spec.id for task in scheduler._queue()],
+        "queue": [task.spec.id for task in scheduler.queued()],
         "ledger": {"placements": len(scheduler.ledger), "last_sequence": scheduler.ledger.last_sequence},
         "newest_telemetry_ms": g.newest_telemetry_ms,
     }

@@ -191,14 +191,14 @@ def test_queue_order_is_shortest_first_within_a_priority() -> None:
     submit(scheduler, "unknown-pair", work_ref_s=0.0, num_devices=2)
     submit(scheduler, "unknown", work_ref_s=0.0)
     queue = ["urgent", "service", "unknown-pair", "unknown", "short", "long"]
-    assert [t.spec.id for t in scheduler._queue()] == queue
+    assert [t.spec.id for t in scheduler.queued()] == queue
     arrival = gnn(wait_for_faster=False, queue_order="arrival")
     scorer, loaded = gnn_scorer(arrival), gnn_scorer(policy)
     assert scorer is not None
     assert loaded is not None
     scorer._cache = loaded.cache
     scheduler.policy = arrival
-    assert [t.spec.id for t in scheduler._queue()] == ["urgent", "long", "short", "service", "unknown-pair", "unknown"]
+    assert [t.spec.id for t in scheduler.queued()] == ["urgent", "long", "short", "service", "unknown-pair", "unknown"]
 
 
 def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
