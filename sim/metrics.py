@@ -1,7 +1,7 @@
 """Metrics of a simulation run, and the lower bounds they are compared against.
 
 Job completion time (JCT) is the last finish of a job's tasks minus its first arrival. Every
-figure is computed from a :class:`hlb.sim.simulator.SimResult` alone. Units: s, J, kWh, 0..1 shares.
+figure is computed from a :class:`hlb.sim.result.SimResult` alone. Units: s, J, kWh, 0..1 shares.
 
 Lower bounds (no policy can beat them on this cluster and workload):
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hlb.sim.simulator import SimResult, TaskRecord
+from hlb.sim.result import SimResult, TaskRecord
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from hlb.sim.catalogue import load_catalogue  # noqa: E402
 from hlb.sim.eval import make_sim_policy  # noqa: E402
 from hlb.sim.lookahead import LookaheadPolicy  # noqa: E402
 from hlb.sim.metrics import compute_metrics  # noqa: E402
+from hlb.sim.result import SimResult, TaskRecord  # noqa: E402
 from hlb.sim.scenarios import build_cluster, build_workload  # noqa: E402
-from hlb.sim.simulator import SimConfig, SimResult, Simulation, TaskRecord  # noqa: E402
+from hlb.sim.simulator import SimConfig, Simulation  # noqa: E402
 
 STAGE = train.Stage("mixed:8", "gavel", 0.8, 14)
 

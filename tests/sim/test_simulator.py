@@ -18,8 +18,9 @@ from hlb.sim.eval import make_sim_policy
 from hlb.sim.lookahead import LookaheadPolicy, PinnedPolicy
 from hlb.sim.metrics import compute_metrics
 from hlb.sim.network import Network
+from hlb.sim.result import SimResult
 from hlb.sim.scenarios import build_cluster, build_workload
-from hlb.sim.simulator import FailureConfig, SimConfig, SimResult, Simulation, simulate
+from hlb.sim.simulator import FailureConfig, SimConfig, Simulation, simulate
 from hlb.sim.telemetry import TelemetryConfig
 from hlb.sim.topology import Inventory, homogeneous_cluster, inventory_from_document
 from hlb.sim.traces import read_trace

@@ -1,0 +1,114 @@
+"""The simulated devices' truth: what each holds and draws, whether it failed, what it last reported.
+
+Power: ``idle + (peak - idle) * utilization`` per device, 0 while failed; energy is the exact
+integral of that piecewise-constant curve. Telemetry (:mod:`hlb.sim.telemetry`): a device is in a
+report when its true state changed since its last report or ``heartbeat_s`` has passed since then.
+Units: W, J, GB, s; utilization 0..1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from hlb.sim.telemetry import DeviceState, TelemetryConfig, metrics_event
+from hlb.sim.topology import Inventory
+from hlb.v1 import events_pb2 as ev
+
+
+class Devices:
+    """Every device of an inventory, by row in inventory order. Shapes: each array [N].
+
+    ``reserved[row]`` holds the attempts placed on a device (waiting for inputs or running),
+    ``running[row]`` those computing on it; ``util``, ``mem_used`` and ``failed`` are the truth
+    the simulation keeps up to date, and :meth:`report` turns it into the agents' telemetry.
+    """
+
+    def __init__(self, inventory: Inventory) -> None:
+        devices = inventory.devices
+        self.ids = [d.id for d in devices]
+        self.index = {d.id: i for i, d in enumerate(devices)}
+        self.models = [d.model for d in devices]
+        self.hosts = [d.host_id for d in devices]
+        self.memory_gb = np.array([d.memory_gb for d in devices], dtype=np.float64)
+        self.idle_w = np.array([d.idle_power_w for d in devices], dtype=np.float64)
+        self.peak_w = np.array([d.peak_power_w for d in devices], dtype=np.float64)
+        n = len(devices)
+        self.util = np.zeros(n)
+        self.mem_used = np.zeros(n)
+        self.failed = np.zeros(n, dtype=bool)
+        self.reserved: list[set[str]] = [set() for _ in range(n)]
+        self.running: list[set[str]] = [set() for _ in range(n)]
+        # What the agents last reported (true values, before noise) and when (s); -inf: never.
+        self._reported = DeviceState(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool))
+        self._reported_s = np.full(n, -math.inf)
+        self.energy_j = 0.0
+        self.power_w = float(self.idle_w.sum())  # whole cluster, now
+        self._last_s = 0.0
+
+    def reserve(self, attempt_id: str, rows: Iterable[int], memory_per_device_gb: float) -> None:
+        """Place an attempt on ``rows``: it holds their memory from now."""
+        for row in rows:
+            self.reserved[row].add(attempt_id)
+            self.mem_used[row] += memory_per_device_gb
+
+    def begin(self, attempt_id: str, rows: Iterable[int]) -> None:
+        """The attempt placed on ``rows`` starts computing there."""
+        for row in rows:
+            self.running[row].add(attempt_id)
+
+    def release(self, attempt_id: str, rows: Iterable[int], memory_per_device_gb: float) -> None:
+        """The attempt leaves ``rows``, freeing their memory."""
+        for row in rows:
+            self.reserved[row].discard(attempt_id)
+            self.running[row].discard(attempt_id)
+            self.mem_used[row] = max(0.0, self.mem_used[row] - memory_per_device_gb)
+
+    def refresh_power(self) -> None:
+        """Recompute the cluster's power draw from utilization and health."""
+        power = (self.idle_w + (self.peak_w - self.idle_w) * self.util) * ~self.failed
+        self.power_w = float(power.sum())
+
+    def advance(self, t_s: float) -> None:
+        """Add the energy drawn at the current power up to ``t_s``."""
+        self.energy_j += self.power_w * (t_s - self._last_s)
+        self._last_s = t_s
+
+    def mean_utilization(self) -> float:
+        return float(self.util.mean()) if len(self.util) else 0.0
+
+    def allocated_share(self) -> float:
+        """The share of devices holding at least one attempt."""
+        return sum(1 for r in self.reserved if r) / max(1, len(self.ids))
+
+    def report(
+        self, telemetry: TelemetryConfig, rng: np.random.Generator, cell: str, t_s: float, now_ms: int
+    ) -> ev.TelemetryEvent | None:
+        """The agents' report at ``t_s`` of every device that is due (noise drawn from ``rng``);
+        None when none is."""
+        reported = self._reported
+        due = (
+            (self.util != reported.utilization)
+            | (self.mem_used != reported.memory_used_gb)
+            | (self.failed != reported.failed)
+            | (t_s - self._reported_s >= telemetry.heartbeat_s)
+        )
+        rows = np.flatnonzero(due)
+        if not len(rows):
+            return None
+        reported.utilization[rows] = self.util[rows]
+        reported.memory_used_gb[rows] = self.mem_used[rows]
+        reported.failed[rows] = self.failed[rows]
+        self._reported_s[rows] = t_s
+        util, failed = self.util[rows], self.failed[rows]
+        state = DeviceState(
+            utilization=util,
+            memory_used_gb=np.minimum(self.mem_used[rows], self.memory_gb[rows]),
+            power_w=(self.idle_w[rows] + (self.peak_w[rows] - self.idle_w[rows]) * util) * ~failed,
+            temperature_c=30.0 + 50.0 * util,
+            failed=failed,
+        )
+        ids = [self.ids[r] for r in rows]
+        return metrics_event(telemetry, rng, ids, self.memory_gb[rows], state, cell, now_ms)

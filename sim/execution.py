@@ -1,0 +1,164 @@
+"""How fast a task runs where: the simulator's execution model, from the device catalogue alone.
+
+Units: s, steps/s, ms.
+
+- A task's work is ``steps = work_ref_s * throughput(reference, class, 1)``. Its gang runs at
+  ``min over the gang's models of throughput(model, class, gang, consolidated)`` steps/s, where
+  consolidated means every member on one host (Gavel's measured figures; a spread gang whose
+  class has no spread figure runs at half the consolidated rate, an assumption).
+- Co-location: a device shared by ``k`` running tasks gives task ``a`` the fraction
+  ``(2 / k) * mean over the others b of pair(a, b)`` of its isolated speed, where ``pair`` is
+  Gavel's measured space-sharing factor (0.5, time sharing, when the pair was not measured). For
+  ``k = 2`` that is the measured pair. A gang runs at its slowest member's fraction.
+- Inference services (``latency_slo_ms > 0``): they live ``labels["duration_s"]`` seconds when
+  given (else they run their work like any task). Per-request latency is the M/M/1 response time
+  ``S / (1 - rho)`` with ``S`` the request's run time on its device (slowed by co-location) and
+  ``rho = rate * S``; the SLO is missed if that latency ever exceeds ``latency_slo_ms``.
+- A task can run on a model when its kind, allow-lists and memory fit and its class has a
+  throughput there at its gang size (Gavel measures some classes as unable to run on some devices).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
+from hlb.sim.catalogue import Catalogue
+from hlb.sim.result import TaskRecord
+from hlb.sim.workloads import Task
+
+TIME_SHARING_FACTOR = 0.5  # co-location fraction of a pair Gavel did not measure
+SPREAD_FALLBACK_FACTOR = 0.5  # spread gang of a class with no spread figure: this share of consolidated
+
+
+class ExecutionModel:
+    """Run rates, ideal run times and co-location fractions of tasks on the catalogue's devices."""
+
+    def __init__(self, catalogue: Catalogue) -> None:
+        self.catalogue = catalogue
+        self._pair_cache: dict[tuple[str, str, int, str, int], float] = {}
+
+    def steps(self, task: Task) -> float:
+        """The task's work in steps of its class."""
+        return task.work_ref_s * self.catalogue.throughput(self.catalogue.reference_model, task.workload_class, 1)
+
+    def gang_rate(self, task: Task, model: str, consolidated: bool) -> float:
+        """Steps/s of ``task``'s gang on devices of ``model``, alone; 0 when it cannot run there."""
+        cat = self.catalogue
+        rate = cat.throughput(model, task.workload_class, task.num_devices, consolidated)
+        if rate <= 0 and not consolidated:
+            rate = SPREAD_FALLBACK_FACTOR * cat.throughput(model, task.workload_class, task.num_devices, True)
+        return rate
+
+    def best_rate(self, task: Task, model: str) -> float:
+        """The fastest gang rate (steps/s) of ``task`` on devices of ``model``, either placement."""
+        g = task.num_devices
+        cat = self.catalogue
+        return max(
+            cat.throughput(model, task.workload_class, g, True), cat.throughput(model, task.workload_class, g, False)
+        )
+
+    def model_fits(self, task: Task, model: str) -> bool:
+        """Whether ``task``'s kind, allow-lists and memory admit devices of ``model``."""
+        profile = self.catalogue.profile(model)
+        return (
+            # The catalogue names training and inference; batch stages run where training runs.
+            (task.kind if task.kind != "batch_stage" else "training") in profile.task_kinds
+            and (not task.allowed_kinds or profile.kind in task.allowed_kinds)
+            and (not task.allowed_models or model in task.allowed_models)
+            and task.memory_per_device_gb <= profile.memory_gb
+        )
+
+    def runnable_models(self, task: Task, cluster_models: Sequence[str]) -> list[str]:
+        """The cluster's models on which ``task`` fits and its class runs at its gang size."""
+        return [m for m in cluster_models if self.model_fits(task, m) and self.best_rate(task, m) > 0]
+
+    def ideal_s(self, task: Task, cluster_models: Sequence[str]) -> float:
+        """Run time (s) on its fastest feasible devices of the cluster, alone; inf when none."""
+        lifetime = service_lifetime_s(task)
+        if lifetime is not None:
+            return lifetime
+        steps = self.steps(task)
+        rates = [self.best_rate(task, m) for m in cluster_models if self.model_fits(task, m)]
+        best = max(rates, default=0.0)
+        return steps / best if best > 0 else math.inf
+
+    def new_record(self, task: Task, cluster_models: Sequence[str]) -> TaskRecord:
+        """The record of a task not yet submitted, with its ideal run time on this cluster."""
+        ideal = self.ideal_s(task, cluster_models)
+        fixed = service_lifetime_s(task) is not None
+        return TaskRecord(
+            task_id=task.id,
+            job_id=task.job_id,
+            kind=task.kind,
+            workload_class=task.workload_class,
+            num_devices=task.num_devices,
+            arrival_s=task.arrival_s,
+            dependencies=tuple(d.task_id for d in task.dependencies),
+            ideal_s=ideal,
+            min_device_s=0.0 if fixed or not math.isfinite(ideal) else task.num_devices * ideal,
+            latency_slo_ms=task.latency_slo_ms,
+            deadline_s=task.deadline_s,
+        )
+
+    def colocation_fraction(self, model: str, task: Task, others: Sequence[Task]) -> float:
+        """The share of its isolated speed ``task`` keeps on a device of ``model`` shared with ``others``."""
+        if not others:
+            return 1.0
+        pairs = [self.pair(model, task, b) for b in others]
+        return 2.0 / (len(others) + 1) * sum(pairs) / len(pairs)
+
+    def pair(self, model: str, a: Task, b: Task) -> float:
+        """The share of its isolated speed ``a`` keeps sharing a device of ``model`` with ``b`` alone."""
+        key = (model, a.workload_class, a.num_devices, b.workload_class, b.num_devices)
+        cached = self._pair_cache.get(key)
+        if cached is None:
+            gang = a.num_devices if a.num_devices == b.num_devices else 1
+            factor = self.catalogue.colocation_factors(model, a.workload_class, b.workload_class, gang)[0]
+            if factor <= 0 and gang != 1:
+                factor = self.catalogue.colocation_factors(model, a.workload_class, b.workload_class, 1)[0]
+            cached = self._pair_cache[key] = factor if factor > 0 else TIME_SHARING_FACTOR
+        return cached
+
+    def colocation_gain(self, models: Iterable[str]) -> float:
+        """An upper bound on the summed kept fractions of the tasks sharing one device (>= 1).
+
+        For each pair of classes on ``models``, the largest fraction each side keeps at any gang
+        size (0.5 where unmeasured), summed; the k-task rule never exceeds the pair bound.
+        """
+        best: dict[tuple[str, str, str], list[float]] = {}
+        sources = {self.catalogue.profile(m).colocation_model for m in set(models)}
+        for source in sorted(sources):
+            for a, b, gang in self.catalogue.colocation.get(source, {}):
+                fa, fb = self.catalogue.colocation_factors(source, a, b, gang)
+                low, high = sorted((a, b))
+                key = (source, low, high)
+                sides = best.setdefault(key, [TIME_SHARING_FACTOR, TIME_SHARING_FACTOR])
+                first, second = (fa, fb) if a <= b else (fb, fa)
+                sides[0], sides[1] = max(sides[0], first), max(sides[1], second)
+        return max([1.0] + [a + b for a, b in best.values()])
+
+    def service_latency(self, task: Task, base_rate: float, factor: float) -> tuple[float, float, float]:
+        """A service's per-request latency (ms, M/M/1), its load ``rho`` and its request rate (1/s),
+        running at ``base_rate`` steps/s slowed to ``factor`` of that by co-location."""
+        reference_rate = self.catalogue.throughput(self.catalogue.reference_model, task.workload_class, 1)
+        request_ms = _label_float(task, REQUEST_WORK_LABEL, 1000.0 / reference_rate)
+        rate_per_s = _label_float(task, REQUEST_RATE_LABEL, 0.0)
+        speed = base_rate / reference_rate * factor if reference_rate > 0 else 0.0
+        service_ms = request_ms / speed if speed > 0 else math.inf
+        rho = rate_per_s * service_ms / 1000.0
+        latency_ms = service_ms / (1.0 - rho) if rho < 1.0 else math.inf
+        return latency_ms, rho, rate_per_s
+
+
+def service_lifetime_s(task: Task) -> float | None:
+    """A service's fixed lifetime (label ``duration_s``), or None for a task that runs its work."""
+    if task.latency_slo_ms <= 0 or not task.labels.get("duration_s"):
+        return None
+    return float(task.labels["duration_s"])
+
+
+def _label_float(task: Task, key: str, default: float) -> float:
+    value = task.labels.get(key)
+    return float(value) if value else default

@@ -1,0 +1,84 @@
+"""What one simulation run produced: per-task records, the cluster's timeline and the totals.
+
+Plain data (picklable), written by :class:`hlb.sim.simulator.Simulation` and read by
+:mod:`hlb.sim.metrics` without the simulator. Times in s from the start of the run, energy in J,
+power in W.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TaskRecord:
+    """The outcome of one task of the workload (over all its attempts). Times in s from the start."""
+
+    task_id: str
+    job_id: str
+    kind: str
+    workload_class: str
+    num_devices: int
+    arrival_s: float
+    dependencies: tuple[str, ...]
+    ideal_s: float  # run time on its fastest feasible devices, alone (inf: cannot run here)
+    min_device_s: float  # num_devices * ideal_s for work tasks; 0 for fixed-lifetime services
+    latency_slo_ms: float = 0.0
+    deadline_s: float = 0.0
+    state: str = "pending"  # pending, finished, failed, unrunnable
+    attempts: int = 0  # submissions to the scheduler (resubmissions of dependents included)
+    failed_attempts: int = 0
+    placed_s: float = math.nan  # final attempt
+    start_s: float = math.nan  # final attempt, after its input transfers
+    finish_s: float = math.nan
+    queue_s: float = 0.0  # waiting while ready (dependencies done), summed over attempts
+    transfer_s: float = 0.0  # final attempt
+    device_ids: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    slo_violated: bool = False
+    reason: str = ""
+
+
+@dataclass
+class Timeline:
+    """State after each batch of events: a step function. Shapes: each list [T]."""
+
+    t_s: list[float] = field(default_factory=list)
+    utilization: list[float] = field(default_factory=list)  # mean over devices, 0..1
+    power_w: list[float] = field(default_factory=list)  # whole cluster
+    allocated: list[float] = field(default_factory=list)  # share of devices holding a task
+
+    def record(self, t_s: float, utilization: float, power_w: float, allocated: float) -> None:
+        """The state at ``t_s``: replaces a step at the same instant; kept only when it changed."""
+        if self.t_s and self.t_s[-1] == t_s:
+            self.utilization[-1], self.power_w[-1], self.allocated[-1] = utilization, power_w, allocated
+            return
+        if self.t_s and (self.utilization[-1], self.power_w[-1], self.allocated[-1]) == (
+            utilization,
+            power_w,
+            allocated,
+        ):
+            return  # a step function: only changes are kept
+        self.t_s.append(t_s)
+        self.utilization.append(utilization)
+        self.power_w.append(power_w)
+        self.allocated.append(allocated)
+
+
+@dataclass
+class SimResult:
+    """What one run produced; plain data (picklable) for :mod:`hlb.sim.metrics`."""
+
+    policy: str
+    seed: int
+    tasks: list[TaskRecord]
+    num_devices: int
+    end_s: float
+    energy_j: float
+    idle_power_w: float  # whole cluster, all devices idle
+    colocation_gain: float  # the most isolated-throughput a device can deliver shared (>= 1)
+    timeline: Timeline
+    placements: int
+    failures: int
+    modelled_devices: int
