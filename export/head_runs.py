@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hlb.export.train import Stage, TrainConfig, Trainer
+from hlb.export.recipe import Stage, TrainConfig
+from hlb.export.train import Trainer
 from hlb.sim.metrics import compute_metrics
 
 # The two training stages both experiments run: mixed:64 at load 0.8, gavel 200 jobs, pipelines 80.

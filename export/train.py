@@ -1,30 +1,17 @@
 """``hlb train``: teach the GNN to place in the simulator, then improve it on the long-run objective.
 
-Two phases, both on the training workload families and seeds only (:data:`TRAIN_FAMILIES`,
-seeds from :data:`TRAIN_SEED_BASE`; ``hlb eval`` reports on seeds 0.. and on other families):
+Two phases, both on the training workload families and seeds only (:mod:`hlb.export.recipe`):
 
-1. **Imitation with DAgger.** The lookahead oracle (:class:`hlb.sim.lookahead.LookaheadPolicy`) is the
-   teacher. Iteration ``i`` runs episodes in which every decision is labelled with the teacher's
-   gang, and the teacher's gang is carried out with probability ``beta_i`` (1 in the first
-   iteration, halving after), the student's otherwise, so later data comes from the states the
-   student itself reaches. The student is trained on all data so far: cross-entropy between the
-   softmax of its scores over the feasible devices and the teacher's gang (uniform over its rows).
-2. **REINFORCE** with an input-dependent baseline. Each iteration draws a few workloads and runs
-   several episodes of each with the student sampling its gang (Gumbel-perturbed scores at a
-   temperature, then the usual locality-tiered gang choice). A decision's return is minus the flow
-   time still to come after it, ``-sum_j max(0, finish_j - max(t, arrival_j))`` over every task;
-   its baseline is the mean return at the same time over the episodes of the *same* workload (the
-   input), which removes the variance due to arrivals. The log-probability of a gang is
-   Plackett-Luce over the candidates in the order of the perturbed scores. An iteration takes an
-   optimizer step every few decisions, so later steps see decisions sampled by an older model;
-   PPO's clipped surrogate (``rl_clip``) keeps each step from moving a decision's probability far
-   beyond ``1 ± rl_clip`` times the sampling model's, where plain REINFORCE (``rl_clip`` 0) lets it run.
+1. **Imitation with DAgger** of the lookahead oracle (:mod:`hlb.export.imitation`);
+2. **REINFORCE** with an input-dependent baseline and PPO's clipped surrogate
+   (:mod:`hlb.export.reinforce`).
 
-A curriculum (:data:`DEFAULT_STAGES`) grows cluster size, job count and load stage by stage.
-After each epoch (one DAgger iteration or one RL iteration) the student runs deterministically on
-the validation seeds and its mean JCT is compared with hetero-greedy's on the same seeds; the
-checkpoint with the best ratio is kept as ``best.pt``, a later one only when its ratio is
-``min_improvement`` (2%) below the best so far. Every epoch's summary goes to
+The student is the torch model deciding as a daemon policy (:mod:`hlb.export.student`). A
+curriculum (:data:`hlb.export.recipe.DEFAULT_STAGES`) grows cluster size, job count and load stage
+by stage. After each epoch (one DAgger iteration or one RL iteration) the student runs
+deterministically on the validation seeds and its mean JCT is compared with hetero-greedy's on the
+same seeds; the checkpoint with the best ratio is kept as ``best.pt``, a later one only when its
+ratio is ``min_improvement`` (2%) below the best so far. Every epoch's summary goes to
 ``train.jsonl`` and the terminal.
 
     hlb train --out runs/default                # the shipped model's recipe (make model)
@@ -39,7 +26,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,403 +36,19 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
-from hlb.daemon.decide.gnn import features as feat
-from hlb.daemon.decide.policy import ObjectiveWeights, Policy, Wait, choose_gang, make_policy
-from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
-from hlb.daemon.state.graph import InfraGraph
-from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
-from hlb.daemon.state.tables import Rows
-from hlb.daemon.state.task import Task
+from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.presets import make_policy
+from hlb.export.imitation import DaggerPolicy, imitation_loss
 from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
+from hlb.export.recipe import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, Stage, TrainConfig
+from hlb.export.reinforce import baseline_advantages, clipped_surrogate, plackett_luce_log_prob
+from hlb.export.student import Decision, TorchGnnPolicy, decision_scores
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.lookahead import LookaheadPolicy
 from hlb.sim.metrics import compute_metrics
+from hlb.sim.result import SimResult
 from hlb.sim.scenarios import build_cluster, build_workload
-from hlb.sim.simulator import SimConfig, SimResult, Simulation
-from hlb.v1 import events_pb2 as ev
-
-TRAIN_FAMILIES = ("gavel", "pipelines")
-TRAIN_SEED_BASE = 1000  # training workloads use seeds >= this; hlb eval reports on 0..
-VALIDATION_SEED_BASE = 900  # validation seeds: neither training nor evaluation
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One curriculum step: a cluster, a workload family, a load and a job count."""
-
-    cluster: str
-    workload: str
-    load: float
-    jobs: int
-
-    def label(self) -> str:
-        return f"{self.workload}@{self.cluster} load {self.load:g} x{self.jobs}"
-
-
-DEFAULT_STAGES: tuple[Stage, ...] = (
-    Stage("mixed:32", "gavel", 0.8, 120),
-    Stage("mixed:64", "pipelines", 0.8, 80),
-    Stage("mixed:64", "gavel", 0.8, 200),
-)
-TINY_STAGES: tuple[Stage, ...] = (Stage("mixed:8", "gavel", 0.8, 12),)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that decides a training run (written into the checkpoint's description)."""
-
-    stages: tuple[Stage, ...] = DEFAULT_STAGES
-    dagger_iterations: int = 3
-    dagger_episodes: int = 2  # per stage and iteration
-    imitation_epochs: int = 3  # passes over the aggregated data per DAgger iteration
-    rl_iterations: int = 2
-    rl_workloads: int = 2  # workloads per RL iteration (the last stages of the curriculum)
-    rl_episodes: int = 3  # episodes per workload (the baseline's sample)
-    temperature: float = 0.5  # of the sampled policy during RL
-    learning_rate: float = 1e-3
-    rl_learning_rate: float = 2e-4
-    # PPO's clip of the probability ratio against the sampling model in REINFORCE's updates (0: plain
-    # REINFORCE). Unclipped, 24 iterations from the untrained model (0.696 of hetero-greedy's
-    # validation JCT) swung between 0.709 and 2.467, an iteration's hundreds of optimizer steps
-    # pushing the sampled decisions far from the probabilities they were drawn with; clipped at 0.2
-    # the same run stayed within about 1% of epoch 0 (docs/train/reinforce24-rules.jsonl, -ppo.jsonl).
-    rl_clip: float = 0.2
-    batch_decisions: int = 16  # decisions per optimizer step
-    max_samples: int = 20_000  # the DAgger data set keeps at most this many (the newest)
-    validation_seeds: int = 1  # per stage
-    # A later epoch replaces best.pt only when its validation ratio is at least this share below the
-    # best so far. The validation runs are few, and a smaller lead is their noise: an epoch 0.02%
-    # ahead of epoch 0 on its three runs was 0.9% and 6.2% behind it on ten validation seeds per stage.
-    min_improvement: float = 0.02
-    teacher_k: int = 3
-    teacher_horizon_s: float = 6 * 3600.0
-    hidden: int = 32
-    rounds: int = 2
-    seed: int = 0
-    # The daemon's rules the student decides by in REINFORCE and validation (model.wait_for_faster,
-    # model.gang_wait_factor, model.queue_order, model.fit_services); DAgger follows the teacher,
-    # which neither waits nor reorders.
-    wait_for_faster: bool = True
-    gang_wait_factor: float = 0.5
-    queue_order: str = "shortest-first"
-    fit_services: bool = True
-
-    def describe(self) -> str:
-        stages = "; ".join(s.label() for s in self.stages)
-        rules = (
-            f"wait_for_faster {str(self.wait_for_faster).lower()}, gang_wait_factor {self.gang_wait_factor:g}, "
-            f"queue_order {self.queue_order}, fit_services {str(self.fit_services).lower()}"
-        )
-        clip = f" (PPO clip {self.rl_clip:g})" if self.rl_clip > 0 else ""
-        return (
-            f"hlb train: DAgger x{self.dagger_iterations} from lookahead(k={self.teacher_k}, "
-            f"{self.teacher_horizon_s / 3600:g} h), then REINFORCE x{self.rl_iterations}{clip}; families "
-            f"{', '.join(TRAIN_FAMILIES)}; seeds >= {TRAIN_SEED_BASE}; curriculum: {stages}; {rules}; seed {self.seed}"
-        )
-
-
-PRESETS: dict[str, TrainConfig] = {
-    "default": TrainConfig(),
-    "tiny": TrainConfig(
-        stages=TINY_STAGES,
-        dagger_iterations=1,
-        dagger_episodes=1,
-        imitation_epochs=1,
-        rl_iterations=1,
-        rl_workloads=1,
-        rl_episodes=2,
-        validation_seeds=1,
-        teacher_k=2,
-        teacher_horizon_s=1800.0,
-        hidden=8,
-        rounds=1,
-    ),
-}
-
-
-# -- decisions -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Decision:
-    """One recorded decision: the model's inputs, and the gang (candidate indices) to learn from.
-
-    ``feeds`` are the encoder's inputs (numpy, shared by decisions made on the same graph state);
-    ``positions`` [C] the candidates' device positions in them; ``task_x`` [TASK], ``pair_x``
-    [C, PAIR]; ``chosen`` [g] candidate indices (the teacher's gang, or the sampled one in the
-    order it was drawn); ``time_s`` when it was made.
-    """
-
-    feeds: dict[str, NDArray[Any]]
-    positions: NDArray[np.int64]
-    task_x: NDArray[np.float32]
-    pair_x: NDArray[np.float32]
-    chosen: NDArray[np.int64]
-    time_s: float
-    advantage: float = 0.0
-    log_prob: float = 0.0  # of ``chosen`` under the model that sampled it (REINFORCE with rl_clip)
-
-
-class TorchGnnPolicy(Policy):
-    """The torch model as a daemon policy, for training: the same inputs the exported model reads,
-    and the daemon's rules (:mod:`hlb.daemon.decide.waiting`) when ``wait_for_faster``, ``gang_wait_factor``,
-    ``queue_order`` and ``fit_services`` say so, as the same ``model.`` settings do for the daemon's GNN.
-
-    The encoder runs once per graph state (inventory, metrics, bindings, task set and time); the
-    scorer once per decision over the feasible rows, and once more over the wait options of a task
-    that could wait. ``temperature`` > 0 samples gangs and waits (RL); ``record`` receives every
-    decision made with at least two candidates (a wait decision's candidates are its options).
-    """
-
-    name = "gnn"
-
-    def __init__(
-        self,
-        model: HlbGnn,
-        weights: ObjectiveWeights | None = None,
-        profiles: DeviceProfiles | None = None,
-        temperature: float = 0.0,
-        rng: np.random.Generator | None = None,
-        wait_for_faster: bool = False,
-        queue_order: str = "arrival",
-        fit_services: bool = False,
-        gang_wait_factor: float = 0.0,
-    ) -> None:
-        self.model = model
-        self.wait_for_faster = wait_for_faster
-        self.gang_wait_factor = gang_wait_factor
-        self.queue_order = queue_order
-        self.fit_services = fit_services
-        w = weights or ObjectiveWeights()
-        self.weights = np.array([w.completion_time, w.utilization, w.energy], dtype=np.float32)
-        self.profiles = profiles or default_profiles()
-        self._runtimes = RunTimes(self.profiles)
-        self.temperature = temperature
-        self.rng = rng or np.random.default_rng(0)
-        self.record: Callable[[Decision], None] | None = None
-        self.clock_ms: Callable[[], int] = lambda: 0  # Unix ms, as the scheduler's clock reads
-        self.sim_time_s: Callable[[], float] = lambda: 0.0  # s from the simulation's start
-        self._key: tuple[int, ...] | None = None
-        self._cache: tuple[dict[str, NDArray[Any]], feat.EncoderInputs, Tensor, Tensor] | None = None
-
-    def attach(self, sim: Simulation) -> None:
-        clock = sim.clock
-        self.clock_ms = clock.now_ms
-        self.sim_time_s = lambda: clock.t_s
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TorchGnnPolicy:
-        return self  # a simulation fork replaces its policy; the model and recorder stay shared
-
-    def encoded(self, graph: InfraGraph) -> tuple[dict[str, NDArray[Any]], feat.EncoderInputs, Tensor, Tensor]:
-        """Encoder inputs, device embeddings [D, E] and context [G] of the graph as it is now.
-
-        Re-encoded when the inventory or any device row changed, as the daemon's GNN policy does
-        in sync mode with ``min_changed_rows: 1`` (what ``hlb eval`` runs).
-        """
-        key = (graph.version, graph.changes)
-        if self._cache is None or key != self._key:
-            inputs = feat.encoder_inputs(graph, int(self.clock_ms()))
-            feeds = inputs.feeds()
-            with torch.no_grad():
-                emb, context = self.model.encoder(*_tensors(feeds))
-            self._key, self._cache = key, (feeds, inputs, emb, context)
-        return self._cache
-
-    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        _, inputs, emb, context = self.encoded(graph)
-        task_x, pair_x = feat.scorer_inputs(spec, graph, rows, self.profiles, int(self.clock_ms()))
-        with torch.no_grad():
-            scores = self.model.scorer(
-                torch.from_numpy(task_x),
-                emb[torch.from_numpy(inputs.device_positions(rows))],
-                torch.from_numpy(pair_x),
-                context,
-                torch.from_numpy(self.weights),
-            )
-        out: NDArray[np.float64] = scores.numpy().astype(np.float64)
-        return out
-
-    def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
-    ) -> tuple[Rows, float]:
-        gang = max(1, spec.num_devices)
-        if len(feasible) < gang:
-            return np.empty(0, dtype=np.int64), 0.0
-        if scores is None and self.fit_services:
-            feasible = slo_fit(spec, graph, feasible, self.profiles)
-        scores = self.score(spec, graph, feasible) if scores is None else scores
-        drawn = scores
-        if self.temperature > 0:
-            drawn = scores / self.temperature + self.rng.gumbel(size=len(scores))
-        rows, _ = choose_gang(self, spec, graph, feasible, drawn)
-        at = _index_of(feasible, rows)
-        if self.record is not None and len(feasible) >= 2:  # the gang in the order it was drawn
-            self.record(self.decision(spec, graph, feasible, at[np.argsort(-drawn[at], kind="stable")]))
-        return rows, float(scores[at].mean())
-
-    @property
-    def waits(self) -> bool:
-        return self.wait_for_faster
-
-    def wait_for(
-        self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
-    ) -> Wait | None:
-        """As the daemon's GNN decides (:meth:`hlb.daemon.decide.gnn.policy.GnnPolicy.wait_for`); sampled
-        among the free device and the options with ``temperature`` > 0, and recorded as a decision
-        over those candidates (the free one first). A gang waits by the rule alone
-        (:func:`hlb.daemon.decide.waiting.gang_wait`), which neither samples nor records."""
-        if len(gang) > 1:
-            return gang_wait(spec, graph, gang, now_ms, queued_s, self.profiles, self.gang_wait_factor)
-        if self.fit_services and declared_load(spec) is not None:
-            return service_wait(spec, graph, gang, now_ms, self.profiles)
-        options = wait_options(spec, graph, gang, now_ms, queued_s, self.profiles, self._runtimes)
-        if options is None:
-            return None
-        feeds, inputs, emb, context = self.encoded(graph)
-        positions = inputs.device_positions(options.rows)
-        task_x = feat.task_features(spec, now_ms=int(self.clock_ms()))
-        with torch.no_grad():
-            scores = self.model.scorer(
-                torch.from_numpy(task_x),
-                emb[torch.from_numpy(positions)],
-                torch.from_numpy(options.pair),
-                context,
-                torch.from_numpy(self.weights),
-            ).numpy()
-        drawn = np.concatenate([[score], scores])  # candidate 0: the free device
-        if self.temperature > 0:
-            drawn = drawn / self.temperature + self.rng.gumbel(size=len(drawn))
-        index = int(np.argmax(drawn))
-        if self.record is not None:
-            free = np.array([options.free_row], dtype=np.int64)
-            pair = np.vstack([feat.pair_features(spec, graph, free, self.profiles), options.pair])
-            rows = np.concatenate([free, options.rows])
-            chosen = np.array([index], dtype=np.int64)
-            self.record(Decision(feeds, inputs.device_positions(rows), task_x, pair, chosen, self.sim_time_s()))
-        return options.chosen(graph, index - 1) if index > 0 else None
-
-    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        if self.queue_order != "shortest-first" or not tasks:
-            return None
-        return self._runtimes.ranks(graph, tasks)
-
-    def decision(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, chosen: NDArray[np.int64]) -> Decision:
-        feeds, inputs, _, _ = self.encoded(graph)
-        task_x, pair_x = feat.scorer_inputs(spec, graph, feasible, self.profiles, int(self.clock_ms()))
-        return Decision(feeds, inputs.device_positions(feasible), task_x, pair_x, chosen, self.sim_time_s())
-
-
-def _index_of(feasible: Rows, rows: Rows) -> NDArray[np.int64]:
-    lookup = {int(r): i for i, r in enumerate(feasible)}
-    return np.array([lookup[int(r)] for r in rows], dtype=np.int64)
-
-
-def _tensors(feeds: dict[str, NDArray[Any]]) -> list[Tensor]:
-    return [torch.from_numpy(feeds[name]) for name in feat.encoder_feed_names()]
-
-
-class DaggerPolicy(Policy):
-    """Labels every decision with the teacher's gang; carries out the teacher's with probability beta."""
-
-    name = "gnn-dagger"
-
-    def __init__(self, student: TorchGnnPolicy, teacher: LookaheadPolicy, beta: float, seed: int) -> None:
-        self.student = student
-        self.teacher = teacher
-        self.beta = beta
-        self.rng = np.random.default_rng(seed)
-        self.data: list[Decision] = []
-
-    def attach(self, sim: Simulation) -> None:
-        self.teacher.attach(sim)
-        self.student.attach(sim)
-
-    def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-        return self.teacher.score(spec, graph, rows)
-
-    def choose_gang(
-        self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, scores: NDArray[np.float64] | None = None
-    ) -> tuple[Rows, float]:
-        gang = max(1, spec.num_devices)
-        if len(feasible) < gang:
-            return np.empty(0, dtype=np.int64), 0.0
-        teacher_rows, teacher_score = self.teacher.choose_gang(spec, graph, feasible)
-        if len(feasible) >= 2:
-            self.data.append(self.student.decision(spec, graph, feasible, _index_of(feasible, teacher_rows)))
-        if self.rng.random() < self.beta:
-            return teacher_rows, teacher_score
-        return self.student.choose_gang(spec, graph, feasible)
-
-    def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
-        self.teacher.placed(spec, graph, rows)
-
-    def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        return self.teacher.rank(graph, tasks)
-
-
-# -- losses --------------------------------------------------------------------------------------
-
-
-def decision_scores(
-    model: HlbGnn, decision: Decision, weights: Tensor, cache: dict[int, tuple[Tensor, Tensor]]
-) -> Tensor:
-    """The model's scores [C] of a decision's candidates (with grad); ``cache`` shares encoder passes."""
-    key = id(decision.feeds)
-    if key not in cache:
-        cache[key] = model.encoder(*_tensors(decision.feeds))
-    emb, context = cache[key]
-    scores: Tensor = model.scorer(
-        torch.from_numpy(decision.task_x),
-        emb[torch.from_numpy(decision.positions)],
-        torch.from_numpy(decision.pair_x),
-        context,
-        weights,
-    )
-    return scores
-
-
-def imitation_loss(scores: Tensor, chosen: NDArray[np.int64]) -> Tensor:
-    """Cross-entropy of softmax(scores) against the uniform distribution over the chosen rows."""
-    log_p = torch.log_softmax(scores, dim=0)
-    return -log_p[torch.from_numpy(chosen)].mean()
-
-
-def plackett_luce_log_prob(scores: Tensor, chosen: NDArray[np.int64], temperature: float) -> Tensor:
-    """log P(drawing ``chosen`` in that order without replacement) under softmax(scores / T)."""
-    logits = scores / temperature
-    mask = torch.zeros_like(logits, dtype=torch.bool)
-    total = logits.new_zeros(())
-    for index in chosen.tolist():
-        total = total + logits[index] - torch.logsumexp(logits.masked_fill(mask, float("-inf")), dim=0)
-        mask = mask.clone()
-        mask[index] = True
-    return total
-
-
-def clipped_surrogate(log_prob: Tensor, old_log_prob: float, advantage: float, clip: float) -> Tensor:
-    """PPO's loss for one decision: ``-min(r A, clip(r, 1 - clip, 1 + clip) A)`` with ``r`` the ratio
-    of its probability now to that under the model that sampled it; its gradient is zero once ``r``
-    has moved past the clip in the direction the advantage pushes it."""
-    ratio = torch.exp(log_prob - old_log_prob)
-    return -torch.minimum(ratio * advantage, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * advantage)
-
-
-def returns_to_go(result: SimResult, times_s: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Minus the flow time (s) still to come after each time: ``-sum max(0, finish - max(t, arrival))``.
-
-    A task that never finished counts until the run's end. Shapes: [N] -> [N].
-    """
-    arrival = np.array([r.arrival_s for r in result.tasks], dtype=np.float64)
-    finish = np.array(
-        [r.finish_s if math.isfinite(r.finish_s) else result.end_s for r in result.tasks], dtype=np.float64
-    )
-    if not len(arrival):
-        return np.zeros(len(times_s))
-    start = np.maximum(times_s[:, None], arrival[None, :])
-    return np.asarray(-np.maximum(0.0, finish[None, :] - start).sum(axis=1), dtype=np.float64)
-
-
-# -- the trainer ---------------------------------------------------------------------------------
+from hlb.sim.simulator import SimConfig, Simulation
 
 
 @dataclass
@@ -594,20 +197,9 @@ class Trainer:
             result = self.simulate(stage, seed, student)
             per_stage[stage].append((recorded, result))
         for episodes in per_stage.values():
-            # The input-dependent baseline: the mean return-to-go at the same time over episodes of one workload.
-            times = np.unique(np.concatenate([[d.time_s for d in rec] for rec, _ in episodes] + [np.zeros(1)]))
-            curves = np.stack([returns_to_go(result, times) for _, result in episodes])
-            baseline = curves.mean(axis=0)
-            scale = float(np.abs(baseline).max()) or 1.0
-            for recorded, result in episodes:
-                if not recorded:
-                    continue
-                at = np.searchsorted(times, [d.time_s for d in recorded])
-                own = returns_to_go(result, times[at])
-                for decision, advantage in zip(recorded, (own - baseline[at]) / scale, strict=True):
-                    decision.advantage = float(advantage)
-                    decisions.append(decision)
-                returns.append(float(returns_to_go(result, np.zeros(1))[0]))
+            used, episode_returns = baseline_advantages(episodes)
+            decisions += used
+            returns += episode_returns
         temperature, clip = self.config.temperature, self.config.rl_clip
         if clip > 0:
             with torch.no_grad():  # the model has not moved since it sampled these episodes
@@ -685,38 +277,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
-
-
-# -- command line --------------------------------------------------------------------------------
-
-
-# -- command-line checks (export/train_cli.py) ---------------------------------------------------
-
-
-def parse_stage(text: str) -> Stage:
-    """``CLUSTER/WORKLOAD/LOAD/JOBS``, e.g. ``mixed:64/gavel/0.8/200``; ValueError naming the problem."""
-    parts = text.split("/")
-    if len(parts) != 4:
-        raise ValueError(f"stage {text!r}: expected CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200")
-    cluster, workload, load, jobs = parts
-    try:
-        stage = Stage(cluster, workload, float(load), int(jobs))
-    except ValueError:
-        raise ValueError(f"stage {text!r}: LOAD must be a number and JOBS an integer") from None
-    if not stage.load > 0 or stage.jobs < 1:
-        raise ValueError(f"stage {text!r}: LOAD must be > 0 and JOBS >= 1")
-    return stage
-
-
-def check_stages(stages: Sequence[Stage]) -> None:
-    """ValueError unless every stage is a training family on a cluster that can be built."""
-    if not stages:
-        raise ValueError("no curriculum stages")
-    catalogue = load_catalogue()
-    for stage in stages:
-        if stage.workload not in TRAIN_FAMILIES:
-            raise ValueError(
-                f"stage {stage.label()}: train on the training families only ({', '.join(TRAIN_FAMILIES)}); "
-                "the others are held out for hlb eval"
-            )
-        build_cluster(stage.cluster, catalogue)

@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-PRESET_NAMES = ("default", "tiny")  # export.train.PRESETS (a test keeps the two in step)
+PRESET_NAMES = ("default", "tiny")  # hlb.export.recipe.PRESETS (a test keeps the two in step)
 MISSING_EXTRA = "hlb train: install the export extra: pip install 'hlb[export]'"
 
 
@@ -70,16 +70,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from hlb.export import train
+        from hlb.export import recipe, train
         from hlb.export.model import load_checkpoint
     except ImportError as error:
         print(f"{MISSING_EXTRA} ({error})", file=sys.stderr)
         return 1
-    config = train.PRESETS[args.preset]
+    config = recipe.PRESETS[args.preset]
     try:
         if args.stage:
-            config = replace(config, stages=tuple(train.parse_stage(s) for s in args.stage))
-        train.check_stages(config.stages)
+            config = replace(config, stages=tuple(recipe.parse_stage(s) for s in args.stage))
+        recipe.check_stages(config.stages)
     except (ValueError, KeyError) as error:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2

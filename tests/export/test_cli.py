@@ -11,7 +11,7 @@ from hlb.export.cli import MISSING_EXTRA
 def test_export_without_torch_says_which_extra_to_install() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # what an install without the extra looks like
-        "from daemon.cli import main\n"
+        "from hlb.cli import main\n"
         "sys.exit(main(['export', '--random', '--out', 'unused']))"
     )
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)

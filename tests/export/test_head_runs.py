@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hlb.export.head_runs import HEAD_DIM, against_zeros, mean_jct, start_worker
-from hlb.export.train import TINY_STAGES
+from hlb.export.recipe import TINY_STAGES
 
 
 def test_each_correction_is_compared_with_zeros_on_the_same_runs() -> None:

@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch", reason="training needs the export extra: pi
 pytest.importorskip("tqdm", reason="training needs the export extra: pip install 'hlb[export]'")
 
 from hlb.cli import main  # noqa: E402
-from hlb.export import train  # noqa: E402
+from hlb.export import imitation, recipe, reinforce, train  # noqa: E402
 from hlb.export.model import HlbGnn, ModelConfig, load_checkpoint  # noqa: E402
+from hlb.export.student import TorchGnnPolicy, decision_scores  # noqa: E402
 from hlb.export.train_cli import PRESET_NAMES  # noqa: E402
 from hlb.sim.catalogue import load_catalogue  # noqa: E402
 from hlb.sim.eval import make_sim_policy  # noqa: E402
@@ -31,10 +32,10 @@ from hlb.sim.result import SimResult, TaskRecord  # noqa: E402
 from hlb.sim.scenarios import build_cluster, build_workload  # noqa: E402
 from hlb.sim.simulator import SimConfig, Simulation  # noqa: E402
 
-STAGE = train.Stage("mixed:8", "gavel", 0.8, 14)
+STAGE = recipe.Stage("mixed:8", "gavel", 0.8, 14)
 
 
-def run_stage(policy: object, stage: train.Stage = STAGE, seed: int = 1001) -> Simulation:
+def run_stage(policy: object, stage: recipe.Stage = STAGE, seed: int = 1001) -> Simulation:
     catalogue = load_catalogue()
     inventory = build_cluster(stage.cluster, catalogue)
     tasks = build_workload(stage.workload, seed, stage.jobs, catalogue, inventory, stage.load)
@@ -44,19 +45,19 @@ def run_stage(policy: object, stage: train.Stage = STAGE, seed: int = 1001) -> S
 
 
 def test_presets_match_the_command_line() -> None:
-    assert set(PRESET_NAMES) == set(train.PRESETS)
+    assert set(PRESET_NAMES) == set(recipe.PRESETS)
 
 
 def test_plackett_luce_probabilities_of_all_orderings_sum_to_one() -> None:
     scores = torch.tensor([0.3, -1.0, 2.0, 0.5])
     for size in (1, 2, 3):
         total = sum(
-            math.exp(float(train.plackett_luce_log_prob(scores, np.array(p), 0.7)))
+            math.exp(float(reinforce.plackett_luce_log_prob(scores, np.array(p), 0.7)))
             for p in itertools.permutations(range(4), size)
         )
         assert total == pytest.approx(1.0, abs=1e-5)
     # The first draw alone is the softmax at the temperature.
-    first = float(train.plackett_luce_log_prob(scores, np.array([2]), 0.7))
+    first = float(reinforce.plackett_luce_log_prob(scores, np.array([2]), 0.7))
     assert first == pytest.approx(float(torch.log_softmax(scores / 0.7, 0)[2]), abs=1e-6)
 
 
@@ -66,20 +67,20 @@ def record(arrival: float, finish: float) -> TaskRecord:
 
 def test_returns_to_go_count_the_flow_time_still_to_come() -> None:
     result = SimResult("p", 0, [record(0.0, 10.0), record(5.0, 20.0)], 1, 30.0, 0.0, 0.0, 1.0, None, 0, 0, 0)  # type: ignore[arg-type]
-    got = train.returns_to_go(result, np.array([0.0, 5.0, 12.0, 25.0]))
+    got = reinforce.returns_to_go(result, np.array([0.0, 5.0, 12.0, 25.0]))
     # t=0: 10 + 15; t=5: 5 + 15; t=12: 0 + 8; t=25: nothing left.
     np.testing.assert_allclose(got, [-25.0, -20.0, -8.0, 0.0])
 
 
 def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
-    assert train.parse_stage("mixed:64/gavel/0.8/200") == train.Stage("mixed:64", "gavel", 0.8, 200)
+    assert recipe.parse_stage("mixed:64/gavel/0.8/200") == recipe.Stage("mixed:64", "gavel", 0.8, 200)
     for bad in ("mixed:64/gavel/0.8", "mixed:64/gavel/x/200", "mixed:64/gavel/0/200", "mixed:64/gavel/0.8/0"):
         with pytest.raises(ValueError, match="stage"):
-            train.parse_stage(bad)
+            recipe.parse_stage(bad)
     with pytest.raises(ValueError, match="held out"):
-        train.check_stages([train.Stage("mixed:8", "philly", 0.8, 10)])
+        recipe.check_stages([recipe.Stage("mixed:8", "philly", 0.8, 10)])
     with pytest.raises(ValueError, match="nosuch"):
-        train.check_stages([train.Stage("nosuch:8", "gavel", 0.8, 10)])
+        recipe.check_stages([recipe.Stage("nosuch:8", "gavel", 0.8, 10)])
 
 
 def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,7 +99,7 @@ def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.Capt
 def test_the_clipped_surrogate_stops_pushing_a_probability_past_the_clip() -> None:
     def loss_and_grad(ratio: float, advantage: float) -> tuple[float, float]:
         log_prob = torch.tensor(math.log(ratio), requires_grad=True)
-        loss = train.clipped_surrogate(log_prob, 0.0, advantage, 0.2)
+        loss = reinforce.clipped_surrogate(log_prob, 0.0, advantage, 0.2)
         loss.backward()  # type: ignore[no-untyped-call]
         assert log_prob.grad is not None
         return float(loss), float(log_prob.grad)
@@ -115,7 +116,7 @@ def test_the_clipped_surrogate_stops_pushing_a_probability_past_the_clip() -> No
 
 
 def test_a_later_epoch_replaces_the_best_only_by_the_minimum_improvement(tmp_path: Path) -> None:
-    trainer = train.Trainer(train.TrainConfig(min_improvement=0.02), tmp_path, lambda _: None, progress=False)
+    trainer = train.Trainer(recipe.TrainConfig(min_improvement=0.02), tmp_path, lambda _: None, progress=False)
     ratios = iter([0.650, 0.640, 0.600, 0.590, 0.585])  # against hetero-greedy's 1.0
     trainer.validate = lambda: (next(ratios), 1.0)  # type: ignore[method-assign]
     kept = []
@@ -130,8 +131,8 @@ def test_a_later_epoch_replaces_the_best_only_by_the_minimum_improvement(tmp_pat
 
 def test_dagger_with_beta_one_decides_as_the_teacher_and_labels_every_choice() -> None:
     teacher_only = run_stage(LookaheadPolicy(k=2, horizon_s=1800.0))
-    student = train.TorchGnnPolicy(HlbGnn(ModelConfig(hidden=8, rounds=1)))
-    dagger = train.DaggerPolicy(student, LookaheadPolicy(k=2, horizon_s=1800.0), beta=1.0, seed=0)
+    student = TorchGnnPolicy(HlbGnn(ModelConfig(hidden=8, rounds=1)))
+    dagger = imitation.DaggerPolicy(student, LookaheadPolicy(k=2, horizon_s=1800.0), beta=1.0, seed=0)
     mixed = run_stage(dagger)
     assert [p.device_ids for p in mixed.scheduler.ledger.since(1)] == [
         p.device_ids for p in teacher_only.scheduler.ledger.since(1)
@@ -146,14 +147,14 @@ def test_dagger_with_beta_one_decides_as_the_teacher_and_labels_every_choice() -
 def test_imitation_learns_the_teachers_choices() -> None:
     torch.manual_seed(0)
     model = HlbGnn(ModelConfig(hidden=8, rounds=1))
-    dagger = train.DaggerPolicy(train.TorchGnnPolicy(model), LookaheadPolicy(k=2, horizon_s=1800.0), 1.0, 0)
+    dagger = imitation.DaggerPolicy(TorchGnnPolicy(model), LookaheadPolicy(k=2, horizon_s=1800.0), 1.0, 0)
     run_stage(dagger)
     data = dagger.data
     weights = torch.tensor([1.0, 0.0, 0.0])
 
     def loss_over_data() -> Any:
         cache: dict[int, tuple[Any, Any]] = {}
-        terms = [train.imitation_loss(train.decision_scores(model, d, weights, cache), d.chosen) for d in data]
+        terms = [imitation.imitation_loss(decision_scores(model, d, weights, cache), d.chosen) for d in data]
         return torch.stack(terms).mean()
 
     def mean_loss() -> float:
@@ -174,7 +175,7 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--preset", "tiny", "--no-progress"]) == 0
     log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    tiny = train.PRESETS["tiny"]
+    tiny = recipe.PRESETS["tiny"]
     phases = ["init"] + ["dagger"] * tiny.dagger_iterations + ["reinforce"] * tiny.rl_iterations
     assert [e["phase"] for e in log] == phases
     for entry in log:
@@ -204,7 +205,7 @@ def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: P
         },
     }
     for workload in ("gavel", "mixed"):
-        busy = train.Stage("mixed:8", workload, 1.2, 20)  # loaded enough that tasks have devices to wait for
+        busy = recipe.Stage("mixed:8", workload, 1.2, 20)  # loaded enough that tasks have devices to wait for
         for variant, rules in rules_of.items():
             waited += _same_decisions(model, folder, variant, rules, busy)
     assert waited > 0  # the wait path was taken
@@ -215,7 +216,7 @@ def test_plain_reinforce_without_the_ppo_clip_trains_and_says_so(tmp_path: Path)
     args = ["train", "--out", str(out), "--preset", "tiny", "--dagger-iterations", "0", "--rl-clip", "0"]
     assert main([*args, "--no-progress"]) == 0
     log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    assert [e["phase"] for e in log] == ["init"] + ["reinforce"] * train.PRESETS["tiny"].rl_iterations
+    assert [e["phase"] for e in log] == ["init"] + ["reinforce"] * recipe.PRESETS["tiny"].rl_iterations
     assert all(e["samples"] > 0 and math.isfinite(e["loss"]) for e in log[1:])
     _, _, description = load_checkpoint(out / "checkpoints" / f"epoch-{len(log) - 1:03d}.pt")
     assert "REINFORCE x1;" in description
@@ -224,7 +225,7 @@ def test_plain_reinforce_without_the_ppo_clip_trains_and_says_so(tmp_path: Path)
 def _same_decisions(model: Any, folder: Path, variant: str, rules: dict[str, Any], stage: Any) -> int:
     """Run ``stage`` with the torch student under ``rules`` and the ONNX policy ``variant``: the
     same placements, waits and mean JCT. Returns the waits decided."""
-    with_torch = run_stage(train.TorchGnnPolicy(model, **rules), stage, seed=1002)
+    with_torch = run_stage(TorchGnnPolicy(model, **rules), stage, seed=1002)
     with_onnx = run_stage(make_sim_policy(variant, model=str(folder)), stage, seed=1002)
     assert [(p.task_id, p.device_ids) for p in with_onnx.scheduler.ledger.since(1)] == [
         (p.task_id, p.device_ids) for p in with_torch.scheduler.ledger.since(1)
