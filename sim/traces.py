@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hlb.sim.catalogue import GANG_SIZES, Catalogue, workload_class_id
+from hlb.sim.catalogue import Catalogue
+from hlb.sim.catalogue_sources import GANG_SIZES, workload_class_id
 from hlb.sim.workloads import Dependency, Task
 
 TRACE_COLUMNS: tuple[str, ...] = (

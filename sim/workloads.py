@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
-from hlb.sim.catalogue import GANG_SIZES, Catalogue, shared_data_dir
+from hlb.sim.catalogue import Catalogue, shared_data_dir
+from hlb.sim.catalogue_sources import GANG_SIZES
 from hlb.sim.topology import DEVICE_KINDS
 from hlb.v1 import events_pb2
 

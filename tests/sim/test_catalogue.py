@@ -9,17 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hlb.sim.catalogue import (
-    DEFAULT_CATALOGUE_PATH,
+from hlb.sim.catalogue import DEFAULT_CATALOGUE_PATH, Catalogue, load_catalogue, render_document, shared_data_dir
+from hlb.sim.catalogue_sources import (
     GAVEL_WORKER_MODELS,
     MODELLED_SPECS,
     REFERENCE_MODEL,
-    Catalogue,
     build_document,
-    load_catalogue,
     modelled_speedup,
-    render_document,
-    shared_data_dir,
     workload_class_id,
 )
 
