@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "graph": ("hlb.bench.graph", "graph memory and update cost at scale (upsert, metrics batch, remove+add)"),
     "cells": ("hlb.bench.cells", "decisions/s with 1, 2 and 3 instances sharing the cells through Kafka"),
     "scale": ("hlb.bench.scale", "GNN embedding refresh at 1k-100k devices and daemon RSS with the GNN loaded"),
+    "queue": ("hlb.bench.queue", "Place, PlaceBatch and submission cost with 10k-1M queued tasks against none"),
 }
 
 

@@ -191,19 +191,16 @@ class Scheduler:
         # with m GB does not fit with more: such tasks are skipped without a look at the devices.
         refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], tuple[float, str]] = {}
         for task in tasks:
-            spec = task.spec
-            shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), task.gang_size)
+            shape, memory_gb, has_dependencies = task.fit_key
             smaller = refused.get(shape)
-            if smaller is not None and spec.memory_per_device_gb >= smaller[0] and not spec.dependencies:
+            if smaller is not None and memory_gb >= smaller[0] and not has_dependencies:
                 task.pending_reason = smaller[1]
                 continue
             placement = self._try_place(task, dry_run=False)
             if placement is not None:
                 placed.append(placement)
-            elif not task.pending_reason.startswith("waiting for") and (
-                smaller is None or spec.memory_per_device_gb < smaller[0]
-            ):
-                refused[shape] = (spec.memory_per_device_gb, task.pending_reason)
+            elif not task.pending_reason.startswith("waiting for") and (smaller is None or memory_gb < smaller[0]):
+                refused[shape] = (memory_gb, task.pending_reason)
         return placed
 
     def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:

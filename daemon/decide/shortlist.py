@@ -17,7 +17,7 @@ feasible device, as one-stage ranking did.
 
 :class:`ShortlistBatch` makes the same decisions through a batch (``PlaceBatch``) without one
 scorer run per placement: it scores a window of the best rows ahead, for each row the next
-``levels`` bindings of the batch's task shape (:class:`~hlb.daemon.state.graph.Occupancy`), in one scorer
+``levels`` bindings of the batch's task shape (:class:`~hlb.daemon.state.feasibility.Occupancy`), in one scorer
 run, and then decides each task from those tables: the shortlist is the best ``k`` of the window
 by the prior after the bindings so far, which is the shortlist over every feasible row as long as
 its worst member still beats the best row outside the window (priors only fall with bindings).

@@ -22,7 +22,7 @@ training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` s
   time on the fastest device model it may use, times its gang (shortest first), with a service
   (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
 - **Services where they meet their SLO** (``fit_services``): a service that declares its
-  request rate and request work (:data:`hlb.daemon.state.graph.SERVICE_LOAD_LABELS`) lives as long on any
+  request rate and request work (:data:`hlb.daemon.state.task.SERVICE_LOAD_LABELS`) lives as long on any
   device, so speed only matters to it up to its SLO. :func:`slo_fit` keeps, of the devices it could
   take, those of the slowest speed whose estimated request latency meets the SLO, and leaves the
   faster ones to work whose finish depends on speed. When none of the free devices meets it but a

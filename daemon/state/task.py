@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 from hlb.v1 import events_pb2 as ev
 
@@ -57,3 +58,12 @@ class Task:
     @property
     def gang_size(self) -> int:
         return max(1, self.spec.num_devices)
+
+    @cached_property
+    def fit_key(self) -> tuple[tuple[tuple[int, ...], tuple[str, ...], int], float, bool]:
+        """What decides whether the task fits, read from its spec once: (allowed kinds, allowed
+        models, gang size), its memory per device, and whether it has dependencies. A scheduling
+        pass reads it for every queued task."""
+        spec = self.spec
+        shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), max(1, spec.num_devices))
+        return shape, spec.memory_per_device_gb, bool(spec.dependencies)

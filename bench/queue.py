@@ -1,0 +1,159 @@
+"""``hlb bench queue``: decision and submission cost with a long queue, against an empty one.
+
+A scheduler (in process, no RPC: the queue's cost is what is measured) holds ``--devices`` devices
+and, in turn, 0 and each of ``--pending`` queued tasks that cannot be placed (each asks for more
+devices than the cluster has, so it stays queued, as a backlog does). At each queue length it
+times:
+
+- ``place``: a ``Place`` of a one-device task that fits (each then finishes, off the clock);
+- ``place_batch``: a ``PlaceBatch`` of ``--batch`` such tasks;
+- ``submit``: a submission of one more queued task with the pass after it (what ingest does per
+  record), per task, over ``--ops`` submissions;
+- ``release_pass``: the pass after a task finishes, which tries every queued task again;
+- memory per queued task (RSS growth while filling the queue, divided by the tasks added).
+
+Each figure is also given as a ratio to the same figure with an empty queue, measured in the same
+run, so that it means the same on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from hlb.bench.cli import machine
+
+DEVICES_PER_HOST = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=1_000, help="devices in the cluster (default: %(default)s)")
+    parser.add_argument(
+        "--pending", default="10000,100000", help="queue lengths besides 0, comma-separated (default: %(default)s)"
+    )
+    parser.add_argument("--policy", default="rules", help="policy preset (default: %(default)s)")
+    parser.add_argument("--ops", type=int, default=200, help="timed Place calls and submissions (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=100, help="tasks per PlaceBatch (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _percentile_ms(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+
+def run(args: argparse.Namespace) -> int:
+    from hlb.daemon.decide.presets import make_policy
+    from hlb.daemon.decide.scheduler import Scheduler
+    from hlb.daemon.state.graph import InfraGraph
+    from hlb.daemon.state.ledger import PlacementLedger
+    from hlb.v1 import events_pb2 as ev
+
+    lengths = [0, *sorted(int(n) for n in args.pending.split(",") if n.strip())]
+    clock = [1_000_000.0]
+    scheduler = Scheduler(InfraGraph(), make_policy(args.policy), PlacementLedger(), "bench", clock=lambda: clock[0])
+    for host in range((args.devices + DEVICES_PER_HOST - 1) // DEVICES_PER_HOST):
+        scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", host_upsert=ev.Host(id=f"h{host}", cpu_cores=64)))
+    for i in range(args.devices):
+        device = ev.Device(
+            id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=ev.DEVICE_KIND_GPU, model="A100", memory_gb=80,
+            peak_tflops=312, idle_power_w=60, peak_power_w=400,
+        )  # fmt: skip
+        scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", device_upsert=device))
+    counter = [0]
+
+    def next_id(prefix: str) -> str:
+        counter[0] += 1
+        return f"{prefix}{counter[0]}"
+
+    def backlog_spec() -> ev.TaskSpec:
+        n = counter[0]
+        return ev.TaskSpec(
+            id=next_id("q"), priority=n % 3, work_ref_s=60.0 * (1 + n % 97), memory_per_device_gb=8.0,
+            num_devices=args.devices + 1,
+        )  # fmt: skip
+
+    def fitting_spec() -> ev.TaskSpec:
+        return ev.TaskSpec(id=next_id("p"), priority=1, work_ref_s=600.0, memory_per_device_gb=8.0)
+
+    def finish(task_ids: list[str]) -> None:
+        for task_id in task_ids:
+            scheduler.apply_task_event(ev.TaskEvent(cell="bench", finished=ev.TaskFinished(task_id=task_id)))
+
+    rows: list[dict[str, Any]] = []
+    for length in lengths:
+        before = _rss_mb()
+        added = 0
+        while scheduler.pending_count < length:
+            scheduler.submit(backlog_spec(), "bench")
+            added += 1
+            if added % 1000 == 0:
+                scheduler.schedule_pending()
+        scheduler.schedule_pending()
+        grown_mb = _rss_mb() - before
+        queued = scheduler.pending_count
+        place_s: list[float] = []
+        for _ in range(args.ops):
+            spec = fitting_spec()
+            start = time.perf_counter()
+            decision = scheduler.place(spec)
+            place_s.append(time.perf_counter() - start)
+            assert decision.placement is not None, "the benchmark's fitting task did not fit"
+            finish([spec.id])
+        start = time.perf_counter()
+        scheduler.schedule_pending()
+        release_pass_s = time.perf_counter() - start
+        specs = [fitting_spec() for _ in range(args.batch)]
+        start = time.perf_counter()
+        decisions = scheduler.place_batch(specs)
+        batch_s = time.perf_counter() - start
+        finish([d.placement.task_id for d in decisions if d.placement is not None])
+        scheduler.schedule_pending()
+        submit_s: list[float] = []
+        for _ in range(args.ops):
+            spec = backlog_spec()
+            start = time.perf_counter()
+            scheduler.submit(spec, "bench")
+            scheduler.schedule_pending()
+            submit_s.append(time.perf_counter() - start)
+        rows.append(
+            {
+                "pending": queued,
+                "place_p50_ms": round(_percentile_ms(place_s, 0.5), 3),
+                "place_p99_ms": round(_percentile_ms(place_s, 0.99), 3),
+                "place_batch_ms": round(batch_s * 1e3, 2),
+                "submit_mean_ms": round(statistics.fmean(submit_s) * 1e3, 4),
+                "release_pass_ms": round(release_pass_s * 1e3, 2),
+                "kb_per_queued_task": round(grown_mb * 1024 / added, 2) if added else None,
+            }
+        )
+    empty = rows[0]
+    for row in rows:
+        row["ratio_to_empty"] = {
+            name: round(row[name] / empty[name], 2) if empty[name] else None
+            for name in ("place_p99_ms", "place_batch_ms", "submit_mean_ms", "release_pass_ms")
+        }
+    result = {
+        "benchmark": "queue",
+        "policy": args.policy,
+        "devices": args.devices,
+        "ops": args.ops,
+        "batch": args.batch,
+        "machine": machine(),
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for row in rows:
+            print(json.dumps(row))
+    return 0
