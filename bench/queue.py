@@ -51,91 +51,106 @@ def _percentile_ms(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
-def run(args: argparse.Namespace) -> int:
-    from hlb.daemon.decide.presets import make_policy
-    from hlb.daemon.decide.scheduler import Scheduler
-    from hlb.daemon.state.graph import InfraGraph
-    from hlb.daemon.state.ledger import PlacementLedger
-    from hlb.v1 import events_pb2 as ev
+class _Bench:
+    """A scheduler on a synthetic cluster, and the tasks the benchmark feeds it."""
 
-    lengths = [0, *sorted(int(n) for n in args.pending.split(",") if n.strip())]
-    clock = [1_000_000.0]
-    scheduler = Scheduler(InfraGraph(), make_policy(args.policy), PlacementLedger(), "bench", clock=lambda: clock[0])
-    for host in range((args.devices + DEVICES_PER_HOST - 1) // DEVICES_PER_HOST):
-        scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", host_upsert=ev.Host(id=f"h{host}", cpu_cores=64)))
-    for i in range(args.devices):
-        device = ev.Device(
-            id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=ev.DEVICE_KIND_GPU, model="A100", memory_gb=80,
-            peak_tflops=312, idle_power_w=60, peak_power_w=400,
+    def __init__(self, args: argparse.Namespace) -> None:
+        from hlb.daemon.decide.presets import make_policy
+        from hlb.daemon.decide.scheduler import Scheduler
+        from hlb.daemon.state.graph import InfraGraph
+        from hlb.daemon.state.ledger import PlacementLedger
+        from hlb.v1 import events_pb2 as ev
+
+        self.ev = ev
+        self.devices = args.devices
+        policy = make_policy(args.policy)
+        self.scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "bench", clock=lambda: 1_000_000.0)
+        for host in range((args.devices + DEVICES_PER_HOST - 1) // DEVICES_PER_HOST):
+            self.scheduler.apply_telemetry(
+                ev.TelemetryEvent(cell="bench", host_upsert=ev.Host(id=f"h{host}", cpu_cores=64))
+            )
+        for i in range(args.devices):
+            device = ev.Device(
+                id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=ev.DEVICE_KIND_GPU, model="A100", memory_gb=80,
+                peak_tflops=312, idle_power_w=60, peak_power_w=400,
+            )  # fmt: skip
+            self.scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", device_upsert=device))
+        self.count = 0
+
+    def backlog_spec(self) -> Any:
+        """A task that stays queued: it asks for more devices than the cluster has."""
+        self.count += 1
+        n = self.count
+        return self.ev.TaskSpec(
+            id=f"q{n}", priority=n % 3, work_ref_s=60.0 * (1 + n % 97), memory_per_device_gb=8.0,
+            num_devices=self.devices + 1,
         )  # fmt: skip
-        scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", device_upsert=device))
-    counter = [0]
 
-    def next_id(prefix: str) -> str:
-        counter[0] += 1
-        return f"{prefix}{counter[0]}"
+    def fitting_spec(self) -> Any:
+        self.count += 1
+        return self.ev.TaskSpec(id=f"p{self.count}", priority=1, work_ref_s=600.0, memory_per_device_gb=8.0)
 
-    def backlog_spec() -> ev.TaskSpec:
-        n = counter[0]
-        return ev.TaskSpec(
-            id=next_id("q"), priority=n % 3, work_ref_s=60.0 * (1 + n % 97), memory_per_device_gb=8.0,
-            num_devices=args.devices + 1,
-        )  # fmt: skip
-
-    def fitting_spec() -> ev.TaskSpec:
-        return ev.TaskSpec(id=next_id("p"), priority=1, work_ref_s=600.0, memory_per_device_gb=8.0)
-
-    def finish(task_ids: list[str]) -> None:
+    def finish(self, task_ids: list[str]) -> None:
         for task_id in task_ids:
-            scheduler.apply_task_event(ev.TaskEvent(cell="bench", finished=ev.TaskFinished(task_id=task_id)))
+            event = self.ev.TaskEvent(cell="bench", finished=self.ev.TaskFinished(task_id=task_id))
+            self.scheduler.apply_task_event(event)
 
-    rows: list[dict[str, Any]] = []
-    for length in lengths:
-        before = _rss_mb()
-        added = 0
+    def fill(self, length: int) -> tuple[int, float]:
+        """Queue tasks until ``length`` are queued, a pass every 1,000 as ingest would; returns how
+        many were added and the RSS growth (MB)."""
+        scheduler, before, added = self.scheduler, _rss_mb(), 0
         while scheduler.pending_count < length:
-            scheduler.submit(backlog_spec(), "bench")
+            scheduler.submit(self.backlog_spec(), "bench")
             added += 1
             if added % 1000 == 0:
                 scheduler.schedule_pending()
         scheduler.schedule_pending()
-        grown_mb = _rss_mb() - before
-        queued = scheduler.pending_count
+        return added, _rss_mb() - before
+
+    def measure(self, length: int, ops: int, batch: int) -> dict[str, Any]:
+        added, grown_mb = self.fill(length)
+        scheduler, queued = self.scheduler, self.scheduler.pending_count
         place_s: list[float] = []
-        for _ in range(args.ops):
-            spec = fitting_spec()
+        for _ in range(ops):
+            spec = self.fitting_spec()
             start = time.perf_counter()
             decision = scheduler.place(spec)
             place_s.append(time.perf_counter() - start)
             assert decision.placement is not None, "the benchmark's fitting task did not fit"
-            finish([spec.id])
+            self.finish([spec.id])
         start = time.perf_counter()
         scheduler.schedule_pending()
         release_pass_s = time.perf_counter() - start
-        specs = [fitting_spec() for _ in range(args.batch)]
+        specs = [self.fitting_spec() for _ in range(batch)]
         start = time.perf_counter()
         decisions = scheduler.place_batch(specs)
         batch_s = time.perf_counter() - start
-        finish([d.placement.task_id for d in decisions if d.placement is not None])
+        self.finish([d.placement.task_id for d in decisions if d.placement is not None])
         scheduler.schedule_pending()
         submit_s: list[float] = []
-        for _ in range(args.ops):
-            spec = backlog_spec()
+        for _ in range(ops):
+            spec = self.backlog_spec()
             start = time.perf_counter()
             scheduler.submit(spec, "bench")
             scheduler.schedule_pending()
             submit_s.append(time.perf_counter() - start)
-        rows.append(
-            {
-                "pending": queued,
-                "place_p50_ms": round(_percentile_ms(place_s, 0.5), 3),
-                "place_p99_ms": round(_percentile_ms(place_s, 0.99), 3),
-                "place_batch_ms": round(batch_s * 1e3, 2),
-                "submit_mean_ms": round(statistics.fmean(submit_s) * 1e3, 4),
-                "release_pass_ms": round(release_pass_s * 1e3, 2),
-                "kb_per_queued_task": round(grown_mb * 1024 / added, 2) if added else None,
-            }
-        )
+        return {
+            "pending": queued,
+            "place_p50_ms": round(_percentile_ms(place_s, 0.5), 3),
+            "place_p99_ms": round(_percentile_ms(place_s, 0.99), 3),
+            "place_batch_ms": round(batch_s * 1e3, 2),
+            "submit_mean_ms": round(statistics.fmean(submit_s) * 1e3, 4),
+            "release_pass_ms": round(release_pass_s * 1e3, 2),
+            "kb_per_queued_task": round(grown_mb * 1024 / added, 2) if added else None,
+        }
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = _Bench(args)
+    rows = [
+        bench.measure(length, args.ops, args.batch)
+        for length in (0, *sorted(int(n) for n in args.pending.split(",") if n.strip()))
+    ]
     empty = rows[0]
     for row in rows:
         row["ratio_to_empty"] = {

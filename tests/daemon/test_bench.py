@@ -153,3 +153,14 @@ def test_an_unknown_policy_is_refused_naming_every_one(capsys: pytest.CaptureFix
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert [parser.parse_args(["--policy", name]).policy for name in (*POLICY_NAMES, "gnn")] == [*POLICY_NAMES, "gnn"]
+
+
+def test_queue_prints_each_length_against_the_empty_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--devices", "16", "--pending", "300", "--ops", "5", "--batch", "4"]
+    assert main(["bench", "queue", *args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [row["pending"] for row in result["rows"]] == [0, 300]
+    empty, long = result["rows"]
+    assert empty["ratio_to_empty"]["place_p99_ms"] == 1.0
+    assert long["kb_per_queued_task"] > 0
+    assert all(long[name] > 0 for name in ("place_p99_ms", "place_batch_ms", "submit_mean_ms", "release_pass_ms"))

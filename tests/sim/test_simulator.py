@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hlb.daemon.decide.gnn.policy import GnnPolicy
-from hlb.daemon.decide.policy import make_policy
+from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.eval import make_sim_policy
 from hlb.sim.lookahead import LookaheadPolicy, PinnedPolicy
@@ -407,12 +406,13 @@ def test_a_fork_of_a_run_with_the_gnn_finishes_as_the_run_does(catalogue: Catalo
     sim.run_until(expected.end_s / 3)
     assert 0 < len(sim.scheduler.ledger) < expected.placements  # decisions on both sides of the fork
     fork = sim.fork()  # decides with a copy of the GNN policy, on the fork's graph and clock
-    assert isinstance(fork.policy, GnnPolicy)
-    assert fork.policy is not sim.policy
+    scorer, original = gnn_scorer(fork.policy), gnn_scorer(sim.policy)
+    assert scorer is not None
+    assert scorer is not original  # the fork's own copy of the GNN scorer
     assert fork.policy.name == "gnn"
     assert fork.run().tasks == expected.tasks
     assert sim.now_s < expected.end_s  # the fork ran on its own
-    assert fork.policy.clock_ms() == fork.clock.now_ms() != sim.clock.now_ms()  # and dated its tasks by its clock
+    assert scorer.clock_ms() == fork.clock.now_ms() != sim.clock.now_ms()  # and dated its tasks by its clock
     assert sim.run().tasks == expected.tasks
 
 
