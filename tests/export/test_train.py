@@ -25,9 +25,9 @@ from hlb.export.model import HlbGnn, ModelConfig, load_checkpoint  # noqa: E402
 from hlb.export.student import TorchGnnPolicy, decision_scores  # noqa: E402
 from hlb.export.train_cli import PRESET_NAMES  # noqa: E402
 from hlb.sim.catalogue import load_catalogue  # noqa: E402
-from hlb.sim.eval import make_sim_policy  # noqa: E402
 from hlb.sim.lookahead import LookaheadPolicy  # noqa: E402
 from hlb.sim.metrics import compute_metrics  # noqa: E402
+from hlb.sim.policies import make_sim_policy  # noqa: E402
 from hlb.sim.result import SimResult, TaskRecord  # noqa: E402
 from hlb.sim.scenarios import build_cluster, build_workload  # noqa: E402
 from hlb.sim.simulator import SimConfig, Simulation  # noqa: E402

@@ -13,7 +13,9 @@ from scipy import stats
 from hlb.cli import main
 from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy
 from hlb.daemon.decide.scorers import HeteroGreedy
-from hlb.sim.eval import confidence_interval, make_sim_policy, paired, paired_markdown, parse_weights
+from hlb.sim.eval import parse_weights
+from hlb.sim.policies import make_sim_policy
+from hlb.sim.report import confidence_interval, paired, paired_markdown
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,10 +13,10 @@ import pytest
 
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.sim.catalogue import Catalogue, load_catalogue
-from hlb.sim.eval import make_sim_policy
 from hlb.sim.lookahead import LookaheadPolicy, PinnedPolicy
 from hlb.sim.metrics import compute_metrics
 from hlb.sim.network import Network
+from hlb.sim.policies import make_sim_policy
 from hlb.sim.result import SimResult
 from hlb.sim.scenarios import build_cluster, build_workload
 from hlb.sim.simulator import FailureConfig, SimConfig, Simulation, simulate

@@ -1,0 +1,98 @@
+"""The policies ``hlb eval`` runs: the daemon's presets by name, rule ablations, and the simulator's own.
+
+``gnn`` and ``rules`` run the rules of ``scheduler.rules``; each also comes with rules off
+(:data:`RULE_VARIANTS`), so that what each rule contributes, and what the learned scorer adds to
+the same rules, is measured. ``lookahead`` is the simulator's oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
+from hlb.daemon.decide.framework import ObjectiveWeights, Policy
+from hlb.daemon.decide.presets import POLICY_NAMES, make_policy
+
+SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
+# The presets that run the rules (``scheduler.rules``), each also with rules off, to measure what
+# each contributes: ``gnn`` (the daemon's GNN, run from its ONNX files as hlb serve runs them) and
+# ``rules`` (hetero-greedy: the same rules and physical prior without the learned scorer). Without
+# wait_for_faster no task waits, gangs included.
+RULE_VARIANTS: dict[str, dict[str, Any]] = {
+    "": {},
+    "-no-wait": {"wait_for_faster": False},
+    "-fifo": {"queue_order": "arrival"},
+    "-no-wait-fifo": {"wait_for_faster": False, "queue_order": "arrival"},
+    "-no-fit": {"fit_services": False},
+    "-no-gang-wait": {"gang_wait_factor": 0.0},
+    "-no-rules": {"wait_for_faster": False, "queue_order": "arrival", "fit_services": False, "gang_wait_factor": 0.0},
+}
+GNN_VARIANTS = tuple(f"gnn{suffix}" for suffix in RULE_VARIANTS)
+RULES_VARIANTS = tuple(f"rules{suffix}" for suffix in RULE_VARIANTS if suffix != "-no-rules")
+LEARNED_POLICIES = GNN_VARIANTS
+
+
+def make_sim_policy(
+    name: str,
+    seed: int = 0,
+    model: str | None = None,
+    refresh_rows: int = 1,
+    weights: ObjectiveWeights | None = None,
+) -> Policy:
+    """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
+
+    ``weights``: the objective weights of the policies that weigh objectives (hetero-greedy, HEFT
+    and the GNN; ``scheduler.weights`` in the daemon); the others, and the lookahead teacher,
+    ignore them. Default: completion time alone.
+
+    ``gnn`` is the daemon's :class:`hlb.daemon.decide.gnn.scorer.GnnScorer` over the ONNX files in ``model``
+    (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
+    whenever the graph changed; it loads them on its
+    first decision, and a decision it would leave to hetero-greedy's fallback is a RuntimeError
+    (:func:`_refuse_fallback`), so an evaluation never reports the fallback as the GNN.
+    :func:`check_gnn_model` tells before any run whether the files load.
+    """
+    if name == "lookahead":
+        from hlb.sim.lookahead import LookaheadPolicy
+
+        return LookaheadPolicy()
+    if name in GNN_VARIANTS:
+        return make_policy(
+            "gnn", weights, model=_gnn_settings(model, refresh_rows), rules=_rules(name), on_fallback=_refuse_fallback
+        )
+    if name in RULES_VARIANTS:
+        return make_policy("rules", weights, rules=_rules(name))
+    if name not in POLICY_NAMES:
+        names = ", ".join((*POLICY_NAMES, *RULES_VARIANTS, *LEARNED_POLICIES, *SIM_POLICIES))
+        raise ValueError(f"unknown policy {name!r}: one of {names}")
+    return make_policy(name, weights=weights, seed=seed)
+
+
+def _rules(name: str) -> RulesSettings:
+    """The rules of variant ``name`` (``gnn`` or ``rules`` with a :data:`RULE_VARIANTS` suffix)."""
+    return RulesSettings(**RULE_VARIANTS[name.removeprefix("gnn").removeprefix("rules")])
+
+
+def _gnn_settings(model: str | None, refresh_rows: int = 1) -> ModelSettings:
+    """The daemon's ``model`` settings for the files in ``model``, re-encoding in sync mode."""
+    return ModelSettings(
+        path=Path(model) if model else None,
+        watch=False,
+        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=refresh_rows),
+    )
+
+
+def check_gnn_model(model: str | None) -> None:
+    """ValueError naming the folder unless the GNN's files in ``model`` (None: shipped) load."""
+    from hlb.daemon.decide.gnn.inference import ModelError, load_model
+
+    directory = _gnn_settings(model).directory
+    try:
+        load_model(directory)
+    except (ModelError, OSError) as error:
+        raise ValueError(f"policy gnn: the model in {directory} does not load: {error}") from None
+
+
+def _refuse_fallback(reason: str) -> None:
+    raise RuntimeError(f"policy gnn would fall back to hetero-greedy ({reason}); the run would not measure the GNN")
