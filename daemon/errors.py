@@ -5,6 +5,7 @@ HlbError
 ├── EventError           an event that cannot be applied; it goes to the dead-letter topic
 │   ├── DecodeError      bytes that are neither the expected protobuf nor its JSON mapping
 │   └── InvalidEventError  decoded, but out of range, inconsistent or naming unknown ids
+│       └── QueueFullError   a new task while the queue holds its limit (RESOURCE_EXHAUSTED)
 ├── RequestError         a gRPC request that is malformed (INVALID_ARGUMENT)
 ├── UnknownTaskError     a task the daemon has never seen (NOT_FOUND)
 └── BrokerError          Kafka cannot be reached or set up, or the local broker failed to start
@@ -35,6 +36,13 @@ class InvalidEventError(EventError):
     def __init__(self, message: str, reason: str = "invalid") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class QueueFullError(InvalidEventError):
+    """A new task refused because the queue holds ``scheduler.max_pending`` tasks already."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "queue_full")
 
 
 class RequestError(HlbError):

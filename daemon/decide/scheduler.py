@@ -26,7 +26,7 @@ from hlb.daemon.decide.device_waits import DeviceWaits
 from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.queue import PendingQueue
-from hlb.daemon.errors import InvalidEventError, UnknownTaskError
+from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
 from hlb.daemon.state.checks import check_task_spec, check_task_specs
 from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion
 from hlb.daemon.state.graph import InfraGraph
@@ -70,6 +70,7 @@ class Scheduler:
         *,
         keep_ended_s: float = 0.0,
         remember_ended: int = DEFAULT_REMEMBER_ENDED,
+        max_pending: int = 0,
     ) -> None:
         self.graph = graph
         self._policy = policy
@@ -77,6 +78,8 @@ class Scheduler:
         self.cell = cell
         self.clock = clock
         self.queue = PendingQueue()
+        self.max_pending = max_pending  # queued tasks at most (0: no bound); more are refused
+        self.refused_queue_full = 0
         # Queued since the last pass. A pass after arrivals alone tries only these (and the tasks
         # waiting for a busy device): nothing was freed, so what did not fit before still does not.
         self._arrived: dict[str, None] = {}
@@ -158,6 +161,11 @@ class Scheduler:
         known = task_id in self.graph.tasks
         if not known and self.forgotten and task_id in self.forgotten:
             raise InvalidEventError(self.ended.message(task_id, "already ended"), "duplicate_id")
+        if not known and 0 < self.max_pending <= len(self.queue) and self.ledger.get(task_id) is None:
+            self.refused_queue_full += 1
+            raise QueueFullError(
+                f"task {task_id}: the queue holds {len(self.queue):,} tasks, scheduler.max_pending; try again later"
+            )
         task = self.graph.add_task(spec, cell, checked=checked, plain=plain)
         if known:
             return task
@@ -244,6 +252,14 @@ class Scheduler:
             if forgotten and known is None and task_id in forgotten:
                 why = self.ended.message(task_id, "already ended")
                 raise InvalidEventError(f"tasks[{i}]: {why}", "duplicate_id")
+        if self.max_pending and not dry_run:
+            new = sum(1 for spec in specs if spec.id not in tasks and self.ledger.get(spec.id) is None)
+            if new and len(self.queue) + new > self.max_pending:  # refused whole, before any change
+                self.refused_queue_full += new
+                raise QueueFullError(
+                    f"{new} new tasks and {len(self.queue):,} queued exceed scheduler.max_pending"
+                    f" ({self.max_pending:,}); try again later"
+                )
         order = sorted(range(len(specs)), key=lambda i: -specs[i].priority)
         decisions: list[Decision | None] = [None] * len(specs)
         probes: list[Task] = []

@@ -3,12 +3,14 @@ only what arrived (and what waits for a busy device)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.queue import PendingQueue
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.errors import QueueFullError
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
@@ -75,3 +77,19 @@ def test_a_pass_after_arrivals_alone_tries_only_the_arrivals() -> None:
     scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id="small")))
     assert scheduler.schedule_pending() == []  # a release: every queued task is tried again
     assert "needs 4 devices" in scheduler.graph.tasks["big"].pending_reason
+
+
+def test_a_full_queue_refuses_new_tasks_whole_and_takes_them_again_once_it_drains() -> None:
+    scheduler = Scheduler(cluster(), make_policy("rules"), PlacementLedger(), "c", clock=lambda: 1000.0, max_pending=2)
+    for i in range(2):  # each asks for more devices than there are: they stay queued
+        scheduler.submit(ev.TaskSpec(id=f"big{i}", work_ref_s=60.0, memory_per_device_gb=1.0, num_devices=4), "c")
+    fits = ev.TaskSpec(id="fits", work_ref_s=60.0, memory_per_device_gb=1.0)
+    with pytest.raises(QueueFullError, match=r"scheduler\.max_pending") as refused:
+        scheduler.place(fits)
+    assert refused.value.reason == "queue_full"
+    with pytest.raises(QueueFullError, match="2 new tasks"):
+        scheduler.place_batch([fits, ev.TaskSpec(id="other", work_ref_s=60.0, memory_per_device_gb=1.0)])
+    assert "fits" not in scheduler.graph.tasks  # nothing of a refused batch remains
+    assert scheduler.refused_queue_full == 3
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", cancelled=ev.EntityRef(id="big0")))
+    assert scheduler.place(fits).placement is not None
