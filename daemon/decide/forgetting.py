@@ -71,7 +71,7 @@ class EndedTasks:
             if task_id in self._dependents:
                 kept.append(task_id)
                 continue
-            del tasks[task_id]
+            graph.drop_task(task_id)
             self.forgotten[task_id] = task.state
             self._forgotten_order.append(task_id)
             gone.append(task_id)

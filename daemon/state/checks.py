@@ -9,7 +9,7 @@ device, a device still in use, a switch tree that must stay a tree) are the grap
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -187,16 +187,20 @@ def check_task_specs(specs: Sequence[ev.TaskSpec]) -> list[bool]:
     return plain
 
 
-def dependency_cycle(spec: ev.TaskSpec, tasks: Mapping[str, Task]) -> list[str]:
+def dependency_cycle(spec: ev.TaskSpec, tasks: Mapping[str, Task], targets: Container[str] | None = None) -> list[str]:
     """The cycle ``spec`` would close (``[spec.id, dep, ..., spec.id]``), or [] when there is none.
 
     A known task may depend on one not submitted yet, so a new task can close a cycle through
-    known tasks' dependencies. A replay of a known submission is no new edge.
+    known tasks' dependencies. A replay of a known submission is no new edge. ``targets``: the ids
+    that known tasks name as dependencies (or more); a new task none of them names closes no cycle
+    but through itself, so the walk up its dependencies, as long as the chain above it, is skipped.
     """
     known = tasks.get(spec.id)
     if known is not None and known.spec == spec:
         return []
     start = spec.id
+    if known is None and targets is not None and start not in targets:
+        return [start, start] if any(d.task_id == start for d in spec.dependencies) else []
     parent: dict[str, str] = {}
     stack = [d.task_id for d in spec.dependencies]
     for dep in stack:

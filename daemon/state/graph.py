@@ -67,6 +67,8 @@ class InfraGraph:
         self.links = LinkTable()
         self.task_table = TaskTable()
         self.tasks: dict[str, Task] = {}
+        # Ids that tasks here name as dependencies, with how many name each (built on first use).
+        self._dependency_targets: Counter[str] | None = None
         self.model_names: list[str] = []
         self._model_index: dict[str, int] = {}
         self.feasibility = FeasibilityFilter()  # the hard constraints, and its index of devices by group
@@ -448,13 +450,33 @@ class InfraGraph:
             if known.spec != spec:
                 raise InvalidEventError(f"task {task_id} was already submitted with another spec", "duplicate_id")
             return known
-        if not plain and dependency_cycle(spec, self.tasks):
+        if not plain and self.dependency_cycle(spec):
             raise InvalidEventError(f"task {spec.id}: its dependencies lead back to it", "cycle")
         self._arrivals += 1
         task = Task(spec=spec, cell=cell, arrival=self._arrivals, plain=plain)
         task.row = self.task_table.add(task_id)
         self.task_table.describe(task.row, spec, task.arrival, plain)
         self.tasks[task_id] = task
+        if not plain and self._dependency_targets is not None:
+            self._dependency_targets.update(d.task_id for d in spec.dependencies)
+        return task
+
+    def dependency_cycle(self, spec: ev.TaskSpec) -> list[str]:
+        """The cycle ``spec`` would close through the known tasks, or [] (:func:`dependency_cycle`);
+        a new task that no known task names as a dependency costs no walk up its chain."""
+        if self._dependency_targets is None:  # first use, or a graph restored from a snapshot
+            self._dependency_targets = Counter(d.task_id for t in self.tasks.values() for d in t.spec.dependencies)
+        return dependency_cycle(spec, self.tasks, self._dependency_targets)
+
+    def drop_task(self, task_id: str) -> Task:
+        """Forget an ended task: out of ``tasks`` and of the dependency index."""
+        task = self.tasks.pop(task_id)
+        targets = self._dependency_targets
+        if targets is not None:
+            for dep in task.spec.dependencies:
+                targets[dep.task_id] -= 1
+                if targets[dep.task_id] <= 0:
+                    del targets[dep.task_id]
         return task
 
     def describe_tasks(self) -> None:

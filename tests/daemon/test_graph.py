@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlb.daemon.errors import InvalidEventError
-from hlb.daemon.state.checks import check_task_specs
+from hlb.daemon.state.checks import check_task_specs, dependency_cycle
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.tables import DeviceTable, TaskTable
-from hlb.daemon.state.task import TaskState
+from hlb.daemon.state.task import Task, TaskState
 from hlb.v1 import events_pb2 as ev
 
 GPU, TPU = ev.DEVICE_KIND_GPU, ev.DEVICE_KIND_TPU
@@ -331,3 +333,36 @@ def test_a_device_left_without_tasks_reads_its_last_report_less_the_task_until_t
     again = ev.DeviceMetrics(device_id="d0", utilization=0.3, memory_used_gb=2)
     graph.apply_telemetry(ev.TelemetryEvent(event_time_ms=2000, device_metrics=again))
     assert (d.utilization[0], d.memory_used_gb[0]) == (0.3, 2.0)
+
+
+class _CountingTasks(dict[str, Task]):
+    """A task mapping that counts lookups: how far a cycle check walked."""
+
+    lookups = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def test_a_new_task_no_known_task_depends_on_closes_no_cycle_without_a_walk_up_its_chain() -> None:
+    graph = InfraGraph()
+    for i in range(200):  # a chain t0 <- t1 <- ... <- t199
+        deps = [ev.Dependency(task_id=f"t{i - 1}")] if i else []
+        graph.add_task(ev.TaskSpec(id=f"t{i}", work_ref_s=1.0, memory_per_device_gb=1.0, dependencies=deps), "c")
+    tasks = _CountingTasks(graph.tasks)
+    tip = ev.TaskSpec(id="t200", work_ref_s=1.0, memory_per_device_gb=1.0, dependencies=[ev.Dependency(task_id="t199")])
+    assert dependency_cycle(tip, tasks, targets={f"t{i}" for i in range(199)}) == []
+    assert tasks.lookups == 1  # its own id, not the 200 above it
+    assert dependency_cycle(tip, tasks) == []  # without the index: the whole chain
+    assert tasks.lookups > 200
+    # A task that a known one names closes the cycle it closes, the index or not.
+    graph.add_task(
+        ev.TaskSpec(id="a", work_ref_s=1.0, memory_per_device_gb=1.0, dependencies=[ev.Dependency(task_id="b")]), "c"
+    )
+    back = ev.TaskSpec(id="b", work_ref_s=1.0, memory_per_device_gb=1.0, dependencies=[ev.Dependency(task_id="a")])
+    assert graph.dependency_cycle(back) == ["b", "a", "b"]
+    with pytest.raises(InvalidEventError, match="lead back"):
+        graph.add_task(back, "c")
+    graph.drop_task("a")  # forgotten: nothing names b any more
+    assert graph.dependency_cycle(back) == []
