@@ -13,8 +13,12 @@ from typing import Any
 from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
 from hlb.daemon.decide.framework import ObjectiveWeights, Policy
 from hlb.daemon.decide.presets import POLICY_NAMES, make_policy
+from hlb.daemon.state.profiles import profiles_of
 
-SIM_POLICIES = ("lookahead",)  # policies the simulator provides on top of the daemon's
+# Policies the simulator provides on top of the daemon's: the lookahead oracle, and the rules told
+# the exact device speeds whatever ``profiles`` the others are told (the upper bound of a better
+# run-time prediction, ``oracle-speeds``).
+SIM_POLICIES = ("lookahead", "oracle-speeds")
 # The presets that run the rules (``scheduler.rules``), each also with rules off, to measure what
 # each contributes: ``gnn`` (the daemon's GNN, run from its ONNX files as hlb serve runs them) and
 # ``rules`` (hetero-greedy: the same rules and physical prior without the learned scorer). Without
@@ -39,12 +43,14 @@ def make_sim_policy(
     model: str | None = None,
     refresh_rows: int = 1,
     weights: ObjectiveWeights | None = None,
+    profiles: str = "exact",
 ) -> Policy:
     """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
 
     ``weights``: the objective weights of the policies that weigh objectives (hetero-greedy, HEFT
     and the GNN; ``scheduler.weights`` in the daemon); the others, and the lookahead teacher,
-    ignore them. Default: completion time alone.
+    ignore them. Default: completion time alone. ``profiles``: what the policies that estimate run
+    times are told of device speeds (``scheduler.profiles``: exact, coarse or nameplate).
 
     ``gnn`` is the daemon's :class:`hlb.daemon.decide.gnn.scorer.GnnScorer` over the ONNX files in ``model``
     (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
@@ -57,16 +63,20 @@ def make_sim_policy(
         from hlb.sim.lookahead import LookaheadPolicy
 
         return LookaheadPolicy()
+    told = profiles_of(profiles)
+    if name == "oracle-speeds":
+        return make_policy("rules", weights, profiles=profiles_of("exact"))
     if name in GNN_VARIANTS:
+        settings = _gnn_settings(model, refresh_rows)
         return make_policy(
-            "gnn", weights, model=_gnn_settings(model, refresh_rows), rules=_rules(name), on_fallback=_refuse_fallback
+            "gnn", weights, model=settings, rules=_rules(name), on_fallback=_refuse_fallback, profiles=told
         )
     if name in RULES_VARIANTS:
-        return make_policy("rules", weights, rules=_rules(name))
+        return make_policy("rules", weights, rules=_rules(name), profiles=told)
     if name not in POLICY_NAMES:
         names = ", ".join((*POLICY_NAMES, *RULES_VARIANTS, *LEARNED_POLICIES, *SIM_POLICIES))
         raise ValueError(f"unknown policy {name!r}: one of {names}")
-    return make_policy(name, weights=weights, seed=seed)
+    return make_policy(name, weights=weights, seed=seed, profiles=told)
 
 
 def _rules(name: str) -> RulesSettings:

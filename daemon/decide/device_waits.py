@@ -14,7 +14,7 @@ import numpy as np
 from hlb.daemon.decide.framework import Wait
 from hlb.daemon.decide.waiting import RunTimes, declared_load, service_lifetime_s
 from hlb.daemon.state.graph import InfraGraph
-from hlb.daemon.state.profiles import NEVER_S, default_profiles
+from hlb.daemon.state.profiles import NEVER_S, DeviceProfiles, default_profiles
 from hlb.daemon.state.task import Task
 
 
@@ -22,12 +22,18 @@ class DeviceWaits:
     """Expected ends of placed tasks and the tasks waiting for busy devices; the graph is given to
     each call (a snapshot's restore replaces the scheduler's)."""
 
-    def __init__(self) -> None:
-        self.runtimes = RunTimes(default_profiles())
+    def __init__(self, profiles: DeviceProfiles | None = None) -> None:
+        self.runtimes = RunTimes(profiles or default_profiles())
         self.expected_end: dict[str, int] = {}
         self.waiting: dict[str, Wait] = {}
         self.queued_s: dict[int, float] = {}
         self.decided = 0  # decisions to wait for a busy device, dry runs aside
+
+    def estimate_with(self, profiles: DeviceProfiles | None) -> None:
+        """Expect the ends of tasks placed from now on by ``profiles`` (a new policy's)."""
+        profiles = profiles or default_profiles()
+        if profiles is not self.runtimes.profiles:
+            self.runtimes = RunTimes(profiles)
 
     def start(self, task_id: str, wait: Wait) -> None:
         """``task_id`` waits as ``wait`` says: its run time queues behind the device it waits for."""

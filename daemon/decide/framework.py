@@ -29,6 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
@@ -151,6 +152,12 @@ class Policy:
         """Whether the scorer decides as configured now; a :class:`PluginPolicy` runs its plugins only
         then (the GNN's fallback decides as plain hetero-greedy)."""
         return True
+
+    @property
+    def estimates(self) -> DeviceProfiles | None:
+        """The device profiles this policy estimates run times with, if any: the scheduler expects
+        placed tasks to end by the same (None: the shipped profiles)."""
+        return None
 
     @property
     def model_version(self) -> str:
@@ -347,6 +354,10 @@ class PluginPolicy(Policy):
     @property
     def model_version(self) -> str:
         return self.scorer.model_version
+
+    @property
+    def estimates(self) -> DeviceProfiles | None:
+        return self.scorer.estimates
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         return self.scorer.score(spec, graph, rows)

@@ -40,22 +40,25 @@ def make_policy(
     *,
     mode: RefreshMode | None = "sync",
     on_fallback: Callable[[str], None] | None = None,
+    profiles: DeviceProfiles | None = None,
 ) -> Policy:
     """The preset called ``name`` (one of :data:`PRESETS`); ``ValueError`` for any other.
 
     ``gnn`` scores with the ``model`` settings (default: the model shipped in the package,
     re-encoded after every change, so each decision sees the graph as it is) in ``mode`` (None: the
     settings' own; ``sync`` re-encodes the graph it is given when that changed, as the simulator
-    and ``hlb eval`` need); ``on_fallback`` counts decisions its fallback makes.
+    and ``hlb eval`` need); ``on_fallback`` counts decisions its fallback makes. ``profiles``: the
+    device speeds the scorers that estimate run times are told (default: the shipped, exact ones;
+    ``hlb.daemon.state.profiles.profiles_of``).
     """
     w = ObjectiveWeights.of(weights)
     rules = rules or RulesSettings()
     if name == "gnn":
         exact = ModelSettings(refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1))
-        scorer = GnnScorer(model or exact, w, mode=mode, on_fallback=on_fallback)
+        scorer = GnnScorer(model or exact, w, mode=mode, on_fallback=on_fallback, profiles=profiles)
         return with_rules("gnn", scorer, rules, scorer.fallback.profiles)
     if name == "rules":
-        greedy = HeteroGreedy(w)
+        greedy = HeteroGreedy(w, profiles)
         return with_rules("rules", greedy, rules, greedy.profiles)
     if name == "random":
         return RandomPolicy(seed)
@@ -66,9 +69,9 @@ def make_policy(
     if name == "best-fit":
         return BestFit()
     if name == "hetero-greedy":
-        return HeteroGreedy(w)
+        return HeteroGreedy(w, profiles)
     if name == "heft":
-        return Heft(w)
+        return Heft(w, profiles)
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(PRESETS)}")
 
 

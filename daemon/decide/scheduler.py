@@ -89,7 +89,7 @@ class Scheduler:
         self._started_unbound: set[str] = set()
         self._dirty = True  # something changed that may let a queued task fit
         self._seen = (graph.version, graph.metrics_version)
-        self.device_waits = DeviceWaits()  # for a policy that may wait for a busy device
+        self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
 
     @property
@@ -100,6 +100,7 @@ class Scheduler:
     def policy(self, policy: Policy) -> None:
         """Swap the policy (a reload): the queue order (its ranks) and the next pass start afresh."""
         self._policy = policy
+        self.device_waits.estimate_with(policy.estimates)
         self._dirty = True
 
     # -- events ----------------------------------------------------------------------------

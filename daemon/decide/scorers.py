@@ -142,6 +142,10 @@ class HeteroGreedy(Policy):
         w = self.weights
         self.binding_lowers_scores = min(w.completion_time, w.utilization, w.energy) >= 0
 
+    @property
+    def estimates(self) -> DeviceProfiles:
+        return self.profiles
+
     def ready_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
         """When the task's inputs would be on each row, seconds from now. [N] -> [N]."""
         return np.zeros(len(rows))

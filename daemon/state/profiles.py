@@ -196,3 +196,37 @@ class DeviceProfiles:
 def default_profiles() -> DeviceProfiles:
     """The profiles shipped with the package (loaded once)."""
     return DeviceProfiles.load()
+
+
+# What a scheduler may be told of device speeds, from most to least (``scheduler.profiles``).
+PROFILE_KINDS = ("exact", "coarse", "nameplate")
+
+
+@cache
+def profiles_of(kind: str) -> DeviceProfiles:
+    """The device profiles of ``kind`` (one of :data:`PROFILE_KINDS`), built from the shipped file.
+
+    - ``exact``: per workload class, gang size and placement, as the shipped file has them (measured
+      throughputs: an upper bound of what a scheduler can know, never what a real one is told);
+    - ``coarse``: one speed per model, whatever the workload (its mean over classes, alone and on
+      one host), as an operator could write down from a benchmark; gangs scale linearly;
+    - ``nameplate``: the model's peak TFLOPS over the reference's, what a datasheet says.
+
+    Every kind keeps which task kinds a model can run at all (an inference-only device).
+    """
+    if kind not in PROFILE_KINDS:
+        raise ValueError(f"unknown profiles {kind!r}: one of {', '.join(PROFILE_KINDS)}")
+    document = json.loads(DEFAULT_PROFILES_PATH.read_text())
+    if kind == "exact":
+        return DeviceProfiles(document)
+    reference = float(document["reference_peak_tflops"])
+    gangs = [int(g) for g in document["gang_sizes"]]
+    classes = list(document["classes"])
+    for entry in document["models"].values():
+        if kind == "nameplate":
+            speed = float(entry["peak_tflops"]) / reference
+        else:
+            alone = [row[0] for row in entry["speedup"].get("consolidated", {}).values() if row and row[0] is not None]
+            speed = sum(alone) / len(alone) if alone else float(entry["peak_tflops"]) / reference
+        entry["speedup"] = {"consolidated": {c: [speed * g for g in gangs] for c in classes}}
+    return DeviceProfiles(document)

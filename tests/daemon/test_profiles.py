@@ -6,8 +6,11 @@ import math
 
 import pytest
 
+from hlb.daemon.decide.presets import make_policy
+from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.state.graph import InfraGraph
-from hlb.daemon.state.profiles import DEFAULT_PROFILES_PATH, DeviceProfiles, default_profiles
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.profiles import DEFAULT_PROFILES_PATH, DeviceProfiles, default_profiles, profiles_of
 from hlb.sim.catalogue import load_catalogue, profiles_document, render_document
 from hlb.v1 import events_pb2 as ev
 
@@ -74,3 +77,28 @@ def test_row_run_times_over_a_graph() -> None:
 def test_a_file_of_another_format_is_refused() -> None:
     with pytest.raises(ValueError, match="format"):
         DeviceProfiles({"format": "something-else"})
+
+
+def test_what_a_scheduler_is_told_of_device_speeds_goes_from_exact_to_nameplate() -> None:
+    exact, coarse, nameplate = (profiles_of(kind) for kind in ("exact", "coarse", "nameplate"))
+    assert exact.gang_speedup("K80-GK210", "resnet50") != exact.gang_speedup("K80-GK210", "lm")  # per workload
+    assert coarse.gang_speedup("K80-GK210", "resnet50") == coarse.gang_speedup("K80-GK210", "lm")  # one per model
+    p100 = nameplate.models["P100-PCIE-16GB"]
+    assert nameplate.gang_speedup("P100-PCIE-16GB", "resnet50", 4) == pytest.approx(
+        4 * p100.peak_tflops / nameplate.reference_peak_tflops
+    )
+    # An inference-only device stays one that cannot train, whatever the scheduler is told.
+    for told in (coarse, nameplate):
+        assert told.gang_speedup("Alveo-U280", "resnet50", task_kind=ev.TASK_KIND_TRAINING) == 0.0
+    with pytest.raises(ValueError, match="unknown profiles"):
+        profiles_of("measured")
+
+
+def test_a_policy_and_the_scheduler_estimate_with_the_profiles_the_policy_is_told() -> None:
+    told = profiles_of("nameplate")
+    policy = make_policy("rules", profiles=told)
+    assert policy.estimates is told
+    scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "c", clock=lambda: 1.0)
+    assert scheduler.device_waits.runtimes.profiles is told
+    scheduler.policy = make_policy("rules")
+    assert scheduler.device_waits.runtimes.profiles is default_profiles()  # a new policy's, on a reload

@@ -58,6 +58,7 @@ from hlb.daemon.decide.shortlist import ShortlistBatch, shortlist
 from hlb.daemon.decide.waiting import declared_load
 from hlb.daemon.state.feasibility import Occupancy
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 
@@ -138,11 +139,13 @@ class GnnScorer(Policy):
         mode: RefreshMode | None = None,
         on_fallback: FallbackCounter | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        profiles: DeviceProfiles | None = None,
     ) -> None:
         self.settings = settings or ModelSettings()
         self.weights = weights or ObjectiveWeights()
         self.mode: RefreshMode = mode or self.settings.refresh.mode
-        self.fallback = HeteroGreedy(self.weights)
+        # The physical prior, and the fallback: hetero-greedy with the profiles the scheduler is told.
+        self.fallback = HeteroGreedy(self.weights, profiles)
         self.on_fallback = on_fallback or (lambda reason: None)
         self._monotonic = monotonic
         w = self.weights
@@ -181,6 +184,10 @@ class GnnScorer(Policy):
     def degraded(self) -> str:
         """Why the GNN does not decide now (the fallback does); empty while it does."""
         return "" if self._cache is not None else f"{self._degraded_code}: {self._degraded}"
+
+    @property
+    def estimates(self) -> DeviceProfiles:
+        return self.fallback.profiles
 
     @property
     def ready(self) -> bool:
