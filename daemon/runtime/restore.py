@@ -25,7 +25,7 @@ from hlb.daemon.errors import EventError
 from hlb.daemon.ingest.pipeline import IngestThread
 from hlb.daemon.record import snapshot
 from hlb.daemon.record.journal import JournalRecord
-from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
+from hlb.daemon.runtime.sdnotify import StartTimeoutExtender, SystemdNotifier, WatchdogPinger
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 
@@ -151,9 +151,10 @@ async def wait_for_replay(
     monotonic: Callable[[], float],
 ) -> bool:
     """Wait until ingest has replayed to the start's end offsets (``left()`` records left reaches 0);
-    False when stopped (or ingest died) first. The watchdog is fed meanwhile: a long replay is
-    progress, not a hang."""
+    False when stopped (or ingest died) first. The watchdog is fed meanwhile, and systemd's start
+    timeout extended while records left keep falling: a long replay is progress, not a hang."""
     pinger = WatchdogPinger(notifier)
+    extender = StartTimeoutExtender(notifier)
     records_left = left()
     if records_left:
         log.info("replaying before serving", records_left=records_left)
@@ -163,6 +164,7 @@ async def wait_for_replay(
             return False
         now = monotonic()
         pinger.tick(now)
+        extender.tick(now, records_left)
         if now - reported >= 1.0:
             notifier.status(f"replaying: {records_left} records left")
             reported = now

@@ -1,4 +1,5 @@
-"""systemd's notify protocol (sd_notify(3)) without libsystemd: readiness, status and watchdog.
+"""systemd's notify protocol (sd_notify(3)) without libsystemd: readiness, status, watchdog and
+start timeout.
 
 The protocol is one datagram of ``KEY=VALUE`` lines sent to the AF_UNIX socket named by
 ``$NOTIFY_SOCKET``; systemd documents it as stable, and its MIT-0
@@ -24,6 +25,14 @@ log = structlog.get_logger(__name__)
 # Bounds a send when PID 1 is wedged and its socket queue is full: a dropped notification is
 # better than a scheduling loop blocked on systemd. A healthy manager drains the queue at once.
 SEND_TIMEOUT_S = 1.0
+
+# What each EXTEND_TIMEOUT_USEC= asks for while a start makes progress: as long as the unit's
+# TimeoutStartSec= (120 s), so a start that stops moving is killed as late as one that never
+# sent anything, and one that keeps moving never is.
+START_EXTENSION_S = 120.0
+# How often a start that makes progress asks again: a twelfth of the extension, so that a slow
+# loop iteration or a lost datagram costs nothing.
+START_EXTEND_EVERY_S = 10.0
 
 
 class SystemdNotifier:
@@ -64,8 +73,8 @@ class SystemdNotifier:
     def extend_timeout(self, seconds: float) -> bool:
         """Ask for ``seconds`` more before the start or stop timeout fires (``EXTEND_TIMEOUT_USEC=``).
 
-        Meant for a long snapshot restore or final snapshot; it must be repeated before the
-        extension runs out. Raises ``ValueError`` when ``seconds`` is not a positive finite number.
+        It must be repeated before the extension runs out; ``StartTimeoutExtender`` paces it
+        during a start. Raises ``ValueError`` when ``seconds`` is not a positive finite number.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"extend_timeout needs a positive number of seconds, got {seconds!r}")
@@ -136,6 +145,52 @@ class WatchdogPinger:
             return False
         self._last_ping_s = now_s
         return self._notifier.watchdog()
+
+
+class StartTimeoutExtender:
+    """Keeps a start that makes progress inside systemd's start timeout (``EXTEND_TIMEOUT_USEC=``).
+
+    The loop that waits on a long start step (the replay before ``READY=1``) calls
+    ``tick(now_s, left)`` every iteration with the time from its clock and the work still left
+    (records to replay). It asks for ``extension_s`` more on the first tick, then at most every
+    ``every_s``, and only when ``left`` has fallen since the last request. Past
+    ``TimeoutStartSec=``, systemd kills a start whose last extension has run out
+    (sd_notify(3)): one that stops moving, or whose loop is stuck, stops asking and is killed
+    ``extension_s`` after its last progress. No thread and no timer, as for ``WatchdogPinger``:
+    when the loop stops calling (ready, stopped or failed), nothing more is sent.
+
+    Args:
+        notifier: where the requests go; nothing is sent when it is disabled.
+        extension_s: what each request asks for, in seconds.
+        every_s: the least time between requests, in seconds; below ``extension_s``.
+    """
+
+    def __init__(
+        self,
+        notifier: SystemdNotifier,
+        extension_s: float = START_EXTENSION_S,
+        every_s: float = START_EXTEND_EVERY_S,
+    ) -> None:
+        if not 0 < every_s < extension_s:
+            raise ValueError(f"every_s must be above 0 and below extension_s, got {every_s!r} and {extension_s!r}")
+        self._notifier = notifier
+        self._extension_s = extension_s
+        self._every_s = every_s
+        self._last_s: float | None = None
+        self._left_then = 0
+
+    def tick(self, now_s: float, left: int) -> bool:
+        """Ask for more time if ``every_s`` has passed since the last request and ``left`` has
+        fallen since then; True when a request was sent.
+
+        ``now_s`` comes from a monotonic clock, in seconds. A failed send still counts as a
+        request, as a watchdog ping does.
+        """
+        if self._last_s is not None and (now_s - self._last_s < self._every_s or left >= self._left_then):
+            return False
+        self._last_s = now_s
+        self._left_then = left
+        return self._notifier.extend_timeout(self._extension_s)
 
 
 def _socket_address(value: str) -> str | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
+from hlb.daemon.runtime.sdnotify import StartTimeoutExtender, SystemdNotifier, WatchdogPinger
 
 WATCHDOG_30S = {"WATCHDOG_USEC": "30000000"}
 
@@ -270,3 +270,53 @@ def test_failed_ping_is_retried_after_the_interval(tmp_path: Path, monkeypatch: 
         results = [pinger.tick(now) for now in [0.0, 1.0, 2.0, 14.0, 15.0]]
     assert results == [False] * 5
     assert attempts == [False, False]  # at 0 and at 15, not on every iteration
+
+
+# StartTimeoutExtender: paced by the caller's clock, and only while the start makes progress
+
+EXTEND_120S = b"EXTEND_TIMEOUT_USEC=120000000"
+
+
+def test_extender_asks_for_two_minutes_on_its_first_tick(path_manager: Manager) -> None:
+    extender = StartTimeoutExtender(path_manager.notifier())
+    assert extender.tick(1000.0, 500)
+    assert path_manager.received() == [EXTEND_120S]
+
+
+def test_extender_repeats_every_interval_while_work_left_falls(path_manager: Manager) -> None:
+    extender = StartTimeoutExtender(path_manager.notifier(), extension_s=60.0, every_s=10.0)
+    ticks = [(0.0, 100), (5.0, 90), (9.99, 80), (10.0, 70), (15.0, 60), (20.0, 50), (31.0, 40)]
+    sent = {now: extender.tick(now, left) for now, left in ticks}
+    assert sent == {0.0: True, 5.0: False, 9.99: False, 10.0: True, 15.0: False, 20.0: True, 31.0: True}
+    assert path_manager.received() == [b"EXTEND_TIMEOUT_USEC=60000000"] * 4
+
+
+def test_extender_goes_quiet_while_nothing_moves_and_resumes_at_once(path_manager: Manager) -> None:
+    extender = StartTimeoutExtender(path_manager.notifier(), extension_s=60.0, every_s=10.0)
+    assert extender.tick(0.0, 100)
+    # Stalled: no request however long it lasts, so systemd's timeout can end a hung start.
+    assert not any(extender.tick(float(now), 100) for now in range(1, 300))
+    assert extender.tick(300.0, 99)  # moving again: asked at once, not a whole interval later
+    assert not extender.tick(305.0, 98)
+    assert path_manager.received() == [b"EXTEND_TIMEOUT_USEC=60000000"] * 2
+
+
+def test_extender_compares_with_the_last_request_not_the_last_tick(path_manager: Manager) -> None:
+    extender = StartTimeoutExtender(path_manager.notifier(), extension_s=60.0, every_s=10.0)
+    assert extender.tick(0.0, 100)
+    assert not extender.tick(5.0, 90)  # progress, but too soon
+    assert extender.tick(10.0, 90)  # no progress since 5 s, but some since the request at 0 s
+    assert not extender.tick(20.0, 90)
+    assert path_manager.received() == [b"EXTEND_TIMEOUT_USEC=60000000"] * 2
+
+
+def test_extender_is_silent_without_notify_socket(path_manager: Manager) -> None:
+    extender = StartTimeoutExtender(SystemdNotifier({}))
+    assert not any(extender.tick(float(now), 1000 - now) for now in range(0, 600, 5))
+    assert path_manager.received() == []
+
+
+@pytest.mark.parametrize(("extension_s", "every_s"), [(60.0, 60.0), (60.0, 90.0), (60.0, 0.0), (60.0, -1.0)])
+def test_extender_refuses_an_interval_outside_the_extension(extension_s: float, every_s: float) -> None:
+    with pytest.raises(ValueError, match="every_s"):
+        StartTimeoutExtender(SystemdNotifier({}), extension_s=extension_s, every_s=every_s)

@@ -34,6 +34,24 @@ class NotifySocket:
             if message.startswith(prefix):
                 return message
 
+    def drain(self) -> list[str]:
+        """Every message queued now, without waiting (all are kept in ``received``). AF_UNIX
+        delivery is synchronous: what was sent before this call is queued."""
+        messages: list[str] = []
+        # Python waits out a socket's timeout even with MSG_DONTWAIT, so drop it meanwhile.
+        timeout_s = self._sock.gettimeout()
+        self._sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    message = self._sock.recv(4096).decode()
+                except BlockingIOError:
+                    return messages
+                self.received.append(message)
+                messages.append(message)
+        finally:
+            self._sock.settimeout(timeout_s)
+
     def close(self) -> None:
         self._sock.close()
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hlb.daemon.runtime.sdnotify import START_EXTEND_EVERY_S, START_EXTENSION_S
+
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "hlb.service"
 INSTALLED_EXEC_START = "ExecStart=/opt/hlb/venv/bin/hlb serve --config /etc/hlb/config.yaml"
 
@@ -47,6 +49,13 @@ HARDENING = {
     "UMask": ["0077"],
 }
 
+# Resident memory the design allows at 100,000 devices (docs/design.md §7, `hlb bench scale`'s
+# target; measured 543 MB, docs/performance.md).
+DESIGN_RSS_BYTES = 1024 * 1024**2
+# A full queue: scheduler.max_pending's default (config.yaml) times the memory of a queued task
+# (`hlb bench queue`: 2.0 KB from 10,000 to 1,000,000 queued, docs/performance.md).
+FULL_QUEUE_BYTES = 1_000_000 * 2 * 1024
+
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(
     SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian package: systemd)"
@@ -67,6 +76,25 @@ def unit_settings(text: str) -> dict[str, dict[str, list[str]]]:
         key, _, value = line.partition("=")
         current.setdefault(key.strip(), []).append(value.strip())
     return sections
+
+
+def size_bytes(value: str) -> int:
+    """A systemd size (``512M``, ``2G``; K, M, G and T are powers of 1024) in bytes."""
+    match = re.fullmatch(r"(\d+)([KMGT]?)", value)
+    assert match is not None, f"not a plain size: {value!r}"
+    return int(match[1]) << 10 * " KMGT".index(match[2] or " ")
+
+
+def seconds(value: str) -> float:
+    """A systemd time span in plain seconds or minutes (``120s``, ``120``, ``10min``) in seconds."""
+    match = re.fullmatch(r"(\d+)(s|min)?", value)
+    assert match is not None, f"not a plain time span: {value!r}"
+    return int(match[1]) * (60 if match[2] == "min" else 1)
+
+
+def start_timeout_s() -> float:
+    """The unit's TimeoutStartSec=, in seconds."""
+    return seconds(unit_settings(UNIT.read_text())["Service"]["TimeoutStartSec"][-1])
 
 
 def verifiable_copy(tmp_path: Path) -> Path:
@@ -129,6 +157,8 @@ def test_required_settings_are_present() -> None:
         "StateDirectory": ["hlb"],
         "ConfigurationDirectory": ["hlb"],
         "SyslogIdentifier": ["hlb"],
+        "MemoryHigh": ["3G"],
+        "MemoryMax": ["4G"],
         **HARDENING,
     }
     assert {key: service.get(key) for key in required} == required
@@ -141,3 +171,22 @@ def test_required_settings_are_present() -> None:
 def test_memory_deny_write_execute_is_not_set() -> None:
     # It would break libffi and JIT users at run time, where no test here would notice.
     assert "MemoryDenyWriteExecute" not in unit_settings(UNIT.read_text())["Service"]
+
+
+def test_memory_is_bounded_above_the_design_size_with_a_full_queue() -> None:
+    service = unit_settings(UNIT.read_text())["Service"]
+    high, limit = size_bytes(service["MemoryHigh"][-1]), size_bytes(service["MemoryMax"][-1])
+    # A daemon of the design's size with a full queue is not throttled, let alone killed...
+    assert high >= DESIGN_RSS_BYTES + FULL_QUEUE_BYTES
+    # ...and between throttling and the OOM kill there is room for a peak to pass.
+    assert high <= 0.8 * limit
+
+
+def test_start_timeout_extension_is_what_the_unit_says() -> None:
+    # Each EXTEND_TIMEOUT_USEC= asks for the whole start timeout again, often enough that a late
+    # message costs nothing; the unit's comment names both numbers.
+    assert start_timeout_s() == START_EXTENSION_S
+    assert START_EXTEND_EVERY_S <= START_EXTENSION_S / 4
+    text = UNIT.read_text()
+    assert f"EXTEND_TIMEOUT_USEC={int(START_EXTENSION_S * 1_000_000)}" in text
+    assert f"every {START_EXTEND_EVERY_S:g} s" in text
