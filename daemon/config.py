@@ -63,7 +63,13 @@ FIXED_CLIENT_KEYS: dict[str, str] = {
     "auto.offset.reset": "a partition without a snapshot offset is replayed from its earliest record",
     "partition.assignment.strategy": "the rebalance callbacks use incremental (cooperative) assignment",
     "enable.idempotence": "the placement ledger must not get duplicates from producer retries",
+    "message.max.bytes": "set from kafka.max_event_bytes and kafka.dead_letter_max_bytes, so that every event "
+    "ingest accepts and every dead letter can be published again",
 }
+# Room above a record's value for its key, headers and Kafka's framing (the producer's
+# message.max.bytes is the larger of max_event_bytes and dead_letter_max_bytes plus this).
+RECORD_OVERHEAD_BYTES = 64 * 1024
+DEAD_LETTER_MAX_BYTES = 1_000_000  # kafka.dead_letter_max_bytes's default
 
 
 class KafkaSettings(_Section):
@@ -72,7 +78,11 @@ class KafkaSettings(_Section):
     topics: Topics = Topics()
     batch_size: int = Field(1000, ge=1, le=1_000_000)
     poll_timeout_s: float = Field(0.1, gt=0, le=10)
-    max_event_bytes: int = Field(1_048_576, ge=1024)
+    max_event_bytes: int = Field(1_048_576, ge=1024, le=512 * 1024 * 1024)
+    # A dead letter keeps at most this many bytes of the refused record's value (and of its key);
+    # a longer one is cut, with headers saying so and giving its size. The default leaves room for
+    # the headers under Kafka's default record limit (message.max.bytes, 1,048,588 bytes).
+    dead_letter_max_bytes: int = Field(DEAD_LETTER_MAX_BYTES, ge=1024, le=512 * 1024 * 1024)
     # Static group membership (KIP-345): a stable id per instance (e.g. from the host name) lets a
     # restart within session.timeout.ms keep its partitions instead of rebalancing the group.
     group_instance_id: str | None = Field(None, min_length=1, max_length=249)
@@ -89,6 +99,23 @@ class KafkaSettings(_Section):
             reasons = "; ".join(f"{key}: {FIXED_CLIENT_KEYS[key]}" for key in fixed)
             raise ValueError(f"hlb sets these librdkafka keys itself and they cannot be overridden: {reasons}")
         return value
+
+    @model_validator(mode="after")
+    def _fetch_fits_a_record(self) -> KafkaSettings:
+        fetch = self.client_config.get("fetch.max.bytes", SecretStr("")).get_secret_value().strip()
+        if fetch.isdigit() and int(fetch) < self.record_max_bytes:  # not a number: librdkafka says so
+            raise ValueError(
+                f"client_config.fetch.max.bytes must be at least {self.record_max_bytes}: librdkafka refuses a "
+                "consumer whose fetch.max.bytes is below message.max.bytes, which hlb sets from max_event_bytes "
+                "and dead_letter_max_bytes"
+            )
+        return self
+
+    @property
+    def record_max_bytes(self) -> int:
+        """librdkafka's ``message.max.bytes`` for hlb's clients: room for the biggest record hlb
+        publishes (an accepted event again, or a dead letter) with its key, headers and framing."""
+        return max(self.max_event_bytes, self.dead_letter_max_bytes) + RECORD_OVERHEAD_BYTES
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -265,7 +292,9 @@ class SchedulerSettings(_Section):
     # A preset (hlb.daemon.decide.presets): a baseline scorer alone; "rules": hetero-greedy with the
     # rules below; "gnn": the model of the `model` section with the same rules, falling back to
     # plain hetero-greedy while the model cannot decide.
-    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "rules", "gnn"] = "gnn"
+    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "rules", "gnn"] = (
+        "gnn"
+    )
     rules: RulesSettings = RulesSettings()
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
     seed: int = Field(0, ge=0, description="seed of the random policy")

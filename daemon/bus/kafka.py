@@ -7,6 +7,11 @@ snapshot (``hlb.daemon.record.snapshot``): an assigned partition starts at the s
 snapshot covers it, else at its earliest retained record; the group's committed offsets only
 show progress to lag tools. Consumer lag per partition comes from librdkafka's statistics
 (``statistics.interval.ms`` and ``stats_cb``), served on the ingest thread inside ``consume``.
+
+Every client gets ``message.max.bytes`` from the settings (``record_max_bytes``): librdkafka refuses
+to produce a record bigger than it, and its default (1,000,000 bytes) is below the events hlb
+accepts (``kafka.max_event_bytes``), so the copy of a big refused record could not have gone to
+the dead-letter topic.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import structlog
@@ -30,7 +36,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from hlb.daemon.bus.kafkalog import KafkaLog
+from hlb.daemon.bus.kafkalog import FoldedLog, KafkaLog
 from hlb.daemon.bus.seam import Offsets, RawEvent
 from hlb.daemon.config import KafkaSettings
 from hlb.daemon.errors import BrokerError
@@ -44,7 +50,11 @@ FETCH_QUEUE_BACKOFF_MS = 10  # see KafkaSource: how soon a full prefetch queue i
 
 
 def _client_config(settings: KafkaSettings) -> ClientConfig:
-    config: ClientConfig = {"bootstrap.servers": settings.bootstrap_servers}
+    # message.max.bytes is a producer's limit; a consumer only raises its fetch.max.bytes to it.
+    config: ClientConfig = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "message.max.bytes": settings.record_max_bytes,
+    }
     config.update({key: value.get_secret_value() for key, value in settings.client_config.items()})
     return config
 
@@ -339,29 +349,50 @@ class KafkaSource:
 
 
 class KafkaPublisher:
+    """The producer of every record the daemon publishes. ``delivery_failures``: records the
+    broker did not take (or that timed out), by topic; each kind is logged, folded (``FoldedLog``)."""
+
     def __init__(self, settings: KafkaSettings) -> None:
         self._producer = Producer(
             {"linger.ms": 5, **_client_config(settings), "enable.idempotence": True},
             logger=KafkaLog(),
         )
+        self.delivery_failures: Counter[str] = Counter()
+        self._log_failure = FoldedLog("delivery failed")
 
     def publish(
         self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> None:
-        produce(self._producer, topic, key, value, headers)
+        produce(self._producer, topic, key, value, headers, self._delivered)
+
+    def _delivered(self, error: KafkaError | None, message: Message) -> None:
+        if error is not None:
+            topic = message.topic() or ""
+            self.delivery_failures[topic] += 1
+            self._log_failure(f"{topic}:{error.code()}", topic=topic, error=str(error))
 
     def flush(self, timeout_s: float) -> int:
         remaining: int = self._producer.flush(timeout_s)
         return remaining
 
 
+DeliveryCallback = Callable[[KafkaError | None, Message], None]
+
+
 def produce(
-    producer: Producer, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    producer: Producer,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes]] = (),
+    on_delivery: DeliveryCallback | None = None,
 ) -> None:
-    """Queue one record, waiting while librdkafka's local queue is full; failures are logged on delivery."""
+    """Queue one record, waiting while librdkafka's local queue is full; failures are logged on
+    delivery (``on_delivery``, else each one). Raises ``KafkaException`` for a record librdkafka
+    refuses at once (``MSG_SIZE_TOO_LARGE``: bigger than ``message.max.bytes``)."""
     while True:
         try:
-            producer.produce(topic, value=value, key=key, headers=list(headers), on_delivery=_delivered)
+            producer.produce(topic, value=value, key=key, headers=list(headers), on_delivery=on_delivery or _delivered)
             break
         except BufferError:  # local queue full: let librdkafka send some, then retry
             producer.poll(0.1)

@@ -6,6 +6,9 @@ confluent-kafka's ``logger=``: it logs the first failure of a broker, then one l
 ``interval_s`` with how many more there were while it persists, and one line when the broker is
 reachable again (``healthy()``, called by whoever sees traffic flow, or any other line from that
 broker). Every other librdkafka line passes through at its own level.
+
+``FoldedLog`` folds hlb's own repeated failures to publish (a dead letter, a delivery) the same
+way: the first one of a kind is logged, then one line every ``interval_s`` with how many more.
 """
 
 from __future__ import annotations
@@ -85,3 +88,32 @@ class KafkaLog:
         self._log.info(
             "kafka broker reachable again", broker=broker, failures=outage.total, down_s=round(now - outage.since, 1)
         )
+
+
+class FoldedLog:
+    """Logs a failure of one kind (``key``) at once, then at most one line every ``interval_s``
+    with how many more there were since (``repeats``), so that a flood of failures is a few lines."""
+
+    def __init__(
+        self,
+        event: str,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: Any = None,
+        level: str = "error",
+    ) -> None:
+        self.event = event
+        self.level = level
+        self.interval_s = interval_s
+        self._clock = clock
+        self._log = logger if logger is not None else structlog.get_logger("hlb.daemon.bus")
+        self._since: dict[str, tuple[float, int]] = {}  # key -> (when last logged, failures not logged)
+
+    def __call__(self, key: str, **fields: object) -> None:
+        now = self._clock()
+        logged = self._since.get(key)
+        if logged is not None and now - logged[0] < self.interval_s:
+            self._since[key] = (logged[0], logged[1] + 1)
+            return
+        self._since[key] = (now, 0)
+        getattr(self._log, self.level)(self.event, repeats=logged[1] if logged is not None else 0, **fields)

@@ -2,10 +2,13 @@
 
 Each record goes through a pipeline of small steps, one list per topic (``Ingestor.pipelines``):
 decode, validate (a payload; for tasks, no dependency cycle), apply. A step returns the record's
-event or raises ``EventError``. A record that fails goes to
-the dead-letter topic with headers naming where it came from and why, and is counted by reason;
-the batch goes on. The source's position is stored only after the whole batch has been applied,
-which makes delivery at-least-once; applying is idempotent, so a replayed record changes nothing.
+event or raises ``EventError``. A record that fails goes to the dead-letter topic
+(``hlb.daemon.bus.deadletter``: a copy, cut when too big to publish, with headers naming where it
+came from and why) and is counted by reason; the batch goes on. A dead letter that cannot be
+published is counted and logged (folded), never fatal: the record's offset advances all the
+same, so one record can never stop ingest or be replayed forever. The source's position is
+stored only after the whole batch has been applied, which makes delivery at-least-once; applying
+is idempotent, so a replayed record changes nothing.
 
 Ingest changes the graph only through the scheduler's and the graph's own methods
 (``apply_telemetry``, ``apply_task_event``, ``apply_metrics_arrays``); the dependency-cycle step
@@ -40,9 +43,11 @@ import numpy as np
 import structlog
 
 from hlb.daemon.bus.codec import decode
+from hlb.daemon.bus.deadletter import FALLBACK_BYTES, MAX_MESSAGE_BYTES, dead_letter
+from hlb.daemon.bus.kafkalog import FoldedLog
 from hlb.daemon.bus.seam import EventSource, Publisher, RawEvent
 from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
-from hlb.daemon.config import Topics
+from hlb.daemon.config import DEAD_LETTER_MAX_BYTES, Topics
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import EventError, InvalidEventError
 from hlb.daemon.state.checks import dependency_cycle
@@ -80,6 +85,7 @@ class IngestStats:
     rejected: Counter[str] = field(default_factory=Counter)
     batches: int = 0
     metrics_reports: int = 0  # device metrics applied (a metrics batch holds many)
+    dead_letter_failures: int = 0  # refused records whose dead letter could not be published
     lag: dict[tuple[str, int], int] = field(default_factory=dict)
     # Age of the newest applied telemetry right after each batch, ms (newest last): the delay
     # from an event's time to the graph, the low point of the age a reader of the graph sees.
@@ -150,7 +156,9 @@ class Ingestor:
     """Applies batches from ``source`` to ``scheduler`` under ``lock``; bad records go to ``topics.dlq``.
 
     ``positions``: the next offset of every partition whose records have all been applied (read
-    under ``lock``: a snapshot taken then covers exactly these).
+    under ``lock``: a snapshot taken then covers exactly these). ``dead_letter_max_bytes``: a
+    dead letter's copy of a bigger value is cut to this. ``monotonic`` times the folding of
+    repeated failures to publish a dead letter in the log.
     """
 
     def __init__(
@@ -162,6 +170,9 @@ class Ingestor:
         topics: Topics,
         max_event_bytes: int,
         clock: Clock = time.time,
+        *,
+        dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.source = source
         # Where the source knows its consumer's positions, they move past transaction markers that
@@ -173,6 +184,9 @@ class Ingestor:
         self.topics = topics
         self.dlq_topic = topics.dlq
         self.clock = clock
+        self.dead_letter_max_bytes = dead_letter_max_bytes
+        self._log_dead_letter_failure = FoldedLog("dead letter not published", clock=monotonic)
+        self._log_dead_letter_cut = FoldedLog("dead letter cut short to be published", clock=monotonic, level="warning")
         self.stats = IngestStats()
         self.positions: Offsets = {}
         self.mirror_inventory = True
@@ -304,22 +318,40 @@ class Ingestor:
         self._dead_letter(record, exc.reason, str(exc))
 
     def _dead_letter(self, record: RawEvent, reason: str, message: str) -> None:
+        """Publish the record's dead letter: a copy cut to ``dead_letter_max_bytes``, or, when that
+        cannot be published (a producer's size limit), to ``FALLBACK_BYTES``. A failure is counted
+        and logged, folded, and never raised: the record's offset advances all the same."""
         log.warning(
             "event rejected",
             topic=record.topic,
             partition=record.partition,
             offset=record.offset,
             reason=reason,
-            error=message,
+            error=message[:MAX_MESSAGE_BYTES],
         )
-        headers = [
-            ("hlb.source.topic", record.topic.encode()),
-            ("hlb.source.partition", str(record.partition).encode()),
-            ("hlb.source.offset", str(record.offset).encode()),
-            ("hlb.error.reason", reason.encode()),
-            ("hlb.error.message", message.encode("utf-8", "replace")),
-        ]
-        self.publisher.publish(self.dlq_topic, record.key, record.value or b"", headers)
+        letter = dead_letter(record, reason, message, self.dead_letter_max_bytes)
+        try:
+            self.publisher.publish(self.dlq_topic, letter.key, letter.value, letter.headers)
+            return
+        except Exception as exc:  # whatever the publisher raises, ingest goes on
+            error = exc
+        if len(letter.value) > FALLBACK_BYTES:
+            letter = dead_letter(record, reason, message, FALLBACK_BYTES)
+            try:
+                self.publisher.publish(self.dlq_topic, letter.key, letter.value, letter.headers)
+                self._log_dead_letter_cut(record.topic, topic=record.topic, offset=record.offset, error=str(error))
+                return
+            except Exception as exc:
+                error = exc
+        self.stats.dead_letter_failures += 1
+        self._log_dead_letter_failure(
+            f"{record.topic}:{type(error).__name__}",
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            reason=reason,
+            error=str(error)[:MAX_MESSAGE_BYTES],
+        )
 
     # -- the metrics fast path -------------------------------------------------------------
 

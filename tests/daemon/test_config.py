@@ -246,3 +246,20 @@ def test_malformed_json_in_an_environment_variable_names_the_variable_not_the_fi
     assert message.startswith("environment variable HLB_KAFKA__CLIENT_CONFIG: not valid JSON")
     assert str(config) not in message
     assert "s3cr3t" not in message
+
+
+def test_the_producer_limit_fits_every_accepted_event_and_dead_letter_and_the_consumers_fetch_it() -> None:
+    from hlb.daemon.bus.kafka import KafkaSource
+
+    settings = load_settings(None, kafka={"bootstrap_servers": "127.0.0.1:1", "max_event_bytes": 4 << 20})
+    assert settings.kafka.record_max_bytes == (4 << 20) + 64 * 1024
+    source = KafkaSource(settings.kafka, ["t"], "g")  # librdkafka checks fetch.max.bytes against it
+    try:
+        assert source.config["message.max.bytes"] == settings.kafka.record_max_bytes
+    finally:
+        source.close()
+    with pytest.raises(ConfigError, match=r"message\.max\.bytes: set from kafka\.max_event_bytes"):
+        load_settings(None, kafka={"client_config": {"message.max.bytes": "1000000"}})
+    with pytest.raises(ConfigError, match=r"fetch\.max\.bytes must be at least 1114112"):
+        load_settings(None, kafka={"client_config": {"fetch.max.bytes": "1048576"}})
+    assert load_settings(None, kafka={"client_config": {"fetch.max.bytes": "2000000"}})

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
+from typing import Any
+
+from structlog.testing import capture_logs
 
 from hlb.daemon.bus.kafka import parse_lag
 from hlb.daemon.bus.seam import MemoryBus
@@ -18,10 +22,10 @@ from hlb.v1 import events_pb2 as ev
 TOPICS = Topics()
 
 
-def make_ingestor(bus: MemoryBus, max_event_bytes: int = 4096) -> Ingestor:
+def make_ingestor(bus: MemoryBus, max_event_bytes: int = 4096, **options: Any) -> Ingestor:
     scheduler = Scheduler(InfraGraph(max_tasks_per_device=0), LeastLoaded(), PlacementLedger(), "c", clock=lambda: 0.0)
     source = bus.source([TOPICS.telemetry, TOPICS.tasks], "g")
-    return Ingestor(source, bus, scheduler, threading.RLock(), TOPICS, max_event_bytes)
+    return Ingestor(source, bus, scheduler, threading.RLock(), TOPICS, max_event_bytes, **options)
 
 
 def publish(bus: MemoryBus, topic: str, value: bytes) -> None:
@@ -193,3 +197,86 @@ def test_librdkafka_statistics_give_lag_per_assigned_partition() -> None:
         }
     }
     assert parse_lag(json.dumps(stats)) == {("hlb.telemetry", 0): 42}
+
+
+# -- poison records: a dead letter that cannot be published never stops ingest --------------------
+
+
+class RefusingPublisher:
+    """A bus whose dead-letter topic refuses records bigger than ``max_bytes`` (as librdkafka
+    refuses one over its message.max.bytes, raising at once), or every record (``max_bytes`` -1)."""
+
+    def __init__(self, bus: MemoryBus, max_bytes: int) -> None:
+        self.bus = bus
+        self.max_bytes = max_bytes
+        self.refused = 0
+
+    def publish(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        if topic == TOPICS.dlq and len(value or b"") > self.max_bytes:
+            self.refused += 1
+            raise RuntimeError("KafkaError{code=MSG_SIZE_TOO_LARGE}")
+        self.bus.publish(topic, key, value, headers)
+
+    def flush(self, timeout_s: float) -> int:
+        return 0
+
+
+def task_event(task_id: str, **spec: Any) -> bytes:
+    return ev.TaskEvent(submitted=ev.TaskSpec(id=task_id, **spec)).SerializeToString()
+
+
+def test_a_dead_letter_too_big_to_publish_goes_as_a_cut_copy_with_its_provenance() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, max_event_bytes=1 << 20)
+    ingestor.publisher = RefusingPublisher(bus, max_bytes=10_000)
+    publish(bus, TOPICS.telemetry, DEVICE)
+    garbage = b"\xff" * 50_000
+    publish(bus, TOPICS.tasks, garbage)
+    publish(bus, TOPICS.tasks, task_event("after", memory_per_device_gb=1))
+    assert drain(ingestor) == 3
+    [dead] = bus.read_all(TOPICS.dlq)
+    headers = dict(dead.headers)
+    assert headers["hlb.error.reason"] == b"decode"
+    assert headers["hlb.dlq.truncated"] == b"value"
+    assert headers["hlb.source.size"] == b"50000"
+    assert (headers["hlb.source.topic"], headers["hlb.source.offset"]) == (TOPICS.tasks.encode(), b"0")
+    assert dead.value == garbage[:1024]
+    assert [p.task_id for p in ingestor.scheduler.ledger.since(1)] == ["after"]
+
+
+def test_a_dead_letter_that_cannot_be_published_is_counted_logged_once_and_never_stops_ingest() -> None:
+    bus = MemoryBus()
+    now = [100.0]
+    ingestor = make_ingestor(bus, monotonic=lambda: now[0])
+    ingestor.publisher = RefusingPublisher(bus, max_bytes=-1)
+    publish(bus, TOPICS.telemetry, DEVICE)
+    for i in range(3):
+        publish(bus, TOPICS.tasks, b"\xff" * (100 + i))
+    publish(bus, TOPICS.tasks, task_event("valid", memory_per_device_gb=1))
+    with capture_logs() as logs:
+        assert ingestor.run_once(10, 0.0) == 5
+        now[0] += 11.0
+        publish(bus, TOPICS.tasks, b"\xff")
+        assert ingestor.run_once(10, 0.0) == 1
+    assert ingestor.stats.dead_letter_failures == 4
+    assert ingestor.stats.rejected == {"decode": 4}
+    assert bus.committed("g", TOPICS.tasks) == 5  # past every refused record: none is replayed
+    assert [p.task_id for p in ingestor.scheduler.ledger.since(1)] == ["valid"]
+    failures = [entry for entry in logs if entry["event"] == "dead letter not published"]
+    assert [f["repeats"] for f in failures] == [0, 2]  # the first at once, the next two folded into one line
+    assert failures[0]["offset"] == 0
+
+
+def test_a_dead_letter_keeps_at_most_dead_letter_max_bytes_of_the_record() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, max_event_bytes=4096, dead_letter_max_bytes=2048)
+    publish(bus, TOPICS.tasks, b"x" * 5000)  # oversized
+    publish(bus, TOPICS.tasks, b"\xff" * 2048)  # at the limit: copied whole
+    drain(ingestor)
+    cut, whole = bus.read_all(TOPICS.dlq)
+    assert (cut.value, dict(cut.headers)["hlb.dlq.truncated"]) == (b"x" * 2048, b"value")
+    assert dict(cut.headers)["hlb.source.size"] == b"5000"
+    assert whole.value == b"\xff" * 2048
+    assert "hlb.dlq.truncated" not in dict(whole.headers)
