@@ -338,13 +338,21 @@ class MemorySnapshotStore:
 
 
 class FileSnapshotStore:
-    """Snapshots as files ``snapshot-<n>.hlbsnap`` in ``directory``, written atomically."""
+    """Snapshots as files ``snapshot-<n>.hlbsnap`` in ``directory``, written atomically.
+
+    A write that fails (a full disk, an I/O error) removes its temporary file before it raises,
+    and a temporary file left by a daemon killed mid-write is removed when the store is made: a
+    full disk is not made fuller by snapshots that never were.
+    """
 
     SUFFIX = ".hlbsnap"
 
     def __init__(self, directory: Path, keep: int = 3) -> None:
         self.directory = directory
         self.keep = keep
+        if directory.is_dir():
+            for leftover in directory.glob(f".snapshot-*{self.SUFFIX}.tmp"):
+                leftover.unlink(missing_ok=True)
 
     def save(self, data: bytes) -> str:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -352,11 +360,17 @@ class FileSnapshotStore:
         number = int(names[0].removeprefix("snapshot-").removesuffix(self.SUFFIX)) + 1 if names else 1
         name = f"snapshot-{number:012d}{self.SUFFIX}"
         temp = self.directory / f".{name}.tmp"
-        with temp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, self.directory / name)
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, self.directory / name)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
         self._fsync_directory()
         for old in self.names()[self.keep :]:
             (self.directory / old).unlink(missing_ok=True)
@@ -376,6 +390,12 @@ class FileSnapshotStore:
 
     def load(self, name: str) -> bytes:
         return (self.directory / name).read_bytes()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 # -- taking and restoring ------------------------------------------------------------------------

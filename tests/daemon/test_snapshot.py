@@ -18,6 +18,7 @@ from hlb.daemon.record import snapshot as snap
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
+from tests.daemon.diskfull import DiskFull
 
 TOPICS = Topics()
 GPU = ev.DEVICE_KIND_GPU
@@ -241,6 +242,36 @@ def test_the_file_store_writes_atomically_and_keeps_the_newest(tmp_path: Path) -
     assert store.names() == [names[3], names[2]]
     assert store.load(names[3]) == bytes([3]) * 10
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_snapshot_the_disk_does_not_take_leaves_no_file_and_the_older_ones_stand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = snap.FileSnapshotStore(tmp_path, keep=2)
+    first = store.save(b"first")
+    disk = DiskFull(monkeypatch, tmp_path)
+    disk.full = True
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space left on device"):
+            store.save(b"x" * 100_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first]  # no temporary file left behind
+    disk.full = False
+    disk.fsync_fails = True  # written, but the disk does not keep it
+    with pytest.raises(OSError, match="No space left on device"):
+        store.save(b"second")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first]
+    disk.fsync_fails = False
+    assert store.save(b"second") == "snapshot-000000000002.hlbsnap"
+    assert [store.load(name) for name in store.names()] == [b"second", b"first"]
+
+
+def test_a_temporary_file_a_killed_daemon_left_is_removed_when_the_store_is_made(tmp_path: Path) -> None:
+    store = snap.FileSnapshotStore(tmp_path)
+    name = store.save(b"kept")
+    (tmp_path / ".snapshot-000000000002.hlbsnap.tmp").write_bytes(b"half a snapshot")
+    (tmp_path / "notes.tmp").write_bytes(b"not the store's")
+    snap.FileSnapshotStore(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", name]
 
 
 def test_strings_pack_and_unpack() -> None:
