@@ -9,9 +9,17 @@ inputs up to those end offsets: only then does the graph hold everything decided
 before the start. Then SERVING (health) and READY=1 (systemd).
 
 With the Kafka bus, every decision is in the journal before the RPC that made it answers
-(``Daemon.durable``): in the file, fsynced off the request path (``journal.sync: write``), or on
-disk (``fsync``). Either way a SIGKILL cannot make the restarted daemon forget an
-answer; with ``fsync`` neither can the machine going down.
+(``Daemon.durable``), and before the producer has it: in the file, fsynced off the request path
+(``journal.sync: write``), or on disk (``fsync``). Either way a SIGKILL cannot make the
+restarted daemon forget an answer; with ``fsync`` neither can the machine going down.
+
+When the journal does not take a write (or, with ``fsync``, an fsync): a full disk, an I/O
+error. The decisions not committed yet are withdrawn and undone
+(``hlb.daemon.runtime.durability``), the RPC that waited for them answers UNAVAILABLE, and until
+the journal takes data again (tried every ``JOURNAL_PROBE_S``) health is NOT_SERVING,
+``hlb_serving`` and ``hlb_journal_writable`` are 0 and the deciding RPCs are refused
+(``refusal``). Then the daemon serves again by itself. The episode is logged when it starts and
+when it ends.
 
 SIGTERM or SIGINT, in this order: STOPPING=1 and health NOT_SERVING; the gRPC server refuses new
 RPCs and gives in-flight ones ``grpc.grace_s``; ingest stops, which stores and commits the
@@ -24,6 +32,7 @@ SIGHUP re-reads the config file (``Daemon.reload``; ``hlb.daemon.runtime.reload`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from grpc_health.v1 import health_pb2
 
 from hlb.daemon.bus.lag import Lag
 from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
@@ -38,8 +48,9 @@ from hlb.daemon.config import Settings
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
-from hlb.daemon.record.journal import AnswerGate, JournaledPublisher, JournalFile
+from hlb.daemon.record.journal import PROBE_BYTES, AnswerGate, JournaledPublisher, JournalFile, NotDurableError
 from hlb.daemon.record.statedump import canonical_state, write_dump
+from hlb.daemon.runtime.durability import FailureEpisode, describe, reconsider_queue, withdraw_decisions
 from hlb.daemon.runtime.metrics import (
     DaemonMetrics,
     MetricsServer,
@@ -79,15 +90,17 @@ from hlb.daemon.runtime.restore import (
     wait_for_replay,
 )
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
-from hlb.daemon.serve.api import GrpcServer, SchedulerService, cluster_state
+from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, SchedulerService, cluster_state
 from hlb.daemon.serve.ratelimit import RateLimitInterceptor
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
 
-JOURNAL_SYNC_S = 0.05  # decisions made by ingest reach the disk this often (the API's at once)
+JOURNAL_SYNC_S = 0.05  # decisions made by ingest reach the disk at least this often (the API's at once)
 JOURNAL_ACK_S = 1.0  # how often acknowledged records are dropped from the journal
+JOURNAL_PROBE_S = 1.0  # while the journal takes nothing: how often it is tried again
 
 
 def make_bus(settings: Settings) -> EventBus:
@@ -147,6 +160,16 @@ class Daemon:
         self._answer_gate: AnswerGate | None = None
         self._journaled: JournaledPublisher | None = None
         # Input partitions -> the offset replay must reach before the daemon serves (see run()).
+        # False while the journal takes nothing (a full disk): decisions are refused, NOT_SERVING.
+        self.journal_writable = True
+        self._journal_trouble = FailureEpisode(
+            "decisions refused: the decision journal cannot be written; tried again every second",
+            "the decision journal is written again; deciding",
+            monotonic,
+        )
+        self._upkeep_wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: GrpcServer | None = None
         self.replay_targets: ReplayTargets = {}
         self.ready = asyncio.Event()
         self.port = 0
@@ -199,13 +222,32 @@ class Daemon:
         how many were restored. Runs after ``restore_ledger`` and before anything is replayed."""
         journal = JournalFile.open(self.settings.state_dir)
         self.journal = journal
-        self._answer_gate = AnswerGate(
-            journal, self.settings.journal.sync, on_failure=self.metrics.journal_sync_failures.inc
+        sync = self.settings.journal.sync
+        self._answer_gate = AnswerGate(journal, sync, on_failure=lambda _: self.metrics.journal_sync_failures.inc())
+        self._journaled = JournaledPublisher(
+            self.raw_publisher, journal, sync, sequence_of=self._sequence_of, on_waiting=self._wake_upkeep
         )
-        self._journaled = JournaledPublisher(self.raw_publisher, journal)
         self.publisher = self._journaled
         with self.lock:
-            return restore_journal(journal.recovered, self.ledger, self.raw_publisher, self.settings.kafka)
+        if journal.skipped:
+            self.metrics.journal_records_skipped.inc(len(journal.skipped))
+            return restore_journal(
+                journal.recovered, self.ledger, self.raw_publisher, self.settings.kafka, journal.highest_sequence
+            )
+
+    def _sequence_of(self, topic: str, value: bytes) -> int:
+        """The number a journal record's header carries: a placement's ledger sequence."""
+        if topic != self.settings.kafka.topics.placements:
+            return 0
+        sequence: int = ev.Placement.FromString(value).sequence
+        return sequence
+
+    def _wake_upkeep(self) -> None:
+        """A decision waits for the journal (made by ingest, on its thread): have the upkeep write it."""
+        loop, wake = self._loop, self._upkeep_wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(wake.set)
 
     def restore_snapshot(self) -> Offsets | None:
         """Install the newest valid snapshot; returns the input offsets it covers (None: replay all)."""
@@ -246,6 +288,11 @@ class Daemon:
     def refusal(self) -> str | None:
         """Why the deciding RPCs are refused now (UNAVAILABLE), or None when they are served."""
         if self.serving:
+        if not self.journal_writable:
+            return (
+                "decisions cannot be made durable: the decision journal cannot be written "
+                f"({self._journal_trouble.error}); refused until it can"
+            )
             return None
         left = self.replay_left() if self.replay_targets else 0
         if left:
@@ -256,9 +303,72 @@ class Daemon:
 
     async def durable(self) -> None:
         """Wait until every decision made so far is in the journal, on disk or in the file as
-        ``journal.sync`` says (group commit)."""
-        if self._answer_gate is not None:
-            await self._answer_gate()
+        ``journal.sync`` says (group commit). ``NotDurableError`` (an ``OSError``) when the journal
+        does not take them: they are undone by then (``_journal_failed``)."""
+        gate = self._answer_gate
+        if gate is None:
+            return
+        try:
+            await gate()
+        except OSError as exc:
+            await self._journal_failed(exc)
+            why = self._journal_trouble.error or describe(exc)
+            raise NotDurableError(
+                f"decisions cannot be made durable: the decision journal cannot be written ({why}); "
+                "nothing was decided, try again later"
+            ) from exc
+
+    async def _journal_failed(self, exc: OSError) -> None:
+        """The journal did not take a write or fsync: refuse decisions (NOT_SERVING) until it does
+        again, and undo every decision it has not committed."""
+        self.metrics.journal_sync_failures.inc()
+        self.journal_writable = False  # at once: handlers that run while this waits are refused
+        if self._journal_trouble.failed(exc, path=str(self.journal.path) if self.journal else None):
+            self.notifier.status(f"not serving: the decision journal cannot be written ({self._journal_trouble.error})")
+            await self._publish_health()
+        await asyncio.to_thread(self._withdraw_uncommitted)
+
+    def _withdraw_uncommitted(self) -> None:
+        """Cut the records the journal has not committed off it and undo their decisions."""
+        if self._journaled is None:
+            return
+        with self.lock:
+            records = self._journaled.withdraw()
+            if not records:
+                return
+            undone = withdraw_decisions(self.scheduler, records, self.settings.kafka.topics)
+        withdrawn = self.metrics.decisions_withdrawn
+        withdrawn.labels(kind="placement").inc(len(undone.placements))
+        withdrawn.labels(kind="submission").inc(len(undone.submissions))
+
+    async def _journal_works_again(self, gate: AnswerGate) -> None:
+        """While the journal takes nothing: try it (room for more than a few records, then what
+        ingest decided meanwhile); serve again once it works."""
+        journal = gate.journal
+        try:
+            await asyncio.to_thread(journal.probe, PROBE_BYTES, gate.mode == "fsync")
+            await gate()
+        except OSError as exc:
+            await self._journal_failed(exc)  # counted, not logged again; what ingest decided is undone
+            return
+        with self.lock:
+            reconsider_queue(self.scheduler)  # the tasks queued again are decided now
+        self.journal_writable = True
+        self._journal_trouble.ended()
+        await self._publish_health()
+        if self.serving:
+            self.notifier.status(self._status_line())
+
+    async def _publish_health(self) -> None:
+        """Health as the daemon stands: SERVING once caught up and while the journal takes decisions."""
+        server = self._server
+        if server is None:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not (self.serving and self.journal_writable):
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await server.health.set(name, status)
 
     def dump_state(self) -> Path:
         """Write the canonical state dump (``hlb.daemon.record.statedump``) to the state directory."""
@@ -277,11 +387,21 @@ class Daemon:
 
     async def _snapshot_every(self, interval_s: float) -> None:
         while True:
+        trouble = FailureEpisode(
+            "snapshot failed; tried again every snapshot.interval_s, logged again once one is written",
+            "snapshot written again",
+            self._monotonic,
+        )
             await asyncio.sleep(interval_s)
             try:
+            if not self.journal_writable:  # the state may hold decisions about to be withdrawn
+                continue
                 await asyncio.to_thread(self.write_snapshot)
             except OSError as exc:  # a full disk must not stop the daemon; the next try may work
-                log.error("snapshot failed", error=str(exc))
+                self.metrics.snapshot_failures.inc()
+                trouble.failed(exc)
+                continue
+            trouble.ended()
 
     def staleness_ms(self) -> float:
         newest = self.scheduler.graph.newest_telemetry_ms
@@ -297,7 +417,8 @@ class Daemon:
             waiting = self.scheduler.waiting_count
             held, forgotten = len(self.scheduler.graph.tasks), self.scheduler.forgotten_total
         return StateSample(
-            serving=self.serving,
+            serving=self.serving and self.journal_writable,
+            journal_writable=self.journal_writable,
             devices=state.devices,
             hosts=state.hosts,
             pending_tasks=state.pending_tasks,
@@ -325,6 +446,8 @@ class Daemon:
         grpc_settings = self.settings.grpc
         service = self._make_service()
         # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
+        self._loop = asyncio.get_running_loop()
+        self._upkeep_wake = asyncio.Event()
         server = GrpcServer(
             service,
             grpc_settings.listen,
@@ -335,6 +458,7 @@ class Daemon:
         )
         self.port = server.port
         await asyncio.to_thread(
+        self._server = server
             self.bus.ensure_topics, [topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory]
         )
         restored = await asyncio.to_thread(self.restore_ledger)
@@ -367,9 +491,9 @@ class Daemon:
             ingest.start()
             metrics_server = self._start_metrics(inputs)
             if await self._replay_until_caught_up(stop, ingest):
-                await server.set_serving()
                 self.serving = True
                 self.ready.set()
+                await self._publish_health()
                 log.info(
                     "serving",
                     listen=grpc_settings.listen,
@@ -397,12 +521,20 @@ class Daemon:
 
     async def _journal_upkeep(self, journaled: JournaledPublisher, gate: AnswerGate) -> None:
         """Bring what ingest decided into the journal as an answer would (``gate``: written and
-        fsynced by its thread, or fsynced; the API does so at once; a failure is retried here) and
-        drop acknowledged records."""
+        fsynced by its thread, or fsynced; the API does so at once), so that the producer gets
+        it; drop acknowledged records. Woken when a decision waits, else every ``JOURNAL_SYNC_S``.
+        While the journal takes nothing, try it every ``JOURNAL_PROBE_S`` instead."""
         journal = journaled.journal
         next_ack = self._monotonic() + JOURNAL_ACK_S
+        wake = self._upkeep_wake or asyncio.Event()
         while True:
-            await asyncio.sleep(JOURNAL_SYNC_S)
+            if not self.journal_writable:
+                await asyncio.sleep(JOURNAL_PROBE_S)
+                await self._journal_works_again(gate)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), JOURNAL_SYNC_S)
+            wake.clear()
             try:
                 if journal.durable < journal.appended:
                     await gate()
@@ -410,9 +542,8 @@ class Daemon:
                     next_ack = self._monotonic() + JOURNAL_ACK_S
                     if len(journal):
                         await asyncio.to_thread(journaled.acknowledge, 5.0)
-            except OSError as exc:  # a full disk: keep trying; the RPCs report their own failures
-                log.error("journal upkeep failed", error=str(exc))
-                self.metrics.journal_sync_failures.inc()
+            except OSError as exc:  # a full disk: NOT_SERVING until it takes data again
+                await self._journal_failed(exc)
 
     async def _serve_until(self, stop: asyncio.Event, ingest: IngestThread) -> None:
         pinger = WatchdogPinger(self.notifier)
@@ -435,6 +566,8 @@ class Daemon:
         if ingest.ident is not None:  # started
             await asyncio.to_thread(ingest.stop)  # the source's close() commits the stored offsets
         self.notifier.status("writing snapshot")
+        if self._answer_gate is not None:
+            await self._settle_journal(self._answer_gate)
         snapshot_error: BaseException | None = None
         try:
             await asyncio.to_thread(self.on_shutdown_snapshot)
@@ -446,9 +579,13 @@ class Daemon:
         if self._journaled is not None and self.journal is not None:
             if self._answer_gate is not None:
                 await asyncio.to_thread(self._answer_gate.close)
-            if not undelivered:  # the broker has everything: the journal may be emptied
-                await asyncio.to_thread(self._journaled.acknowledge, 1.0)
-            await asyncio.to_thread(self.journal.close)
+            try:
+                if not undelivered:  # the broker has everything: the journal may be emptied
+                    await asyncio.to_thread(self._journaled.acknowledge, 1.0)
+                await asyncio.to_thread(self.journal.close)
+            except OSError as exc:  # the records it holds are on disk; a start reads them back
+                log.error("the decision journal could not be tidied at shutdown", error=describe(exc))
+                await asyncio.to_thread(self.journal.close, False)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.stop)
         applied = self._ingestor.stats.applied if self._ingestor is not None else 0
@@ -457,6 +594,17 @@ class Daemon:
             raise RuntimeError("the shutdown snapshot failed") from snapshot_error
 
     def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
+    async def _settle_journal(self, gate: AnswerGate) -> None:
+        """Ingest has stopped: commit what it decided last (the producer gets it before its final
+        flush), or, when the journal takes nothing, undo it (the shutdown snapshot must not hold it)."""
+        if self.journal_writable:
+            try:
+                await gate()
+                return
+            except OSError as exc:
+                await self._journal_failed(exc)
+        await asyncio.to_thread(self._withdraw_uncommitted)
+
         self.metrics.observe(self.metrics_sample)
         metrics_server = start_metrics_server(self.metrics, self.settings.metrics.listen)
         if metrics_server is None:

@@ -81,6 +81,7 @@ class StateSample:
     waiting_for_device: int = 0  # queued tasks the policy holds for a busy, faster device (a gang: a host)
     tasks_held: int = 0  # tasks in memory, ended ones not forgotten yet included
     tasks_forgotten: int = 0  # ended tasks forgotten since start (scheduler.keep_ended_s)
+    journal_writable: bool = True  # False while the decision journal takes nothing (a full disk)
 
 
 StateProvider = Callable[[], StateSample]
@@ -133,8 +134,22 @@ class DaemonMetrics:
         )
         self.journal_sync_failures = Counter(
             "hlb_journal_sync_failures",
-            "Failed writes or fsyncs of the decision journal off the request path (each retried).",
+            "Failed writes, fsyncs and tries of the decision journal (each retried).",
             registry=r,
+        )
+        self.decisions_withdrawn = Counter(
+            "hlb_decisions_withdrawn",
+            "Decisions undone because the journal did not take them, by kind (placement, submission).",
+            ["kind"],
+            registry=r,
+        )
+        self.journal_records_skipped = Counter(
+            "hlb_journal_records_skipped",
+            "Corrupt decision journal records skipped when the journal was read at start.",
+            registry=r,
+        )
+        self.snapshot_failures = Counter(
+            "hlb_snapshot_failures", "Snapshot writes that failed (each retried at the next interval).", registry=r
         )
         self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
         self.start_time.set(time.time())
@@ -163,7 +178,16 @@ class _StateCollector(Collector):
             return []
         s = self.provider()
         gauges = [
-            ("hlb_serving", "1 while the daemon is serving, 0 while it starts or stops.", float(s.serving)),
+            (
+                "hlb_serving",
+                "1 while the daemon is serving, 0 while it starts or stops or cannot make decisions durable.",
+                float(s.serving),
+            ),
+            (
+                "hlb_journal_writable",
+                "1 while the decision journal takes decisions, 0 while it cannot be written (a full disk).",
+                float(s.journal_writable),
+            ),
             ("hlb_devices", "Devices in the graph.", s.devices),
             ("hlb_hosts", "Hosts in the graph.", s.hosts),
             ("hlb_pending_tasks", "Tasks waiting in the queue.", s.pending_tasks),

@@ -2,7 +2,9 @@
 
 1. the placement ledger from its topic (``read_ledger``), so that a replayed submission is not
    placed twice;
-2. the journal's decisions that the topic lacks (``restore_journal``), published again;
+2. the journal's decisions that the topic lacks (``restore_journal``), published again; the
+   ledger's next sequence number is then above every one the journal carried, a record skipped
+   as corrupt included, so that none is given out twice;
 3. the newest snapshot that checks out (``newest_snapshot``), bound to that ledger;
 4. per input partition, the offset replay must reach before decisions are served
    (``replay_targets``): its high watermark at the start (``read_watermarks``), unless the
@@ -49,15 +51,22 @@ def read_ledger(bus: EventBus, kafka: KafkaSettings) -> list[ev.Placement]:
 
 
 def restore_journal(
-    records: Sequence[JournalRecord], ledger: PlacementLedger, publisher: Publisher, kafka: KafkaSettings
+    records: Sequence[JournalRecord],
+    ledger: PlacementLedger,
+    publisher: Publisher,
+    kafka: KafkaSettings,
+    highest_sequence: int = 0,
 ) -> int:
     """Restore the journal's decisions that ``ledger`` lacks and publish them again, and publish its
     API submissions again (a repeat is a no-op); returns how many decisions were restored. A
-    decision the topic already holds, or numbered before its last, stays the topic's. Called under
-    the daemon's lock, after the ledger topic is read and before anything is replayed."""
+    decision the topic already holds, or numbered before its last, stays the topic's. The ledger
+    then numbers past ``highest_sequence`` (the highest any record's header carried, skipped ones
+    included) and past every placement read. Called under the daemon's lock, after the ledger
+    topic is read and before anything is replayed."""
     topics = kafka.topics
     restored = 0
     resubmitted = 0
+    seen = highest_sequence
     for record in records:
         if record.topic == topics.placements:
             try:
@@ -65,6 +74,7 @@ def restore_journal(
             except EventError as exc:
                 log.warning("unreadable journal record skipped", error=str(exc))
                 continue
+            seen = max(seen, placement.sequence)
             known = ledger.get(placement.task_id)
             if known is not None:
                 if list(known.device_ids) != list(placement.device_ids):
@@ -86,6 +96,13 @@ def restore_journal(
         elif record.topic == topics.tasks:  # a submission through the API; a repeat is a no-op
             publisher.publish(record.topic, record.key, record.value)
             resubmitted += 1
+    if seen > ledger.last_sequence:
+        log.warning(
+            "the journal saw decisions numbered past any it holds whole; numbering goes on after them",
+            last_sequence=ledger.last_sequence,
+            journal_sequence=seen,
+        )
+        skip_sequences_through(ledger, seen)
     log.info(
         "journal recovered",
         records=len(records),
@@ -94,6 +111,19 @@ def restore_journal(
         last_sequence=ledger.last_sequence,
     )
     return restored
+
+
+# Stands for a decision known only by its sequence number (a journal record whose payload was
+# corrupt): restored into the ledger and forgotten at once, as a long-ended task's, so that the
+# sequence goes on past it. Not a valid task id (it holds a control character).
+UNREADABLE_DECISION = "\x00unreadable"
+
+
+def skip_sequences_through(ledger: PlacementLedger, sequence: int) -> None:
+    """Have ``ledger`` number its next decision after ``sequence`` (no-op when it does already)."""
+    if sequence > ledger.last_sequence:
+        ledger.restore([ev.Placement(task_id=UNREADABLE_DECISION, sequence=sequence)])
+        ledger.forget([UNREADABLE_DECISION])
 
 
 def newest_snapshot(store: snapshot.SnapshotStore, inputs: Collection[str]) -> tuple[str, snapshot.Snapshot] | None:

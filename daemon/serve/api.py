@@ -7,7 +7,8 @@ Sizes are bounded (``MAX_BATCH_TASKS`` tasks per batch, ``MAX_CANDIDATES`` candi
 ``MAX_TOP_K`` explained candidates) on top of the server's message size limit. While the daemon
 cannot decide soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a
 shutdown), the RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
-(or answers with a placement) waits for ``SchedulerService.durable`` before it answers.
+(or answers with a placement) waits for ``SchedulerService.durable`` before it answers, and
+answers ``UNAVAILABLE`` when its decisions could not be made durable (undone by then).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ MAX_EXCLUDED = 100
 
 # Called with each task that Place accepted, so that it is also recorded on the tasks topic.
 OnSubmitted = Callable[[ev.TaskSpec], None]
-# Returns once the decisions made so far are durable (the daemon's journal); awaited before answering.
+# Returns once the decisions made so far are durable (the daemon's journal); awaited before
+# answering. Raises OSError when they cannot be, having undone them.
 Durable = Callable[[], Awaitable[None]]
 
 
@@ -100,8 +102,15 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if is_new and not request.dry_run:
             self.on_submitted(request.task)
+    async def _durable(self, context: grpc.aio.ServicerContext[object, object]) -> None:
+        """Wait for ``durable``; UNAVAILABLE, saying why, when the decisions cannot be made durable."""
+        try:
+            await self.durable()
+        except OSError as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+
         if not request.dry_run:
-            await self.durable()  # the answer may be acted on: it must survive a crash
+            await self._durable(context)  # the answer may be acted on: it must survive a crash
         return _place_response(decision)
 
     async def GetPlacement(
@@ -117,7 +126,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
         except UnknownTaskError as exc:
             await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
         if decision.placement is not None:
-            await self.durable()
+            await self._durable(context)
         if decision.placement is not None:
             return api.GetPlacementResponse(placement=decision.placement)
         return api.GetPlacementResponse(pending=decision.pending)
@@ -176,7 +185,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if not request.dry_run:
             for spec in new:
                 self.on_submitted(spec)
-            await self.durable()  # one fsync for the whole batch
+            await self._durable(context)  # one fsync for the whole batch
         reply = api.PlaceBatchResponse()
         for decision in decisions:
             result = reply.results.add()

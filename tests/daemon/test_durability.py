@@ -1,7 +1,9 @@
-"""A Place answer survives a crash, and a restarted daemon decides nothing before its replay has caught up."""
+"""A Place answer survives a crash, a restarted daemon decides nothing before its replay has caught up,
+and a corrupt journal record costs that record only, never a sequence number given twice."""
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets, RawEvent
 from hlb.daemon.config import Settings, load_settings
+from hlb.daemon.record.journal import FILE_HEADER, JOURNAL_NAME, RECORD_HEADER_BYTES
 from hlb.sim.agent import inventory_events
 from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
@@ -182,3 +185,68 @@ def test_a_place_answer_whose_records_never_reached_the_bus_is_kept_after_a_rest
         # A later decision is numbered after the kept one.
         other = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="later", memory_per_device_gb=1.0)), timeout=5)
         assert other.placement.sequence == answered.sequence + 1
+
+
+def _record_starts(data: bytes) -> list[int]:
+    """Where each record of a journal file starts (the documented layout of version 2)."""
+    starts, at = [], len(FILE_HEADER)
+    while at < len(data):
+        starts.append(at)
+        (length,) = struct.unpack_from("<I", data, at + 4)
+        at += RECORD_HEADER_BYTES + length
+    return starts
+
+
+@pytest.mark.parametrize(
+    ("record", "where"),
+    [(3, "payload"), (3, "header"), (11, "payload")],
+    ids=["record 3, payload", "record 3, header", "the last placement, payload"],
+)
+def test_a_flipped_bit_in_one_journal_record_loses_that_record_only_and_no_sequence_repeats(
+    tmp_path: Path, record: int, where: str
+) -> None:
+    settings = _settings(tmp_path)
+    topics = settings.kafka.topics
+    bus = LossyBus()
+    devices = _publish_inventory(bus, settings)
+    specs = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=4.0, workload_class="resnet50") for i in range(6)]
+    first = _journaled(settings, bus)
+    with first, grpc.insecure_channel(first.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        _wait(lambda: stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).devices == devices, "devices")
+        bus.lost_topics = {topics.placements, topics.tasks}  # only the journal keeps them
+        answered = [stub.Place(api.PlaceRequest(task=spec), timeout=5).placement for spec in specs]
+    assert [p.sequence for p in answered] == [1, 2, 3, 4, 5, 6]
+    # Twelve records: each Place's placement, then its submission. Flip one bit of one of them.
+    path = settings.state_dir / JOURNAL_NAME
+    data = bytearray(path.read_bytes())
+    starts = _record_starts(bytes(data))
+    assert len(starts) == 12
+    at = starts[record - 1] + (RECORD_HEADER_BYTES + 9 if where == "payload" else 6)
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    damaged = specs[(record - 1) // 2].id
+
+    bus.lost_topics, bus.lost = set(), 0
+    bus._committed.clear()  # a new process: its graph is rebuilt from the inputs' first records
+    second = _journaled(settings, bus)
+    with second, grpc.insecure_channel(second.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        # The 11 good records came back: every answered placement but the damaged one, and every submission.
+        for placement in answered:
+            if placement.task_id != damaged:
+                got = stub.GetPlacement(api.GetPlacementRequest(task_id=placement.task_id), timeout=5)
+                assert got.placement == placement
+        assert sorted(ev.TaskEvent.FromString(r.value or b"").submitted.id for r in bus.read_all(topics.tasks)) == [
+            s.id for s in specs
+        ]
+        # The damaged task's submission came back: it is placed again, numbered past everything seen.
+        placed = api.GetPlacementRequest(task_id=damaged)
+        _wait(lambda: stub.GetPlacement(placed, timeout=5).HasField("placement"), "the damaged task placed again")
+        again = stub.GetPlacement(placed, timeout=5).placement
+        assert again.sequence > 6
+        later = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="later", memory_per_device_gb=1.0)), timeout=5)
+        assert later.placement.sequence > again.sequence
+        ledger = [ev.Placement.FromString(r.value or b"").sequence for r in bus.read_all(topics.placements)]
+        assert len(ledger) == len(set(ledger)) == 7  # 5 restored, the damaged task's and the later one: none twice
+        assert second.daemon.metrics.registry.get_sample_value("hlb_journal_records_skipped_total") == 1.0
