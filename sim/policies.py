@@ -66,6 +66,8 @@ def make_sim_policy(
     told = profiles_of(profiles)
     if name == "oracle-speeds":
         return make_policy("rules", weights, profiles=profiles_of("exact"))
+    if name == "rules-table":
+        return make_policy("rules-table", weights, profiles=told)
     if name in GNN_VARIANTS:
         settings = _gnn_settings(model, refresh_rows)
         return make_policy(
@@ -74,7 +76,7 @@ def make_sim_policy(
     if name in RULES_VARIANTS:
         return make_policy("rules", weights, rules=_rules(name), profiles=told)
     if name not in POLICY_NAMES:
-        names = ", ".join((*POLICY_NAMES, *RULES_VARIANTS, *LEARNED_POLICIES, *SIM_POLICIES))
+        names = ", ".join((*POLICY_NAMES, *RULES_VARIANTS, "rules-table", *LEARNED_POLICIES, *SIM_POLICIES))
         raise ValueError(f"unknown policy {name!r}: one of {names}")
     return make_policy(name, weights=weights, seed=seed, profiles=told)
 

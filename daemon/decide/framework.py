@@ -191,6 +191,10 @@ class Policy:
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         """The task was bound to ``rows``."""
 
+    def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        """The task finished on ``rows`` after running ``ran_s`` seconds (from its start): a policy
+        that learns run times learns from it."""
+
     def wait_for(
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
@@ -384,6 +388,9 @@ class PluginPolicy(Policy):
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.scorer.placed(spec, graph, rows)
+
+    def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        self.scorer.finished(spec, graph, rows, ran_s)
 
     def prepare(self, graph: InfraGraph) -> None:
         self.scorer.prepare(graph)

@@ -3,6 +3,9 @@
 - a baseline (:data:`POLICY_NAMES`): its scorer alone (``hlb.daemon.decide.scorers``);
 - ``rules``: hetero-greedy with the rules of ``scheduler.rules`` as plugins
   (``hlb.daemon.decide.rules``);
+- ``rules-table``: the same, its run-time estimates corrected online by the runs it sees, per
+  (workload family, device model, gang) and per device (``hlb.daemon.state.observed``): the
+  non-graph control a learned model is measured against;
 - ``gnn``: the GNN's scorer (``hlb.daemon.decide.gnn.scorer``) with the same rules, which run only
   while the model decides (hetero-greedy alone decides meanwhile).
 
@@ -19,10 +22,11 @@ from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy, Policy
 from hlb.daemon.decide.gnn.scorer import GnnScorer, RefreshMode
 from hlb.daemon.decide.rules import rule_plugins
 from hlb.daemon.decide.scorers import BestFit, Heft, HeteroGreedy, LeastLoaded, RandomPolicy, RoundRobin
-from hlb.daemon.state.profiles import DeviceProfiles
+from hlb.daemon.state.observed import ObservedSpeeds
+from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
 
 POLICY_NAMES = ("random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft")
-PRESETS = (*POLICY_NAMES, "rules", "gnn")
+PRESETS = (*POLICY_NAMES, "rules", "rules-table", "gnn")
 
 
 def with_rules(label: str, scorer: Policy, rules: RulesSettings, profiles: DeviceProfiles) -> PluginPolicy:
@@ -60,6 +64,9 @@ def make_policy(
     if name == "rules":
         greedy = HeteroGreedy(w, profiles)
         return with_rules("rules", greedy, rules, greedy.profiles)
+    if name == "rules-table":
+        table = HeteroGreedy(w, ObservedSpeeds(profiles or default_profiles()))
+        return with_rules("rules-table", table, rules, table.profiles)
     if name == "random":
         return RandomPolicy(seed)
     if name == "round-robin":

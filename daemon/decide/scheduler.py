@@ -89,6 +89,7 @@ class Scheduler:
         self._started_unbound: set[str] = set()
         self._dirty = True  # something changed that may let a queued task fit
         self._seen = (graph.version, graph.metrics_version)
+        self._started_s: dict[str, float] = {}  # when each running task started (its run time, at the end)
         self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
 
@@ -138,6 +139,7 @@ class Scheduler:
             if task.state == TaskState.PLACED:
                 self.graph.mark_running(task)  # its memory now shows in reported use instead
                 self._expect_end(task)  # from its start, which may come later than its placement
+                self._started_s[task_id] = self.clock()
                 self._dirty = True
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
@@ -147,6 +149,10 @@ class Scheduler:
             self._task_ended(task)
         else:
             final = {"cancelled": TaskState.CANCELLED, "finished": TaskState.FINISHED}.get(kind, TaskState.FAILED)
+            started = self._started_s.pop(task_id, None)
+            if kind == "finished" and started is not None and task.device_rows:
+                rows = np.asarray(task.device_rows, dtype=np.int64)
+                self.policy.finished(task.spec, self.graph, rows, self.clock() - started)
             self.graph.release(task, final)
             self.device_waits.ended(self.graph, task)
             self._dirty = True

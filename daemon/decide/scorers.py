@@ -146,6 +146,9 @@ class HeteroGreedy(Policy):
     def estimates(self) -> DeviceProfiles:
         return self.profiles
 
+    def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        self.profiles.observe(spec, graph, rows, ran_s)  # profiles that learn (the rules-table preset) learn
+
     def ready_s(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
         """When the task's inputs would be on each row, seconds from now. [N] -> [N]."""
         return np.zeros(len(rows))

@@ -58,7 +58,7 @@ class RunTimes:
     def __init__(self, profiles: DeviceProfiles) -> None:
         self.profiles = profiles
         self._known: dict[tuple[object, ...], NDArray[np.float64]] = {}
-        self._graph_version = (0, -1)
+        self._graph_version = (0, -1, -1)  # (graph, its inventory version, the profiles' version)
 
     def by_model(self, spec: ev.TaskSpec, graph: InfraGraph) -> NDArray[np.float64]:
         """Run time (s) per model index [len(graph.model_names) + 1]; the last entry is for
@@ -71,8 +71,9 @@ class RunTimes:
             tuple(spec.allowed_kinds),
             tuple(spec.allowed_models),
         )
-        if self._graph_version != (id(graph), graph.version) or len(self._known) > MAX_SHAPES:
-            self._graph_version, self._known = (id(graph), graph.version), {}
+        marks = (id(graph), graph.version, self.profiles.version)
+        if self._graph_version != marks or len(self._known) > MAX_SHAPES:
+            self._graph_version, self._known = marks, {}
         table = self._known.get(key)
         if table is None:
             table = np.full(len(graph.model_names) + 1, NEVER_S)

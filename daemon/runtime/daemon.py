@@ -159,7 +159,6 @@ class Daemon:
         self.journal: JournalFile | None = None
         self._answer_gate: AnswerGate | None = None
         self._journaled: JournaledPublisher | None = None
-        # Input partitions -> the offset replay must reach before the daemon serves (see run()).
         # False while the journal takes nothing (a full disk): decisions are refused, NOT_SERVING.
         self.journal_writable = True
         self._journal_trouble = FailureEpisode(
@@ -170,6 +169,7 @@ class Daemon:
         self._upkeep_wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: GrpcServer | None = None
+        # Input partitions -> the offset replay must reach before the daemon serves (see run()).
         self.replay_targets: ReplayTargets = {}
         self.ready = asyncio.Event()
         self.port = 0
@@ -228,9 +228,9 @@ class Daemon:
             self.raw_publisher, journal, sync, sequence_of=self._sequence_of, on_waiting=self._wake_upkeep
         )
         self.publisher = self._journaled
-        with self.lock:
         if journal.skipped:
             self.metrics.journal_records_skipped.inc(len(journal.skipped))
+        with self.lock:
             return restore_journal(
                 journal.recovered, self.ledger, self.raw_publisher, self.settings.kafka, journal.highest_sequence
             )
@@ -287,12 +287,12 @@ class Daemon:
 
     def refusal(self) -> str | None:
         """Why the deciding RPCs are refused now (UNAVAILABLE), or None when they are served."""
-        if self.serving:
         if not self.journal_writable:
             return (
                 "decisions cannot be made durable: the decision journal cannot be written "
                 f"({self._journal_trouble.error}); refused until it can"
             )
+        if self.serving:
             return None
         left = self.replay_left() if self.replay_targets else 0
         if left:
@@ -386,16 +386,16 @@ class Daemon:
             snapshot.take(self.snapshots, self.scheduler, self._ingestor.positions, self.lock)
 
     async def _snapshot_every(self, interval_s: float) -> None:
-        while True:
         trouble = FailureEpisode(
             "snapshot failed; tried again every snapshot.interval_s, logged again once one is written",
             "snapshot written again",
             self._monotonic,
         )
+        while True:
             await asyncio.sleep(interval_s)
-            try:
             if not self.journal_writable:  # the state may hold decisions about to be withdrawn
                 continue
+            try:
                 await asyncio.to_thread(self.write_snapshot)
             except OSError as exc:  # a full disk must not stop the daemon; the next try may work
                 self.metrics.snapshot_failures.inc()
@@ -445,9 +445,9 @@ class Daemon:
         topics = self.settings.kafka.topics
         grpc_settings = self.settings.grpc
         service = self._make_service()
-        # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
         self._loop = asyncio.get_running_loop()
         self._upkeep_wake = asyncio.Event()
+        # Built first: a bad TLS file or a taken port fails the start before Kafka is touched.
         server = GrpcServer(
             service,
             grpc_settings.listen,
@@ -457,8 +457,8 @@ class Daemon:
             interceptors=[self.rate_limit, RpcMetricsInterceptor(self.metrics, lambda: self.scheduler.policy.name)],
         )
         self.port = server.port
-        await asyncio.to_thread(
         self._server = server
+        await asyncio.to_thread(
             self.bus.ensure_topics, [topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory]
         )
         restored = await asyncio.to_thread(self.restore_ledger)
@@ -492,8 +492,8 @@ class Daemon:
             metrics_server = self._start_metrics(inputs)
             if await self._replay_until_caught_up(stop, ingest):
                 self.serving = True
-                self.ready.set()
                 await self._publish_health()
+                self.ready.set()
                 log.info(
                     "serving",
                     listen=grpc_settings.listen,
@@ -525,8 +525,8 @@ class Daemon:
         it; drop acknowledged records. Woken when a decision waits, else every ``JOURNAL_SYNC_S``.
         While the journal takes nothing, try it every ``JOURNAL_PROBE_S`` instead."""
         journal = journaled.journal
-        next_ack = self._monotonic() + JOURNAL_ACK_S
         wake = self._upkeep_wake or asyncio.Event()
+        next_ack = self._monotonic() + JOURNAL_ACK_S
         while True:
             if not self.journal_writable:
                 await asyncio.sleep(JOURNAL_PROBE_S)
@@ -565,9 +565,9 @@ class Daemon:
         self.notifier.status("storing offsets")
         if ingest.ident is not None:  # started
             await asyncio.to_thread(ingest.stop)  # the source's close() commits the stored offsets
-        self.notifier.status("writing snapshot")
         if self._answer_gate is not None:
             await self._settle_journal(self._answer_gate)
+        self.notifier.status("writing snapshot")
         snapshot_error: BaseException | None = None
         try:
             await asyncio.to_thread(self.on_shutdown_snapshot)
@@ -593,7 +593,6 @@ class Daemon:
         if snapshot_error is not None:
             raise RuntimeError("the shutdown snapshot failed") from snapshot_error
 
-    def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
     async def _settle_journal(self, gate: AnswerGate) -> None:
         """Ingest has stopped: commit what it decided last (the producer gets it before its final
         flush), or, when the journal takes nothing, undo it (the shutdown snapshot must not hold it)."""
@@ -605,6 +604,7 @@ class Daemon:
                 await self._journal_failed(exc)
         await asyncio.to_thread(self._withdraw_uncommitted)
 
+    def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
         self.metrics.observe(self.metrics_sample)
         metrics_server = start_metrics_server(self.metrics, self.settings.metrics.listen)
         if metrics_server is None:

@@ -87,6 +87,13 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if why is not None:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, why)
 
+    async def _durable(self, context: grpc.aio.ServicerContext[object, object]) -> None:
+        """Wait for ``durable``; UNAVAILABLE, saying why, when the decisions cannot be made durable."""
+        try:
+            await self.durable()
+        except OSError as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+
     async def Place(
         self, request: api.PlaceRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.PlaceResponse:
@@ -102,13 +109,6 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if is_new and not request.dry_run:
             self.on_submitted(request.task)
-    async def _durable(self, context: grpc.aio.ServicerContext[object, object]) -> None:
-        """Wait for ``durable``; UNAVAILABLE, saying why, when the decisions cannot be made durable."""
-        try:
-            await self.durable()
-        except OSError as exc:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-
         if not request.dry_run:
             await self._durable(context)  # the answer may be acted on: it must survive a crash
         return _place_response(decision)

@@ -180,6 +180,14 @@ class DeviceProfiles:
             out[unlisted] = np.maximum(graph.devices.peak_tflops[rows[unlisted]], 0.0) / self.reference_peak_tflops
         return out
 
+    @property
+    def version(self) -> int:
+        """Changes when the rates change (profiles that learn: ``hlb.daemon.state.observed``); 0 here."""
+        return 0
+
+    def observe(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        """A task of ``spec`` ran ``ran_s`` seconds on ``rows``: the shipped profiles do not learn."""
+
     def runtime_s(
         self, graph: InfraGraph, rows: Rows, spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True
     ) -> NDArray[np.float64]:

@@ -42,7 +42,7 @@ def test_make_policy_knows_exactly_the_documented_names() -> None:
         assert make_policy(name, {"completion_time": 1.0}, seed=3).name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
-    assert (*POLICY_NAMES, "rules", "gnn") == PRESETS
+    assert (*POLICY_NAMES, "rules", "rules-table", "gnn") == PRESETS
     rules = make_policy("rules")
     assert isinstance(rules, PluginPolicy)
     assert isinstance(rules.scorer, HeteroGreedy)

@@ -353,6 +353,9 @@ class GnnScorer(Policy):
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.fallback.placed(spec, graph, rows)
 
+    def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        self.fallback.finished(spec, graph, rows, ran_s)  # its prior's profiles, if they learn
+
     def _fall_back(self, reason: str, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         self.on_fallback(reason)
         return self.fallback.score(spec, graph, rows)
