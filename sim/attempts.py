@@ -13,6 +13,12 @@ Units: s, steps/s, GB.
   before it starts.
 - A training task keeps its devices as busy as its co-location fraction; a service as busy as its
   request load.
+- Hidden truth (:mod:`hlb.sim.hidden`): a running attempt's rate is its gang rate (the job's
+  speed included) times its co-location fraction times the speed of its slowest device now; a
+  device's speed change (:meth:`Attempts.device_speed_changed`) re-times what runs there. With
+  link sharing, a transfer gets a fair share of each link (:class:`hlb.sim.network.LinkLoad`) and
+  a spread gang's rate falls with the number of spread gangs on its hosts' uplinks
+  (:func:`hlb.sim.execution.shared_uplink_rate`), recomputed whenever one starts or ends there.
 - Tasks without an allow-list of models are submitted with one: the cluster's models on which
   their class runs at their gang size, so that the daemon's hard-constraint filter never offers
   such a device.
@@ -30,8 +36,9 @@ from hlb.daemon.decide.scheduler import Scheduler
 from hlb.sim.clock import SimClock
 from hlb.sim.devices import Devices
 from hlb.sim.events import FINISH, RETRY, TRANSFER_DONE, EventQueue
-from hlb.sim.execution import ExecutionModel, service_lifetime_s
-from hlb.sim.network import Network
+from hlb.sim.execution import ExecutionModel, service_lifetime_s, shared_uplink_rate
+from hlb.sim.hidden import HiddenConfig
+from hlb.sim.network import LinkLoad, Network
 from hlb.sim.result import TaskRecord
 from hlb.sim.workloads import Task
 from hlb.v1 import events_pb2 as ev
@@ -52,6 +59,8 @@ class AttemptSettings(Protocol):
     def restrict_to_runnable(self) -> bool: ...
     @property
     def estimate_limits_h(self) -> tuple[float, ...]: ...
+    @property
+    def hidden(self) -> HiddenConfig: ...
 
 
 @dataclass
@@ -74,6 +83,9 @@ class Attempt:
     version: int = 0
     fixed_end_s: float = math.nan
     busy: float = 0.0  # utilization share it puts on each of its devices
+    speed: float = 1.0  # its slowest device's hidden speed now
+    uplink_hosts: tuple[str, ...] = ()  # with link sharing, a spread gang's hosts (their uplinks it shares)
+    network_s_per_step: float = 0.0  # of a spread gang's step, the time on the network (s)
 
 
 class Attempts:
@@ -114,6 +126,8 @@ class Attempts:
         self.records = {t.id: execution.new_record(t, cluster_models) for t in tasks.values()}
         self._runnable = {t.id: execution.runnable_models(t, cluster_models) for t in tasks.values()}
         self.current: dict[str, Attempt] = {}  # per task id, its latest attempt
+        self._link_load = LinkLoad()
+        self._spread_on_host: dict[str, set[str]] = {}  # per host, the running spread gangs sharing its uplink
         self._attempts: dict[str, Attempt] = {}
         self.active = 0
         self.retries_left = 0
@@ -199,12 +213,17 @@ class Attempts:
             self._fail(attempt, f"out of memory on {over[0]}", retry=True)
             return
         models = {devices.models[r] for r in rows}
-        consolidated = len({devices.hosts[r] for r in rows}) == 1
+        hosts = tuple(dict.fromkeys(devices.hosts[r] for r in rows))
+        consolidated = len(hosts) == 1
         attempt.base_rate = min(self._execution.gang_rate(attempt.task, m, consolidated) for m in models)
         lifetime = service_lifetime_s(attempt.task)
         if lifetime is None and attempt.base_rate <= 0:
             self._fail(attempt, f"class cannot run on {sorted(models)}", retry=False)
             return
+        sharing = self._settings.hidden.link_sharing
+        if sharing and not consolidated:
+            attempt.uplink_hosts = hosts
+            attempt.network_s_per_step = self._execution.network_s_per_step(attempt.task, models)
         attempt.steps_total = self._execution.steps(attempt.task)
         record.device_ids = tuple(placement.device_ids)
         record.models = tuple(devices.models[r] for r in rows)
@@ -212,7 +231,13 @@ class Attempts:
         for dep in attempt.task.dependencies:
             source = self.records[dep.task_id].device_ids
             if source:
-                transfer = max(transfer, self._network.transfer_s(source[0], placement.device_ids[0], dep.transfer_gb))
+                src, dst = source[0], placement.device_ids[0]
+                seconds = (
+                    self._link_load.transfer_s(self._network.path(src, dst), dep.transfer_gb, now)
+                    if sharing
+                    else self._network.transfer_s(src, dst, dep.transfer_gb)
+                )
+                transfer = max(transfer, seconds)
         record.transfer_s = transfer
         if transfer > 0:
             self._queue.push(now + transfer, TRANSFER_DONE, attempt.id)
@@ -259,7 +284,9 @@ class Attempts:
             self._queue.push(attempt.fixed_end_s, FINISH, (attempt.id, attempt.version))
         self._devices.begin(attempt.id, attempt.rows)
         self._task_event(started=ev.TaskStarted(task_id=attempt.id, device_ids=list(attempt.record.device_ids)))
-        self._update_rows(attempt.rows)
+        for host in attempt.uplink_hosts:
+            self._spread_on_host.setdefault(host, set()).add(attempt.id)
+        self._update_rows(self._uplink_rows(attempt))
 
     def _finish(self, attempt: Attempt) -> None:
         record = attempt.record
@@ -267,6 +294,19 @@ class Attempts:
         record.finish_s = self._clock.t_s
         self._release(attempt)
         self._task_event(finished=ev.TaskFinished(task_id=attempt.id))
+
+    def device_speed_changed(self, row: int) -> None:
+        """Device ``row``'s hidden speed changed: re-time what runs there, and its power."""
+        self._update_rows((row,))
+
+    def _uplink_rows(self, attempt: Attempt) -> set[int]:
+        """``attempt``'s rows and, for a spread gang under link sharing, those of the spread gangs
+        sharing its hosts' uplinks (their rates change when it starts or ends)."""
+        rows = set(attempt.rows)
+        for host in attempt.uplink_hosts:
+            for other in self._spread_on_host.get(host, ()):
+                rows.update(self._attempts[other].rows)
+        return rows
 
     def _update_rows(self, rows: Iterable[int]) -> None:
         """Recompute speed and finish time of every task on ``rows``, then those devices' utilization."""
@@ -280,9 +320,10 @@ class Attempts:
             attempt.steps_done += attempt.rate * (now - attempt.last_s)
             attempt.last_s = now
             attempt.factor = factor
+            attempt.speed = float(min(devices.speed[r] for r in attempt.rows))
             self._update_service(attempt)
             if math.isnan(attempt.fixed_end_s):
-                new_rate = attempt.base_rate * factor
+                new_rate = self._uplink_rate(attempt) * factor * attempt.speed
                 if new_rate != attempt.rate or attempt.rate == 0:
                     attempt.rate = new_rate
                     attempt.version += 1
@@ -299,11 +340,20 @@ class Attempts:
         task = attempt.task
         if task.latency_slo_ms <= 0:
             return
-        latency_ms, rho, rate_per_s = self._execution.service_latency(task, attempt.base_rate, attempt.factor)
+        latency_ms, rho, rate_per_s = self._execution.service_latency(
+            task, attempt.base_rate, attempt.factor * attempt.speed
+        )
         if latency_ms > task.latency_slo_ms:
             attempt.record.slo_violated = True
         if not math.isnan(attempt.fixed_end_s):
             attempt.busy = min(1.0, rho) if rate_per_s > 0 else attempt.factor
+
+    def _uplink_rate(self, attempt: Attempt) -> float:
+        """The attempt's gang rate with its share of its hosts' uplinks (link sharing), alone on its devices."""
+        if not attempt.uplink_hosts:
+            return attempt.base_rate
+        gangs = max(len(self._spread_on_host[h]) for h in attempt.uplink_hosts)
+        return shared_uplink_rate(attempt.base_rate, attempt.network_s_per_step, gangs)
 
     def _colocation_fraction(self, attempt: Attempt, row: int) -> float:
         others = [self._attempts[b].task for b in self._devices.running[row] if b != attempt.id]
@@ -341,4 +391,6 @@ class Attempts:
         self._devices.release(attempt.id, attempt.rows, attempt.spec.memory_per_device_gb)
         self.last_change_s = self._clock.t_s
         if was_running:
-            self._update_rows(attempt.rows)
+            for host in attempt.uplink_hosts:
+                self._spread_on_host[host].discard(attempt.id)
+            self._update_rows(self._uplink_rows(attempt))

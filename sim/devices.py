@@ -1,9 +1,16 @@
 """The simulated devices' truth: what each holds and draws, whether it failed, what it last reported.
 
-Power: ``idle + (peak - idle) * utilization`` per device, 0 while failed; energy is the exact
-integral of that piecewise-constant curve. Telemetry (:mod:`hlb.sim.telemetry`): a device is in a
-report when its true state changed since its last report or ``heartbeat_s`` has passed since then.
-Units: W, J, GB, s; utilization 0..1.
+Power: ``idle + (peak - idle) * utilization * speed`` per device, 0 while failed; energy is the
+exact integral of that piecewise-constant curve. ``speed`` is the device's hidden speed
+(:mod:`hlb.sim.hidden`: 1 unless it is slow or throttling): a slow device lowers its clocks, so it
+draws less dynamic power at the same utilization. Temperature: ``30 + 50 * utilization`` °C, plus
+``40 * (1 - speed)`` on a slow device, which runs hot (the usual cause, and the usual sign, of a
+throttled accelerator). ``DeviceMetrics`` has no clock field, so power per unit of utilization
+stands in for the clock.
+
+Telemetry (:mod:`hlb.sim.telemetry`): a device is in a report when its true state (speed
+included) changed since its last report or ``heartbeat_s`` has passed since then.
+Units: W, J, GB, s, °C; utilization and speed 0..1.
 """
 
 from __future__ import annotations
@@ -17,13 +24,18 @@ from hlb.sim.telemetry import DeviceState, TelemetryConfig, metrics_event
 from hlb.sim.topology import Inventory
 from hlb.v1 import events_pb2 as ev
 
+IDLE_TEMPERATURE_C = 30.0
+BUSY_HEAT_C = 50.0  # added at utilization 1
+SLOW_HEAT_C = 40.0  # added at speed 0 (a device at speed s runs (1 - s) * this hotter)
+
 
 class Devices:
     """Every device of an inventory, by row in inventory order. Shapes: each array [N].
 
     ``reserved[row]`` holds the attempts placed on a device (waiting for inputs or running),
-    ``running[row]`` those computing on it; ``util``, ``mem_used`` and ``failed`` are the truth
-    the simulation keeps up to date, and :meth:`report` turns it into the agents' telemetry.
+    ``running[row]`` those computing on it; ``util``, ``mem_used``, ``failed`` and ``speed`` (the
+    hidden speed multiplier, 1 = as catalogued) are the truth the simulation keeps up to date, and
+    :meth:`report` turns it into the agents' telemetry.
     """
 
     def __init__(self, inventory: Inventory) -> None:
@@ -39,11 +51,13 @@ class Devices:
         self.util = np.zeros(n)
         self.mem_used = np.zeros(n)
         self.failed = np.zeros(n, dtype=bool)
+        self.speed = np.ones(n)
         self.reserved: list[set[str]] = [set() for _ in range(n)]
         self.running: list[set[str]] = [set() for _ in range(n)]
         # What the agents last reported (true values, before noise) and when (s); -inf: never.
         self._reported = DeviceState(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool))
         self._reported_s = np.full(n, -math.inf)
+        self._reported_speed = np.ones(n)
         self.energy_j = 0.0
         self.power_w = float(self.idle_w.sum())  # whole cluster, now
         self._last_s = 0.0
@@ -68,7 +82,7 @@ class Devices:
 
     def refresh_power(self) -> None:
         """Recompute the cluster's power draw from utilization and health."""
-        power = (self.idle_w + (self.peak_w - self.idle_w) * self.util) * ~self.failed
+        power = (self.idle_w + (self.peak_w - self.idle_w) * self.util * self.speed) * ~self.failed
         self.power_w = float(power.sum())
 
     def advance(self, t_s: float) -> None:
@@ -93,6 +107,7 @@ class Devices:
             (self.util != reported.utilization)
             | (self.mem_used != reported.memory_used_gb)
             | (self.failed != reported.failed)
+            | (self.speed != self._reported_speed)
             | (t_s - self._reported_s >= telemetry.heartbeat_s)
         )
         rows = np.flatnonzero(due)
@@ -101,13 +116,14 @@ class Devices:
         reported.utilization[rows] = self.util[rows]
         reported.memory_used_gb[rows] = self.mem_used[rows]
         reported.failed[rows] = self.failed[rows]
+        self._reported_speed[rows] = self.speed[rows]
         self._reported_s[rows] = t_s
-        util, failed = self.util[rows], self.failed[rows]
+        util, failed, speed = self.util[rows], self.failed[rows], self.speed[rows]
         state = DeviceState(
             utilization=util,
             memory_used_gb=np.minimum(self.mem_used[rows], self.memory_gb[rows]),
-            power_w=(self.idle_w[rows] + (self.peak_w[rows] - self.idle_w[rows]) * util) * ~failed,
-            temperature_c=30.0 + 50.0 * util,
+            power_w=(self.idle_w[rows] + (self.peak_w[rows] - self.idle_w[rows]) * util * speed) * ~failed,
+            temperature_c=IDLE_TEMPERATURE_C + BUSY_HEAT_C * util + SLOW_HEAT_C * (1.0 - speed),
             failed=failed,
         )
         ids = [self.ids[r] for r in rows]

@@ -11,7 +11,7 @@ import heapq
 from typing import Any
 
 # Event kinds.
-ARRIVAL, RETRY, TRANSFER_DONE, FINISH, FAIL, REPAIR, SAMPLE, DELIVER = range(8)
+ARRIVAL, RETRY, TRANSFER_DONE, FINISH, FAIL, REPAIR, SAMPLE, DELIVER, THROTTLE_START, THROTTLE_END = range(10)
 
 
 class EventQueue:

@@ -16,12 +16,17 @@ Units: s, steps/s, ms.
   ``rho = rate * S``; the SLO is missed if that latency ever exceeds ``latency_slo_ms``.
 - A task can run on a model when its kind, allow-lists and memory fit and its class has a
   throughput there at its gang size (Gavel measures some classes as unable to run on some devices).
+
+Hidden truth (:mod:`hlb.sim.hidden`, off by default): a job's speed multiplier scales every rate
+above (and so its ideal run time); a device's speed scales the rate of what runs on it (a gang
+runs at its slowest member's speed; :mod:`hlb.sim.attempts`); and with link sharing a spread gang
+whose hosts' uplinks also carry other spread gangs runs slower (:func:`shared_uplink_rate`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
 from hlb.sim.catalogue import Catalogue
@@ -33,10 +38,14 @@ SPREAD_FALLBACK_FACTOR = 0.5  # spread gang of a class with no spread figure: th
 
 
 class ExecutionModel:
-    """Run rates, ideal run times and co-location fractions of tasks on the catalogue's devices."""
+    """Run rates, ideal run times and co-location fractions of tasks on the catalogue's devices.
 
-    def __init__(self, catalogue: Catalogue) -> None:
+    ``job_speed``: the hidden speed multiplier of each job (absent: 1, as catalogued).
+    """
+
+    def __init__(self, catalogue: Catalogue, job_speed: Mapping[str, float] | None = None) -> None:
         self.catalogue = catalogue
+        self._job_speed = dict(job_speed or {})
         self._pair_cache: dict[tuple[str, str, int, str, int], float] = {}
 
     def steps(self, task: Task) -> float:
@@ -49,15 +58,35 @@ class ExecutionModel:
         rate = cat.throughput(model, task.workload_class, task.num_devices, consolidated)
         if rate <= 0 and not consolidated:
             rate = SPREAD_FALLBACK_FACTOR * cat.throughput(model, task.workload_class, task.num_devices, True)
-        return rate
+        return self._for_job(task, rate)
 
     def best_rate(self, task: Task, model: str) -> float:
         """The fastest gang rate (steps/s) of ``task`` on devices of ``model``, either placement."""
         g = task.num_devices
         cat = self.catalogue
-        return max(
-            cat.throughput(model, task.workload_class, g, True), cat.throughput(model, task.workload_class, g, False)
-        )
+        consolidated = cat.throughput(model, task.workload_class, g, True)
+        return self._for_job(task, max(consolidated, cat.throughput(model, task.workload_class, g, False)))
+
+    def _for_job(self, task: Task, rate: float) -> float:
+        speed = self._job_speed.get(task.job_id)
+        return rate if speed is None else rate * speed
+
+    def network_s_per_step(self, task: Task, models: Iterable[str]) -> float:
+        """Of a spread gang's step on ``models``, the time (s) Gavel's figures put on the network.
+
+        Gavel measured each gang both consolidated (one host) and spread (one device per host);
+        the difference of the step times, ``1 / spread - 1 / consolidated``, is what crossing the
+        hosts' uplinks costs (0 when spread is as fast). The whole step when there is no
+        consolidated figure.
+        """
+        models = list(models)
+        spread = min(self.gang_rate(task, m, consolidated=False) for m in models)
+        together = min(self.gang_rate(task, m, consolidated=True) for m in models)
+        if spread <= 0:
+            return 0.0
+        if together <= 0:
+            return 1.0 / spread
+        return max(0.0, 1.0 / spread - 1.0 / together)
 
     def model_fits(self, task: Task, model: str) -> bool:
         """Whether ``task``'s kind, allow-lists and memory admit devices of ``model``."""
@@ -150,6 +179,18 @@ class ExecutionModel:
         rho = rate_per_s * service_ms / 1000.0
         latency_ms = service_ms / (1.0 - rho) if rho < 1.0 else math.inf
         return latency_ms, rho, rate_per_s
+
+
+def shared_uplink_rate(rate: float, network_s_per_step: float, gangs: int) -> float:
+    """A spread gang's rate (steps/s) when ``gangs`` spread gangs (itself included) share an uplink.
+
+    Each gets a fair share, ``1 / gangs``, of the uplink, so the network part of its step
+    (:meth:`ExecutionModel.network_s_per_step`) takes ``gangs`` times as long:
+    ``1 / (1 / rate + (gangs - 1) * network_s_per_step)``. ``rate`` unchanged for one gang.
+    """
+    if gangs <= 1 or rate <= 0:
+        return rate
+    return 1.0 / (1.0 / rate + (gangs - 1) * network_s_per_step)
 
 
 def service_lifetime_s(task: Task) -> float | None:

@@ -18,11 +18,17 @@ and telemetry, and what policies may read of it. The parts, each on its own:
   transfers, execution, finish, failure and retry);
 - :mod:`hlb.sim.execution`: how fast a task runs where (gangs, co-location, services);
 - :mod:`hlb.sim.devices`: the devices' truth (memory, utilization, power, energy, reports);
+- :mod:`hlb.sim.hidden`: what the scheduler is not told (per-job speeds, slow and throttling
+  devices, link sharing), each part a switch of ``SimConfig.hidden``, all off by default;
 - :mod:`hlb.sim.result`: what a run produced.
 
 Failures: each device fails after an exponential time of mean ``mtbf_s`` and is repaired after
 one of mean ``mttr_s``; its tasks fail and are retried. The scheduler hears of the failure and the
 repair only through telemetry; a task placed on a device that has failed meanwhile fails at once.
+
+Randomness: the run's seed spawns one stream each for telemetry noise, failures, estimate errors
+and the hidden truth (:class:`hlb.sim.hidden.HiddenTruth`, which spawns one per part), so that a
+seed gives every policy the same draws and a switch that is off draws nothing.
 Units: s, W, J, GB.
 """
 
@@ -45,8 +51,21 @@ from hlb.sim.attempts import Attempts
 from hlb.sim.catalogue import Catalogue
 from hlb.sim.clock import SimClock
 from hlb.sim.devices import Devices
-from hlb.sim.events import ARRIVAL, DELIVER, FAIL, FINISH, REPAIR, RETRY, SAMPLE, TRANSFER_DONE, EventQueue
+from hlb.sim.events import (
+    ARRIVAL,
+    DELIVER,
+    FAIL,
+    FINISH,
+    REPAIR,
+    RETRY,
+    SAMPLE,
+    THROTTLE_END,
+    THROTTLE_START,
+    TRANSFER_DONE,
+    EventQueue,
+)
 from hlb.sim.execution import ExecutionModel
+from hlb.sim.hidden import HiddenConfig, HiddenTruth
 from hlb.sim.network import Network
 from hlb.sim.result import SimResult, Timeline
 from hlb.sim.telemetry import TelemetryConfig
@@ -99,6 +118,9 @@ class SimConfig:
     # to the first limit at or above it, as a user asks for a round time limit, so the shortest
     # tasks are overstated most; an estimate above the last limit stays as it is. Empty: none.
     estimate_limits_h: tuple[float, ...] = ()
+    # What the scheduler is not told (hlb.sim.hidden): per-job speeds, slow and throttling devices,
+    # link sharing. All off by default; hlb.sim.hidden.HIDDEN_DEFAULTS turns every part on.
+    hidden: HiddenConfig = field(default_factory=HiddenConfig)
 
 
 class Simulation:
@@ -129,11 +151,15 @@ class Simulation:
             self.clock.now,
         )
         self.decider: Decider = decider or _schedule_pending
-        streams = np.random.SeedSequence(seed).spawn(3)  # telemetry noise, failures, estimate errors
+        # Telemetry noise, failures, estimate errors, the hidden truth. A new stream goes last, so
+        # that the earlier ones (and runs that do not use it) stay as they were.
+        streams = np.random.SeedSequence(seed).spawn(4)
         self._noise_rng = np.random.default_rng(streams[0])
         self._failure_rng = np.random.default_rng(streams[1])
+        self.hidden = HiddenTruth(self.config.hidden, streams[3], (t.job_id for t in tasks), len(inventory.devices))
         self.devices = Devices(inventory)
-        self.execution = ExecutionModel(catalogue)
+        self.devices.speed[:] = self.hidden.speed
+        self.execution = ExecutionModel(catalogue, self.hidden.job_speed)
         self._queue = EventQueue()
 
         self._tasks = {t.id: t for t in tasks}
@@ -267,6 +293,9 @@ class Simulation:
         if math.isfinite(self.config.failures.mtbf_s):
             for row in range(len(self.devices.ids)):
                 self._queue.push(self._failure_rng.exponential(self.config.failures.mtbf_s), FAIL, row)
+        if self.config.hidden.throttling:
+            for row in range(len(self.devices.ids)):
+                self._queue.push(self.hidden.first_throttle_s(row), THROTTLE_START, row)
         self._record()
 
     def _finished(self) -> bool:
@@ -301,6 +330,12 @@ class Simulation:
             self._sample()
         elif kind == DELIVER:
             self.scheduler.apply_telemetry(payload)
+        elif kind == THROTTLE_START:
+            self._queue.push(self.hidden.begin_throttle(payload, self.clock.t_s), THROTTLE_END, payload)
+            self._device_speed_changed(payload)
+        elif kind == THROTTLE_END:
+            self._queue.push(self.hidden.end_throttle(payload, self.clock.t_s), THROTTLE_START, payload)
+            self._device_speed_changed(payload)
 
     # -- decisions -------------------------------------------------------------------------
 
@@ -339,6 +374,10 @@ class Simulation:
         self.attempts.last_change_s = self.clock.t_s
         self.devices.refresh_power()
         self._queue.push(self.clock.t_s + self._failure_rng.exponential(self.config.failures.mtbf_s), FAIL, row)
+
+    def _device_speed_changed(self, row: int) -> None:
+        self.devices.speed[row] = self.hidden.speed[row]
+        self.attempts.device_speed_changed(row)
 
     # -- telemetry and the timeline --------------------------------------------------------
 
