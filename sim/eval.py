@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from hlb.daemon.decide.framework import ObjectiveWeights
+from hlb.daemon.state.profiles import PROFILE_KINDS
 from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, HiddenConfig
 from hlb.sim.metrics import compute_metrics, job_outcomes
 from hlb.sim.policies import GNN_VARIANTS, check_gnn_model, make_sim_policy
 from hlb.sim.report import load_label, rewrite_tables, summarize, write_plots, write_tables
@@ -53,6 +55,7 @@ class RunSpec:
     model: str | None = None  # the GNN's folder (encoder.onnx, scorer.onnx); None: the shipped one
     refresh_rows: int = 1  # the GNN re-encodes once this many device rows changed (or the inventory)
     weights: ObjectiveWeights = field(default_factory=ObjectiveWeights)  # for the policies that weigh them
+    profiles: str = "exact"  # what the policies that estimate run times are told of device speeds
 
 
 @lru_cache(maxsize=1)
@@ -70,7 +73,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     catalogue, inventory = _catalogue(), _inventory(spec.cluster)
     tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     started = time.perf_counter()
-    policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows, spec.weights)
+    policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows, spec.weights, spec.profiles)
     sim = Simulation(catalogue, inventory, tasks, policy, spec.seed, spec.config)
     result = sim.run()
     metrics = compute_metrics(result)
@@ -149,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the daemon's model.refresh.min_changed_rows is 256)",
     )
     parser.add_argument(
+        "--profiles",
+        choices=PROFILE_KINDS,
+        default="exact",
+        help="what the policies are told of device speeds, as scheduler.profiles: exact (the simulator's own"
+        " per-workload speeds, an upper bound), coarse (one speed per model) or nameplate (peak TFLOPS);"
+        " oracle-speeds is always told exact ones (default: %(default)s)",
+    )
+    parser.add_argument(
         "--weights",
         type=parse_weights,
         default=ObjectiveWeights(),
@@ -191,6 +202,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="H,H,...",
         help="time limits in hours, ascending: each batch task's estimate rounded up to the first at or above it",
     )
+    hidden = parser.add_argument_group(
+        "hidden truth",
+        "what the simulator knows and the scheduler is not told (docs/simulator.md); all off by default. "
+        "--hidden turns every part on at its default strength; each flag below sets its part, --hidden or not.",
+    )
+    hidden.add_argument(
+        "--hidden",
+        action="store_true",
+        help=f"every part on: --job-speed-sigma {HIDDEN_DEFAULTS.job_speed_sigma} "
+        f"--slow-devices {HIDDEN_DEFAULTS.slow_device_share} "
+        f"--throttle-every-h {HIDDEN_DEFAULTS.throttle_every_s / 3600.0:g} --link-sharing "
+        f"--share-devices {SHARED_DEVICE_TASKS}",
+    )
+    hidden.add_argument(
+        "--job-speed-sigma",
+        type=float,
+        metavar="SIGMA",
+        help="each job runs exp(N(0, SIGMA^2)) times the catalogue's rate on every device (0: off)",
+    )
+    hidden.add_argument(
+        "--slow-devices",
+        type=float,
+        metavar="SHARE",
+        help="this share of devices is persistently slow, at a speed drawn once from "
+        f"{HIDDEN_DEFAULTS.slow_device_speed[0]}-{HIDDEN_DEFAULTS.slow_device_speed[1]} (0: off)",
+    )
+    hidden.add_argument(
+        "--throttle-every-h",
+        type=float,
+        metavar="H",
+        help="each device throttles every H hours on average, for "
+        f"{HIDDEN_DEFAULTS.throttle_duration_s / 3600.0:g} h on average, at a speed from "
+        f"{HIDDEN_DEFAULTS.throttle_speed[0]}-{HIDDEN_DEFAULTS.throttle_speed[1]} (inf: off)",
+    )
+    hidden.add_argument(
+        "--link-sharing",
+        action=argparse.BooleanOptionalAction,
+        help="concurrent transfers and spread gangs share their links' bandwidth (default: off)",
+    )
+    hidden.add_argument(
+        "--share-devices",
+        type=int,
+        metavar="K",
+        help="up to K tasks per device (the scheduler's max_tasks_per_device), each slowed by "
+        "Gavel's measured co-location pairs (1: no sharing, the default)",
+    )
 
 
 def _limits_h(text: str) -> tuple[float, ...]:
@@ -204,6 +261,30 @@ def _limits_h(text: str) -> tuple[float, ...]:
     if not all(math.isfinite(h) and h > 0 for h in limits) or list(limits) != sorted(set(limits)):
         raise ValueError(f"--estimate-limits needs positive hours in ascending order, got {text!r}")
     return limits
+
+
+def _hidden(args: argparse.Namespace) -> tuple[HiddenConfig, int]:
+    """The hidden truth's switches and tasks per device from the flags (``--hidden``: every part on)."""
+    base = HIDDEN_DEFAULTS if args.hidden else HiddenConfig()
+    share = args.share_devices if args.share_devices is not None else (SHARED_DEVICE_TASKS if args.hidden else 1)
+    if share < 1:
+        raise ValueError("--share-devices needs at least 1")
+    every_h = args.throttle_every_h
+    if every_h is not None and not every_h > 0:
+        raise ValueError("--throttle-every-h needs hours > 0 (inf: off)")
+    try:
+        config = HiddenConfig(
+            job_speed_sigma=base.job_speed_sigma if args.job_speed_sigma is None else args.job_speed_sigma,
+            slow_device_share=base.slow_device_share if args.slow_devices is None else args.slow_devices,
+            slow_device_speed=base.slow_device_speed,
+            throttle_every_s=base.throttle_every_s if every_h is None else every_h * 3600.0,
+            throttle_duration_s=base.throttle_duration_s,
+            throttle_speed=base.throttle_speed,
+            link_sharing=base.link_sharing if args.link_sharing is None else args.link_sharing,
+        )
+    except ValueError as exc:
+        raise ValueError(f"hidden truth: {exc}") from None
+    return config, share
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
@@ -303,6 +384,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError("--estimate-bias needs a factor from 0.01 to 100")
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
+    hidden, tasks_per_device = _hidden(args)
     config = SimConfig(
         telemetry=TelemetryConfig(
             interval_s=args.telemetry_interval,
@@ -314,6 +396,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         estimate_sigma=args.estimate_error,
         estimate_bias=args.estimate_bias,
         estimate_limits_h=_limits_h(args.estimate_limits),
+        max_tasks_per_device=tasks_per_device,
+        hidden=hidden,
     )
     return [
         RunSpec(
@@ -327,6 +411,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
             model if policy in GNN_VARIANTS else None,
             args.refresh_rows,
             args.weights,
+            args.profiles,
         )
         for workload in workloads
         for load in (loads if workload in WORKLOADS else [0.0])

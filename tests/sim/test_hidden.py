@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.eval import _hidden, add_arguments
 from hlb.sim.execution import TIME_SHARING_FACTOR, ExecutionModel, shared_uplink_rate
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, Episode, HiddenConfig, HiddenTruth
 from hlb.sim.metrics import compute_metrics
@@ -296,3 +299,27 @@ def test_spread_gangs_crossing_one_uplink_share_it(catalogue: Catalogue) -> None
     assert on[first].finish_s == pytest.approx(t1)
     assert on[second].finish_s == pytest.approx(t1 + (steps - rates[second][1] * t1) / rates[second][0])
     assert on[first].finish_s > alone[first]
+
+
+# -- hlb eval ----------------------------------------------------------------------------------
+
+
+def eval_flags(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_hlb_eval_hidden_turns_every_part_on_and_each_flag_sets_its_own() -> None:
+    assert _hidden(eval_flags()) == (HiddenConfig(), 1)
+    assert _hidden(eval_flags("--hidden")) == (HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS)
+    config, share = _hidden(
+        eval_flags("--hidden", "--job-speed-sigma", "0", "--no-link-sharing", "--share-devices", "1")
+    )
+    assert (config.job_speed_sigma, config.link_sharing, share) == (0.0, False, 1)
+    assert config.slow_device_share == HIDDEN_DEFAULTS.slow_device_share
+    config, share = _hidden(eval_flags("--throttle-every-h", "6", "--slow-devices", "0.1"))
+    assert (config.throttle_every_s, config.slow_device_share, config.job_speed_sigma, share) == (21600.0, 0.1, 0.0, 1)
+    assert math.isinf(_hidden(eval_flags("--hidden", "--throttle-every-h", "inf"))[0].throttle_every_s)
+    with pytest.raises(ValueError, match="slow_device_share"):
+        _hidden(eval_flags("--slow-devices", "2"))
