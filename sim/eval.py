@@ -213,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"every part on: --job-speed-sigma {HIDDEN_DEFAULTS.job_speed_sigma} "
         f"--slow-devices {HIDDEN_DEFAULTS.slow_device_share} "
         f"--throttle-every-h {HIDDEN_DEFAULTS.throttle_every_s / 3600.0:g} --link-sharing "
-        f"--share-devices {SHARED_DEVICE_TASKS}",
+        "(devices stay exclusive: --share-devices changes what the scheduler may do, not what it is told)",
     )
     hidden.add_argument(
         "--job-speed-sigma",
@@ -246,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="K",
         help="up to K tasks per device (the scheduler's max_tasks_per_device), each slowed by "
-        "Gavel's measured co-location pairs (1: no sharing, the default)",
+        f"Gavel's measured co-location pairs (1: no sharing, the default; {SHARED_DEVICE_TASKS} to share)",
     )
 
 
@@ -266,7 +266,7 @@ def _limits_h(text: str) -> tuple[float, ...]:
 def _hidden(args: argparse.Namespace) -> tuple[HiddenConfig, int]:
     """The hidden truth's switches and tasks per device from the flags (``--hidden``: every part on)."""
     base = HIDDEN_DEFAULTS if args.hidden else HiddenConfig()
-    share = args.share_devices if args.share_devices is not None else (SHARED_DEVICE_TASKS if args.hidden else 1)
+    share = args.share_devices if args.share_devices is not None else 1
     if share < 1:
         raise ValueError("--share-devices needs at least 1")
     every_h = args.throttle_every_h

@@ -79,7 +79,8 @@ HIDDEN_DEFAULTS = HiddenConfig(
 """Every part on, at the strengths ``hlb eval --hidden`` uses (``docs/simulator.md`` says why)."""
 
 SHARED_DEVICE_TASKS = 2
-"""Tasks per device (``SimConfig.max_tasks_per_device``) under ``hlb eval --hidden``: co-location on."""
+"""Tasks per device (``SimConfig.max_tasks_per_device``) that ``hlb eval --share-devices`` suggests for
+co-location; ``--hidden`` leaves devices exclusive (sharing changes what the scheduler may do)."""
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,11 @@ def eval_flags(*flags: str) -> argparse.Namespace:
 
 def test_hlb_eval_hidden_turns_every_part_on_and_each_flag_sets_its_own() -> None:
     assert _hidden(eval_flags()) == (HiddenConfig(), 1)
-    assert _hidden(eval_flags("--hidden")) == (HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS)
+    assert _hidden(eval_flags("--hidden")) == (HIDDEN_DEFAULTS, 1)  # the truth hidden, devices exclusive
+    assert _hidden(eval_flags("--hidden", "--share-devices", str(SHARED_DEVICE_TASKS))) == (
+        HIDDEN_DEFAULTS,
+        SHARED_DEVICE_TASKS,
+    )
     config, share = _hidden(
         eval_flags("--hidden", "--job-speed-sigma", "0", "--no-link-sharing", "--share-devices", "1")
     )
