@@ -148,6 +148,35 @@ def _grpc_listen(value: str) -> str:
     return value
 
 
+class LimitsSettings(_Section):
+    """Bounds on what one event or request may hold, each checked before anything changes
+    (``hlb.daemon.state.checks.check_bounds``): by ingest, which sends a record over them to the
+    dead-letter topic (reason ``too_large``, or ``invalid_id`` for an id), and by the gRPC API,
+    which answers INVALID_ARGUMENT naming the field and the limit. Strings count UTF-8 bytes.
+    """
+
+    # Ids: of tasks, devices, hosts, switches, links, dependencies, a started task's devices, the
+    # task id of a GetPlacement or Explain, the candidates of ScoreDevices. At most 256: the graph
+    # refuses longer ids itself.
+    id_bytes: int = Field(256, ge=1, le=256)
+    # Every other string: job_id, workload_class, model and allowed or preferred models, cell,
+    # source, a failure's reason, label keys and values.
+    text_bytes: int = Field(1024, ge=1, le=1024 * 1024)
+    # Entries of one labels map (a task's, a device's, a host's).
+    labels: int = Field(64, ge=0, le=65_536)
+    # Entries of one list: dependencies, allowed kinds, allowed and preferred models, a started
+    # task's device ids (as many as the largest gang, 4,096 devices).
+    list_items: int = Field(4096, ge=1, le=1_048_576)
+    # Device and link reports in one metrics batch.
+    batch_reports: int = Field(100_000, ge=1, le=10_000_000)
+    # Tasks in one PlaceBatch, and candidate devices in one ScoreDevices.
+    batch_tasks: int = Field(10_000, ge=1, le=1_000_000)
+    candidates: int = Field(100_000, ge=1, le=10_000_000)
+    # Telemetry dated further ahead of the daemon's clock is refused (reason clock_skew), as is a
+    # negative time; older telemetry is applied (it cannot move the newest time seen).
+    clock_skew_s: float = Field(3600.0, gt=0, le=365 * 86400)
+
+
 class TlsSettings(_Section):
     """gRPC server TLS: off unless ``cert_file`` and ``key_file`` are set; mutual TLS with a client CA.
 
@@ -376,6 +405,7 @@ class Settings(BaseSettings):
     bus: Literal["kafka", "memory"] = "kafka"
     state_dir: Path = Path(os.environ.get("STATE_DIRECTORY", ".cache/state"))
     kafka: KafkaSettings = KafkaSettings()
+    limits: LimitsSettings = LimitsSettings()
     grpc: GrpcSettings = GrpcSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     log: LogSettings = LogSettings()

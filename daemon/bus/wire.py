@@ -56,6 +56,7 @@ class MetricsColumns:
     reports ``first[i]:first[i] + count[i]``; ``count`` is 0 where not ``ok``). A device id is
     ``buffer[id_start[r]:id_end[r]]`` (bytes, not checked to be UTF-8: look it up among known
     ids). ``health`` holds the enum's number; an absent field reads as protobuf's default.
+    ``text_bytes`` [M]: the longer of each value's ``cell`` and ``source``, in bytes.
     """
 
     ok: Bools
@@ -70,6 +71,7 @@ class MetricsColumns:
     temperature_c: Float64s
     health: Int64s
     buffer: bytes
+    text_bytes: Int64s
 
     def device_ids(self, start: int = 0, stop: int | None = None) -> list[bytes]:
         """The id bytes of reports ``start:stop``."""
@@ -153,6 +155,7 @@ def decode_metrics(values: Sequence[bytes], max_bytes: int) -> MetricsColumns:
     ok &= ~_looks_like_json(values, data, pos, lengths, ok)
 
     strings_ok = np.ones(m, dtype=np.bool_)
+    text_bytes = np.zeros(m, dtype=np.int64)
     event_time = np.zeros(m, dtype=np.int64)
     for tag in (_CELL, _TIME, _SOURCE):  # each optional, in field order
         has = ok & (pos < end) & (data[pos] == tag)
@@ -166,6 +169,7 @@ def decode_metrics(values: Sequence[bytes], max_bytes: int) -> MetricsColumns:
         else:
             body, after, read = reader.delimited(pos, end, has)
             strings_ok[read] &= reader.ascii(body[read], after[read])
+            text_bytes = np.maximum(text_bytes, np.where(read, after - body, 0))
         ok &= ~has | read
         pos = np.where(read, after, pos)
     ok &= strings_ok
@@ -194,6 +198,7 @@ def decode_metrics(values: Sequence[bytes], max_bytes: int) -> MetricsColumns:
         temperature_c=fields.doubles[3][keep],
         health=fields.health[keep],
         buffer=reader.buffer,
+        text_bytes=text_bytes,
     )
 
 

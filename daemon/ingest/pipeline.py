@@ -1,14 +1,15 @@
 """Ingest: records off the bus, decoded, validated and applied to the scheduler, batch by batch.
 
 Each record goes through a pipeline of small steps, one list per topic (``Ingestor.pipelines``):
-decode, validate (a payload; for tasks, no dependency cycle), apply. A step returns the record's
-event or raises ``EventError``. A record that fails goes to the dead-letter topic
-(``hlb.daemon.bus.deadletter``: a copy, cut when too big to publish, with headers naming where it
-came from and why) and is counted by reason; the batch goes on. A dead letter that cannot be
-published is counted and logged (folded), never fatal: the record's offset advances all the
-same, so one record can never stop ingest or be replayed forever. The source's position is
-stored only after the whole batch has been applied, which makes delivery at-least-once; applying
-is idempotent, so a replayed record changes nothing.
+decode, validate (a payload; every string, list and map within the configured limits; for
+telemetry, an event time not ahead of the daemon's clock by more than the allowed skew; for tasks,
+no dependency cycle), apply. A step returns the record's event or raises ``EventError``. A record
+that fails goes to the dead-letter topic (``hlb.daemon.bus.deadletter``: a copy, cut when too big
+to publish, with headers naming where it came from and why) and is counted by reason; the batch
+goes on. A dead letter that cannot be published is counted and logged (folded), never fatal:
+the record's offset advances all the same, so one record can never stop ingest or be replayed
+forever. The source's position is stored only after the whole batch has been applied, which
+makes delivery at-least-once; applying is idempotent, so a replayed record changes nothing.
 
 Ingest changes the graph only through the scheduler's and the graph's own methods
 (``apply_telemetry``, ``apply_task_event``, ``apply_metrics_arrays``); the dependency-cycle step
@@ -17,7 +18,8 @@ is the state stage's ``dependency_cycle``.
 The hot path is metrics. ``hlb.daemon.bus.wire`` reads the device reports of a whole batch from the
 wire format into numpy columns at once, without protobuf objects; a run of consecutive records
 it read is applied to the graph as one vectorized update. Every other record (inventory, tasks,
-and any metrics value the wire decoder leaves to protobuf) goes through the pipeline one at a
+any metrics value the wire decoder leaves to protobuf, and any it read with a time, a string or
+a batch over the limits, which the pipeline then refuses) goes through the pipeline one at a
 time, so the graph sees every event in the order it was consumed. A record in a run that names
 an unknown device goes through the pipeline too (which refuses it); a run the graph refuses (a
 value out of range) is halved until exactly the bad records are dead-lettered and every good one
@@ -41,16 +43,17 @@ from typing import Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 import structlog
+from numpy.typing import NDArray
 
 from hlb.daemon.bus.codec import decode
 from hlb.daemon.bus.deadletter import FALLBACK_BYTES, MAX_MESSAGE_BYTES, dead_letter
 from hlb.daemon.bus.kafkalog import FoldedLog
 from hlb.daemon.bus.seam import EventSource, Publisher, RawEvent
 from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
-from hlb.daemon.config import DEAD_LETTER_MAX_BYTES, Topics
+from hlb.daemon.config import DEAD_LETTER_MAX_BYTES, LimitsSettings, Topics
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import EventError, InvalidEventError
-from hlb.daemon.state.checks import dependency_cycle
+from hlb.daemon.state.checks import check_bounds, check_event_time, dependency_cycle
 from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
@@ -126,6 +129,27 @@ def require_payload(_: RawEvent, event: Event) -> Event:
     return event
 
 
+def bounded(limits: LimitsSettings) -> Step:
+    """Step: every string, list and map of the event within ``limits`` (``check_bounds``)."""
+
+    def check(_: RawEvent, event: Event) -> Event:
+        check_bounds(event, limits)
+        return event
+
+    return check
+
+
+def timely(now_ms: Callable[[], float], max_skew_s: float) -> Step:
+    """Step: the event's time neither negative nor more than ``max_skew_s`` ahead of ``now_ms()``
+    (``check_event_time``), so that no event can hold the graph's newest time in the future."""
+
+    def check(_: RawEvent, event: Event) -> Event:
+        check_event_time(event.event_time_ms, now_ms(), max_skew_s)
+        return event
+
+    return check
+
+
 def no_dependency_cycle(tasks: Callable[[], Mapping[str, Task]]) -> Step:
     """Step: refuse a submitted task whose dependencies, through known tasks, lead back to it."""
 
@@ -156,9 +180,11 @@ class Ingestor:
     """Applies batches from ``source`` to ``scheduler`` under ``lock``; bad records go to ``topics.dlq``.
 
     ``positions``: the next offset of every partition whose records have all been applied (read
-    under ``lock``: a snapshot taken then covers exactly these). ``dead_letter_max_bytes``: a
-    dead letter's copy of a bigger value is cut to this. ``monotonic`` times the folding of
-    repeated failures to publish a dead letter in the log.
+    under ``lock``: a snapshot taken then covers exactly these). ``clock``: the daemon's (the
+    scheduler's when not given). ``limits``: what one event may hold, and how far ahead of
+    ``clock`` a telemetry time may be. ``dead_letter_max_bytes``: a dead letter's copy of a
+    bigger value is cut to this. ``monotonic`` times the folding of repeated failures to publish
+    a dead letter in the log.
     """
 
     def __init__(
@@ -169,8 +195,9 @@ class Ingestor:
         lock: AbstractContextManager[object],
         topics: Topics,
         max_event_bytes: int,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         *,
+        limits: LimitsSettings | None = None,
         dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -183,7 +210,8 @@ class Ingestor:
         self.lock = lock
         self.topics = topics
         self.dlq_topic = topics.dlq
-        self.clock = clock
+        self.clock = clock if clock is not None else scheduler.clock  # the daemon's clock
+        self.limits = limits if limits is not None else LimitsSettings()
         self.dead_letter_max_bytes = dead_letter_max_bytes
         self._log_dead_letter_failure = FoldedLog("dead letter not published", clock=monotonic)
         self._log_dead_letter_cut = FoldedLog("dead letter cut short to be published", clock=monotonic, level="warning")
@@ -194,11 +222,14 @@ class Ingestor:
             topics.telemetry: [
                 decoder(ev.TelemetryEvent, max_event_bytes),
                 require_payload,
+                bounded(self.limits),
+                timely(self.now_ms, self.limits.clock_skew_s),
                 applier(self._apply_telemetry),
             ],
             topics.tasks: [
                 decoder(ev.TaskEvent, max_event_bytes),
                 require_payload,
+                bounded(self.limits),
                 no_dependency_cycle(lambda: scheduler.graph.tasks),
                 applier(scheduler.apply_task_event),
             ],
@@ -211,6 +242,7 @@ class Ingestor:
 
     def run_once(self, max_events: int, timeout_s: float) -> int:
         """Consume, apply and commit one batch; returns the number of records in it."""
+        self._forget_future_times()
         batch = self.source.next_batch(max_events, timeout_s)
         if not batch:
             if self._positioned is not None:
@@ -229,6 +261,22 @@ class Ingestor:
         if placed:
             log.info("placed", count=len(placed), sequence=placed[-1].sequence)
         return len(batch)
+
+    def now_ms(self) -> float:
+        """The daemon's clock in Unix epoch milliseconds."""
+        return self.clock() * 1000
+
+    def _forget_future_times(self) -> None:
+        """Times the graph holds from ahead of the clock by more than the skew (a snapshot from
+        before they were refused, or the clock set back) are forgotten (``forget_times_after``)."""
+        latest_ms = int(self.now_ms() + self.limits.clock_skew_s * 1000)
+        graph = self.scheduler.graph
+        if graph.newest_telemetry_ms <= latest_ms:  # read without the lock: only ingest raises it
+            return
+        with self.lock:
+            newest = graph.newest_telemetry_ms
+            if graph.forget_times_after(latest_ms):
+                log.warning("telemetry times ahead of the clock forgotten", newest_ms=newest, latest_ms=latest_ms)
 
     def _advance_past_markers(self, source: PositionedSource) -> None:
         """Move ``positions`` up to the source's own (the caller holds the lock)."""
@@ -272,7 +320,7 @@ class Ingestor:
 
     def _apply_chunk(self, batch: Sequence[RawEvent], values: list[bytes]) -> None:
         columns = decode_metrics(values, self.max_event_bytes)
-        ok = columns.ok
+        ok = columns.ok & self._within_limits(columns)
         edges = [0, *(np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist(), len(batch)]
         for a, b in itertools.pairwise(edges):  # runs of records the wire decoder read, and the rest
             if a == b:
@@ -282,6 +330,19 @@ class Ingestor:
             else:
                 for record in batch[a:b]:
                     self._apply(record)
+
+    def _within_limits(self, columns: MetricsColumns) -> NDArray[np.bool_]:
+        """Which values may take the fast path: a time not too far ahead of the clock, a cell and
+        source within ``limits.text_bytes``, a batch within ``limits.batch_reports`` (the rest go
+        through the pipeline, which refuses them; device ids are looked up among known ones)."""
+        limits = self.limits
+        latest_ms = self.now_ms() + limits.clock_skew_s * 1000
+        within: NDArray[np.bool_] = (
+            (columns.event_time_ms <= latest_ms)
+            & (columns.text_bytes <= limits.text_bytes)
+            & (columns.count <= limits.batch_reports)
+        )
+        return within
 
     # -- records one at a time -------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 Handlers validate the request, then call the scheduling core under the daemon's lock. A refused
 request changes nothing and gets ``INVALID_ARGUMENT`` naming the field; an unknown task
 ``NOT_FOUND``; a request whose deadline has already passed ``DEADLINE_EXCEEDED`` before any work.
-Sizes are bounded (``MAX_BATCH_TASKS`` tasks per batch, ``MAX_CANDIDATES`` candidate devices,
-``MAX_TOP_K`` explained candidates) on top of the server's message size limit. While the daemon
+Sizes are bounded on top of the server's message size limit: every string, list and map of a
+request by ``SchedulerService.limits`` (``check_bounds``, first of all, so a request over them
+reserves, numbers and records nothing), explained candidates by ``MAX_TOP_K``. While the daemon
 cannot decide soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a
 shutdown), the RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
 (or answers with a placement) waits for ``SchedulerService.durable`` before it answers, and
@@ -25,15 +26,17 @@ import grpc
 import numpy as np
 import structlog
 from google.protobuf.message import DecodeError as ProtobufDecodeError
+from google.protobuf.message import Message
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hlb.daemon.config import TlsSettings
+from hlb.daemon.config import LimitsSettings, TlsSettings
 from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
 from hlb.daemon.errors import InvalidEventError, UnknownTaskError
 from hlb.daemon.serve.interceptors import HandlerWrapper
 from hlb.daemon.serve.tls import server_credentials
+from hlb.daemon.state.checks import check_bounds
 from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
@@ -43,8 +46,6 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAME = api.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
-MAX_BATCH_TASKS = 10_000
-MAX_CANDIDATES = 100_000
 MAX_TOP_K = 1_000
 MAX_EXCLUDED = 100
 
@@ -81,6 +82,15 @@ class SchedulerService(api_grpc.SchedulerServicer):
         # has not caught up; None: served.
         self.refusal: Callable[[], str | None] = lambda: None
         self.durable: Durable = _nothing_to_wait_for
+        # What one request may hold (the settings' ``limits``).
+        self.limits = LimitsSettings()
+
+    async def _check_bounds(self, request: Message, context: grpc.aio.ServicerContext[object, object]) -> None:
+        """INVALID_ARGUMENT naming the first string, list or map of ``request`` over its limit."""
+        try:
+            check_bounds(request, self.limits)
+        except InvalidEventError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _check_serving(self, context: grpc.aio.ServicerContext[object, object]) -> None:
         why = self.refusal()
@@ -99,6 +109,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
     ) -> api.PlaceResponse:
         if not request.HasField("task"):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
+        await self._check_bounds(request, context)
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -118,6 +129,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
     ) -> api.GetPlacementResponse:
         if not request.task_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task_id: required")
+        await self._check_bounds(request, context)
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -141,6 +153,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
             with contextlib.suppress(RuntimeError):  # the loop is closing; the stream ends with it
                 loop.call_soon_threadsafe(wake.set)
 
+        await self._check_bounds(request, context)
         next_sequence = max(1, request.from_sequence)
         with self.lock:
             unsubscribe = self.scheduler.ledger.subscribe(notify)
@@ -161,18 +174,14 @@ class SchedulerService(api_grpc.SchedulerServicer):
     async def GetClusterState(
         self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.ClusterState:
+        await self._check_bounds(request, context)
         with self.lock:
             return cluster_state(self.scheduler, self.staleness_ms())
 
     async def PlaceBatch(
         self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.PlaceBatchResponse:
-        if len(request.tasks) > MAX_BATCH_TASKS:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"tasks: {len(request.tasks)} tasks, at most {MAX_BATCH_TASKS} per batch",
-            )
+        await self._check_bounds(request, context)
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -202,12 +211,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
         if not request.device_ids:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "device_ids: at least one candidate required")
-        if len(request.device_ids) > MAX_CANDIDATES:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"device_ids: {len(request.device_ids)} candidates, at most {MAX_CANDIDATES}",
-            )
+        await self._check_bounds(request, context)
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -225,6 +229,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "target: task_id or task required")
         if request.top_k > MAX_TOP_K:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k: {request.top_k}, at most {MAX_TOP_K}")
+        await self._check_bounds(request, context)
         await self._check_serving(context)
         await _check_deadline(context)
         target: str | ev.TaskSpec = request.task_id if which == "task_id" else request.task

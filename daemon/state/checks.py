@@ -1,20 +1,30 @@
-"""What a valid event looks like, checked before the graph changes: ids, numeric ranges, enum
-values, task specs, and dependency cycles.
+"""What a valid event looks like, checked before the graph changes: sizes, event times, ids,
+numeric ranges, enum values, task specs, and dependency cycles.
 
 Each check raises ``InvalidEventError`` naming the field and the reason, or returns; none
 changes anything. The checks that need the graph's state beyond its known tasks (an unknown
 device, a device still in use, a switch tree that must stay a tree) are the graph's own.
+
+``check_bounds`` is the one place where the size of every string, list and map of an event or a
+request is checked against the configured ``limits`` (ingest and the gRPC API both call it,
+before anything else reads the message); ``check_event_time`` checks a telemetry event's time
+against the daemon's clock.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from numpy.typing import NDArray
 
+from hlb.daemon.config import LimitsSettings
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.state.task import SERVICE_LOAD_LABELS, Task
 from hlb.v1 import events_pb2 as ev
@@ -26,6 +36,176 @@ DEVICE_KINDS = frozenset(ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED} 
 MAX_HEALTH = max(ev.Health.values())
 # proto3 enums are open (any int32 decodes): the values a task spec may name.
 TASK_KINDS = frozenset(int(v) for v in ev.TaskKind.values())
+
+
+# -- sizes and times ------------------------------------------------------------------------------
+
+# Lists whose bound is not ``limits.list_items``, by field.
+_LIST_LIMITS = {
+    "hlb.v1.MetricsBatch.devices": "batch_reports",
+    "hlb.v1.MetricsBatch.links": "batch_reports",
+    "hlb.v1.PlaceBatchRequest.tasks": "batch_tasks",
+    "hlb.v1.ScoreDevicesRequest.device_ids": "candidates",
+}
+# Strings that name an entity (limits.id_bytes); every other string is text (limits.text_bytes).
+_ID_FIELDS = frozenset(
+    {"id", "task_id", "device_id", "host_id", "rack_id", "parent_id", "src_id", "dst_id", "link_id", "device_ids"}
+)
+_SCALAR, _STRING, _MESSAGE, _MAP, _STRINGS, _MESSAGES, _SCALARS = range(7)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """How one field is checked: its shape, the limit (a ``LimitsSettings`` field) on its size or
+    entries, and for strings and lists of strings the limit on each string. ``columns``: for a
+    list of messages whose fields are all scalars or strings (metrics reports), those strings'
+    names and limits, checked a column at a time."""
+
+    shape: int
+    limit: str = ""
+    text: str = ""
+    columns: tuple[tuple[str, str], ...] | None = None
+
+
+_BOUNDS: dict[FieldDescriptor, _Bound] = {}
+
+
+def _bound(field: FieldDescriptor) -> _Bound:
+    """The check of ``field``, from its type and name."""
+    bound = _BOUNDS.get(field)
+    if bound is not None:
+        return bound
+    text = _text_limit(field)
+    is_text = field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+    message_type = field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None
+    is_message = message_type is not None
+    if message_type is not None and message_type.GetOptions().map_entry:
+        bound = _Bound(_MAP, "labels", "text_bytes")
+    elif field.is_repeated:
+        shape = _STRINGS if is_text else _MESSAGES if is_message else _SCALARS
+        columns = _columns(message_type.fields) if message_type is not None else None
+        bound = _Bound(shape, _LIST_LIMITS.get(field.full_name, "list_items"), text, columns)
+    else:
+        bound = _Bound(_STRING, text, text) if is_text else _Bound(_MESSAGE if is_message else _SCALAR)
+    _BOUNDS[field] = bound
+    return bound
+
+
+def _text_limit(field: FieldDescriptor) -> str:
+    return "id_bytes" if field.name in _ID_FIELDS else "text_bytes"
+
+
+def _columns(fields: Sequence[FieldDescriptor]) -> tuple[tuple[str, str], ...] | None:
+    """The string fields of a message with nothing but scalars and singular strings, else None."""
+    strings = []
+    for field in fields:
+        if field.is_repeated or field.type in (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_GROUP):
+            return None
+        if field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
+            strings.append((field.name, _text_limit(field)))
+    return tuple(strings)
+
+
+class _OverLimitError(Exception):
+    """A string, list or map over its limit; ``path`` grows as the walk unwinds."""
+
+    def __init__(self, path: str, size: int, unit: str, limit: str) -> None:
+        super().__init__(path)
+        self.path, self.size, self.unit, self.limit = path, size, unit, limit
+
+    def within(self, parent: str) -> _OverLimitError:
+        self.path = f"{parent}.{self.path}" if self.path[:1] != "[" else f"{parent}{self.path}"
+        return self
+
+
+def _text_bytes(value: str | bytes) -> int:
+    return len(value) if isinstance(value, bytes) or value.isascii() else len(value.encode())
+
+
+def _check_text(value: str | bytes, name: str, limit: str, limits: LimitsSettings) -> None:
+    # bytes >= characters: a string of at most limit ASCII characters needs no encoding
+    if len(value) > getattr(limits, limit) or (not isinstance(value, bytes) and not value.isascii()):
+        size = _text_bytes(value)
+        if size > getattr(limits, limit):
+            raise _OverLimitError(name, size, "bytes", limit)
+
+
+def _walk(message: Message, limits: LimitsSettings) -> None:
+    for field, value in message.ListFields():
+        bound = _bound(field)
+        shape = bound.shape
+        if shape == _SCALAR:
+            continue
+        name = field.name
+        if shape == _STRING:
+            _check_text(value, name, bound.limit, limits)
+            continue
+        if shape == _MESSAGE:
+            try:
+                _walk(value, limits)
+            except _OverLimitError as over:
+                raise over.within(name) from None
+            continue
+        if len(value) > getattr(limits, bound.limit):
+            raise _OverLimitError(name, len(value), "entries", bound.limit)
+        if shape == _MAP:
+            for key, entry in value.items():
+                _check_text(key, f"{name}[{key[:40]!r}] key", bound.text, limits)
+                _check_text(entry, f"{name}[{key[:40]!r}]", bound.text, limits)
+        elif shape == _STRINGS:
+            for i, item in enumerate(value):
+                _check_text(item, f"{name}[{i}]", bound.text, limits)
+        elif shape == _MESSAGES and bound.columns is not None:
+            _check_columns(value, name, bound.columns, limits)
+        elif shape == _MESSAGES:
+            for i, item in enumerate(value):
+                try:
+                    _walk(item, limits)
+                except _OverLimitError as over:
+                    raise over.within(f"{name}[{i}]") from None
+
+
+def _check_columns(
+    items: Sequence[Message], name: str, columns: tuple[tuple[str, str], ...], limits: LimitsSettings
+) -> None:
+    """The strings of flat messages, a column at a time: a column whose longest string has at
+    most a quarter of its limit in characters is within it (UTF-8 takes at most 4 bytes a character)."""
+    for column, limit in columns:
+        longest = max(map(len, map(attrgetter(column), items)), default=0)
+        if longest * 4 > getattr(limits, limit):
+            for i, item in enumerate(items):
+                _check_text(getattr(item, column), f"{name}[{i}].{column}", limit, limits)
+
+
+def check_bounds(message: Message, limits: LimitsSettings, what: str = "") -> None:
+    """Raise ``InvalidEventError`` naming the first string, list or map of ``message`` (an event,
+    a task spec or a request, walked whole) that is over its limit: reason ``invalid_id`` for an
+    id, ``too_large`` for anything else. ``what`` comes before the field's path in the message."""
+    try:
+        _walk(message, limits)
+    except _OverLimitError as over:
+        reason = "invalid_id" if over.limit == "id_bytes" else "too_large"
+        limit = getattr(limits, over.limit)
+        raise InvalidEventError(
+            f"{what}{over.path}: {over.size} {over.unit}, at most {limit} (limits.{over.limit})", reason
+        ) from None
+
+
+def check_event_time(time_ms: int, now_ms: float, max_skew_s: float) -> None:
+    """Refuse an event time (Unix epoch ms; 0: none) that is negative or more than ``max_skew_s``
+    ahead of ``now_ms``, the daemon's clock: reason ``clock_skew``."""
+    if time_ms < 0:
+        raise InvalidEventError(f"event_time_ms={time_ms} is negative", "clock_skew")
+    ahead_s = (time_ms - now_ms) / 1000
+    if ahead_s > max_skew_s:
+        raise InvalidEventError(
+            f"event_time_ms={time_ms} is {ahead_s:.0f} s ahead of the daemon's clock, "
+            f"at most {max_skew_s:g} (limits.clock_skew_s)",
+            "clock_skew",
+        )
+
+
+# -- ids and ranges --------------------------------------------------------------------------------
 
 
 def check_id(value: str, what: str) -> None:

@@ -194,6 +194,20 @@ class InfraGraph:
         """Telemetry of ``event_time_ms`` was applied: ``newest_telemetry_ms`` is at least that."""
         self.newest_telemetry_ms = max(self.newest_telemetry_ms, event_time_ms)
 
+    def forget_times_after(self, limit_ms: int) -> bool:
+        """Forget event times later than ``limit_ms`` (a restored snapshot's, from before times were
+        checked, or the daemon's clock set back), so that they cannot hold staleness at 0: such a
+        device's metrics time becomes 0 (unknown) and ``newest_telemetry_ms`` the newest device
+        time left (0: none). Costs a pass over the devices only when ``newest_telemetry_ms``, the
+        latest of all, is later. Returns whether anything was forgotten."""
+        if self.newest_telemetry_ms <= limit_ms:
+            return False
+        d = self.devices
+        d.metrics_ms[d.metrics_ms > limit_ms] = 0
+        live = d.metrics_ms[d.alive]
+        self.newest_telemetry_ms = int(live.max()) if live.size else 0
+        return True
+
     def _apply_inventory(self, kind: str, event: ev.TelemetryEvent) -> None:
         if kind == "device_upsert":
             self._upsert_device(event.device_upsert)

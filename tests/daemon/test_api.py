@@ -295,3 +295,82 @@ def test_request_bytes_that_do_not_decode_are_invalid_argument(running: Running,
         call_raw(running.channel, method, b"\xff\xff\xff")
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid protobuf message" in (refused.value.details() or "")
+
+
+def test_a_place_over_the_limits_is_refused_before_anything_is_reserved_numbered_or_recorded(
+    running: Running,
+) -> None:
+    huge = ev.TaskSpec(id="huge-job", job_id="j" * 1_000_100, memory_per_device_gb=1)
+    with pytest.raises(grpc.RpcError) as refused:
+        running.stub.Place(api.PlaceRequest(task=huge), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "task.job_id: 1000100 bytes, at most 1024 (limits.text_bytes)"
+    with pytest.raises(grpc.RpcError) as unknown:
+        running.stub.GetPlacement(api.GetPlacementRequest(task_id="huge-job"), timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    topics = running.daemon.settings.kafka.topics
+    assert running.bus.read_all(topics.tasks) == []  # not recorded for a replay either
+    assert running.bus.read_all(topics.placements) == []
+    # Nothing was numbered: the next decision is the first.
+    reply = running.stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="next", memory_per_device_gb=1)), timeout=5)
+    assert reply.placement.sequence == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "says"),
+    [
+        (
+            "PlaceBatch",
+            api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="ok"), ev.TaskSpec(id="b", labels={"k": "v" * 1025})]),
+            "tasks[1].labels['k']: 1025 bytes, at most 1024 (limits.text_bytes)",
+        ),
+        (
+            "PlaceBatch",
+            api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="d", dependencies=[ev.Dependency(task_id="x" * 300)])]),
+            "tasks[0].dependencies[0].task_id: 300 bytes, at most 256 (limits.id_bytes)",
+        ),
+        (
+            "Place",
+            api.PlaceRequest(task=ev.TaskSpec(id="m", allowed_models=["m"] * 4097)),
+            "task.allowed_models: 4097 entries, at most 4096 (limits.list_items)",
+        ),
+        (
+            "Place",
+            api.PlaceRequest(task=ev.TaskSpec(id="c"), cell="c" * 1025),
+            "cell: 1025 bytes, at most 1024 (limits.text_bytes)",
+        ),
+        (
+            "ScoreDevices",
+            api.ScoreDevicesRequest(task=ev.TaskSpec(id="s"), device_ids=["gpu-0", "x" * 257]),
+            "device_ids[1]: 257 bytes, at most 256 (limits.id_bytes)",
+        ),
+        (
+            "Explain",
+            api.ExplainRequest(task_id="x" * 1_000_000),
+            "task_id: 1000000 bytes, at most 256 (limits.id_bytes)",
+        ),
+        (
+            "GetPlacement",
+            api.GetPlacementRequest(task_id="x" * 257),
+            "task_id: 257 bytes, at most 256 (limits.id_bytes)",
+        ),
+        ("GetClusterState", api.GetClusterStateRequest(cell="c" * 2000), "cell: 2000 bytes"),
+    ],
+)
+def test_every_request_over_the_limits_is_invalid_argument_naming_field_and_limit(
+    running: Running, method: str, request_: Any, says: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        getattr(running.stub, method)(request_, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in (refused.value.details() or "")
+    state = running.stub.GetClusterState(api.GetClusterStateRequest(), timeout=5)
+    assert (state.pending_tasks, state.running_tasks, state.last_sequence) == (0, 0, 0)
+
+
+def test_watch_placements_with_a_cell_over_the_limit_is_invalid_argument(running: Running) -> None:
+    stream = running.stub.WatchPlacements(api.WatchPlacementsRequest(cell="c" * 1025), timeout=5)
+    with pytest.raises(grpc.RpcError) as refused:
+        next(iter(stream))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cell: 1025 bytes" in (refused.value.details() or "")

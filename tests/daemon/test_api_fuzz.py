@@ -100,6 +100,9 @@ def server() -> Iterator[Server]:
 # -- strategies ------------------------------------------------------------------------------
 
 texts = st.text(st.characters(codec="utf-8"), max_size=40)
+# Over the default limits (limits.text_bytes 1024, limits.labels 64): refused, whatever else the request holds.
+long_texts = st.sampled_from(["t" * 1025, "\u00e9" * 513])
+too_many_labels = st.just({f"k{i}": "v" for i in range(65)})
 ids = st.one_of(
     st.sampled_from([f"f{i}" for i in range(12)]),  # shared ids: repeats and clashes with other specs
     st.sampled_from(["", " ", "x" * 256, "x" * 257]),
@@ -117,9 +120,9 @@ models = st.one_of(st.sampled_from(sorted({d.model for d in DEVICES.values()})),
 def task_specs(draw: st.DrawFn) -> ev.TaskSpec:
     return ev.TaskSpec(
         id=draw(ids),
-        job_id=draw(texts),
+        job_id=draw(st.one_of(texts, long_texts)),
         kind=ev.TaskKind.ValueType(draw(st.one_of(st.sampled_from(list(ev.TaskKind.values())), st.integers(*INT32)))),
-        workload_class=draw(texts),
+        workload_class=draw(st.one_of(texts, long_texts)),
         num_devices=draw(st.one_of(st.integers(0, 6), st.integers(*UINT32))),
         memory_per_device_gb=draw(numbers),
         work_ref_s=draw(numbers),
@@ -130,7 +133,7 @@ def task_specs(draw: st.DrawFn) -> ev.TaskSpec:
         deadline_ms=draw(st.integers(*INT64)),
         latency_slo_ms=draw(numbers),
         dependencies=draw(st.lists(st.builds(ev.Dependency, task_id=ids, transfer_gb=numbers), max_size=2)),
-        labels=draw(st.dictionaries(texts, texts, max_size=2)),
+        labels=draw(st.one_of(st.dictionaries(texts, st.one_of(texts, long_texts), max_size=2), too_many_labels)),
         submit_time_ms=draw(st.integers(*INT64)),
     )
 
@@ -147,6 +150,17 @@ def call(method: Callable[..., Any], request: Any, timeout_s: float = 10.0) -> t
 
 def assert_well_formed(code: grpc.StatusCode, details: Any) -> None:
     assert code in ALLOWED, f"{code}: {details}"
+
+
+def over_limits(spec: ev.TaskSpec) -> bool:
+    """Whether a string or map of ``spec`` is over the default limits (ids 256 bytes, other
+    strings 1024, 64 labels)."""
+    texts = [spec.job_id, spec.workload_class, *spec.labels, *spec.labels.values()]
+    texts += [*spec.allowed_models, *spec.preferred_models]
+    ids = [spec.id, *(d.task_id for d in spec.dependencies)]
+    return (
+        len(spec.labels) > 64 or any(len(t.encode()) > 1024 for t in texts) or any(len(i.encode()) > 256 for i in ids)
+    )
 
 
 def assert_feasible(spec: ev.TaskSpec, placement: ev.Placement) -> None:
@@ -171,6 +185,8 @@ def test_place_fuzzed(server: Server) -> None:
         before = server.snapshot()
         code, reply = call(server.stub.Place, request)
         assert_well_formed(code, reply)
+        if task is not None and over_limits(task):
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"a task over the limits got {code}"
         if code != grpc.StatusCode.OK or dry_run:
             assert server.snapshot() == before, f"refused or dry-run Place changed the state ({code})"
         if code == grpc.StatusCode.OK and task is not None and reply.HasField("placement"):
@@ -274,6 +290,8 @@ def test_place_batch_fuzzed(server: Server) -> None:
         before = server.snapshot()
         code, reply = call(server.stub.PlaceBatch, api.PlaceBatchRequest(tasks=tasks, dry_run=dry_run))
         assert_well_formed(code, reply)
+        if any(map(over_limits, tasks)):
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"a batch with a task over the limits got {code}"
         if code != grpc.StatusCode.OK or dry_run:
             assert server.snapshot() == before, f"refused or dry-run PlaceBatch changed the state ({code})"
         if code == grpc.StatusCode.OK:

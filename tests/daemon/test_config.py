@@ -248,6 +248,25 @@ def test_malformed_json_in_an_environment_variable_names_the_variable_not_the_fi
     assert "s3cr3t" not in message
 
 
+def test_every_limit_has_a_default_documented_in_config_yaml() -> None:
+    from hlb.daemon.config import LimitsSettings
+
+    shipped = load_settings(REPO / "config.yaml")
+    assert shipped.limits == LimitsSettings() == load_settings(None).limits
+    text = (REPO / "config.yaml").read_text()
+    for name, value in LimitsSettings().model_dump().items():
+        assert f"  {name}: {value:g}" in text, f"limits.{name} is not documented with its default"
+    assert shipped.limits.text_bytes == 1024
+    assert shipped.kafka.dead_letter_max_bytes == 1_000_000
+
+
+def test_a_limit_out_of_its_range_names_its_key(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("limits:\n  id_bytes: 300\n")  # the graph refuses ids over 256 bytes itself
+    with pytest.raises(ConfigError, match=r"limits\.id_bytes"):
+        load_settings(config)
+
+
 def test_the_producer_limit_fits_every_accepted_event_and_dead_letter_and_the_consumers_fetch_it() -> None:
     from hlb.daemon.bus.kafka import KafkaSource
 

@@ -366,3 +366,20 @@ def test_a_new_task_no_known_task_depends_on_closes_no_cycle_without_a_walk_up_i
         graph.add_task(back, "c")
     graph.drop_task("a")  # forgotten: nothing names b any more
     assert graph.dependency_cycle(back) == []
+
+
+def test_times_later_than_a_limit_are_forgotten_and_the_newest_is_the_latest_left() -> None:
+    graph = InfraGraph()
+    for i in range(3):
+        graph.apply_telemetry(upsert(f"d{i}", "h0"))
+    for i, time_ms in enumerate((1000, 2000, 9_000_000)):
+        report = ev.DeviceMetrics(device_id=f"d{i}", utilization=0.5)
+        graph.apply_telemetry(ev.TelemetryEvent(event_time_ms=time_ms, device_metrics=report))
+    assert graph.newest_telemetry_ms == 9_000_000
+    assert not graph.forget_times_after(9_000_000)  # nothing later: nothing changes
+    assert graph.forget_times_after(5000)
+    assert list(graph.devices.metrics_ms[:3]) == [1000, 2000, 0]
+    assert graph.newest_telemetry_ms == 2000
+    assert graph.devices.utilization[2] == 0.5  # the report itself stays
+    assert graph.forget_times_after(0)
+    assert graph.newest_telemetry_ms == 0  # nothing left: as before any telemetry

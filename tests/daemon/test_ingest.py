@@ -1,4 +1,4 @@
-"""Ingest over the in-memory bus: decode (protobuf or JSON), apply, dead-letter, commit after apply."""
+"""Ingest over the in-memory bus: decode (protobuf or JSON), bound, apply, dead-letter, commit after apply."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from hlb.daemon.bus.kafka import parse_lag
 from hlb.daemon.bus.seam import MemoryBus
-from hlb.daemon.config import Topics
+from hlb.daemon.config import LimitsSettings, Topics
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.ingest.pipeline import Ingestor, drain
@@ -280,3 +281,181 @@ def test_a_dead_letter_keeps_at_most_dead_letter_max_bytes_of_the_record() -> No
     assert dict(cut.headers)["hlb.source.size"] == b"5000"
     assert whole.value == b"\xff" * 2048
     assert "hlb.dlq.truncated" not in dict(whole.headers)
+
+
+# -- bounded input: every string, list and map ------------------------------------------------------
+
+
+def over_limits() -> list[tuple[str, bytes, str, str]]:
+    """(topic, record, reason, what the message names) for one field over each kind of limit."""
+    labels = {f"k{i}": "v" for i in range(65)}
+    tasks = [
+        (task_event("t", job_id="j" * 1_000_100), "too_large", "submitted.job_id: 1000100 bytes, at most 1024"),
+        (task_event("t", workload_class="w" * 1025), "too_large", "submitted.workload_class: 1025 bytes"),
+        (task_event("t", labels=labels), "too_large", "submitted.labels: 65 entries, at most 64 (limits.labels)"),
+        (task_event("t", labels={"k": "\u00e9" * 513}), "too_large", "submitted.labels['k']: 1026 bytes"),
+        (task_event("t", labels={"k" * 1025: "v"}), "too_large", f"submitted.labels['{'k' * 40}'] key: 1025 bytes"),
+        (task_event("t", allowed_models=["m"] * 4097), "too_large", "submitted.allowed_models: 4097 entries"),
+        (task_event("t", preferred_models=["m", "m" * 2000]), "too_large", "submitted.preferred_models[1]: 2000"),
+        (task_event("t", allowed_kinds=[1] * 4097), "too_large", "submitted.allowed_kinds: 4097 entries, at most 4096"),
+        (
+            task_event("t", dependencies=[ev.Dependency(task_id="x" * 257)]),
+            "invalid_id",
+            "submitted.dependencies[0].task_id: 257 bytes, at most 256 (limits.id_bytes)",
+        ),
+        (
+            ev.TaskEvent(cell="c" * 2000, submitted=ev.TaskSpec(id="t")).SerializeToString(),
+            "too_large",
+            "cell: 2000 bytes",
+        ),
+        (
+            ev.TaskEvent(failed=ev.TaskFailed(task_id="t", reason="r" * 5000)).SerializeToString(),
+            "too_large",
+            "failed.reason: 5000 bytes",
+        ),
+        (
+            ev.TaskEvent(started=ev.TaskStarted(task_id="t", device_ids=["d0"] * 4097)).SerializeToString(),
+            "too_large",
+            "started.device_ids: 4097 entries",
+        ),
+    ]
+    big_device = ev.Device(id="d9", host_id="h0", kind=ev.DEVICE_KIND_GPU, memory_gb=16, model="m" * 1025)
+    telemetry_events = [
+        (telemetry(device_upsert=big_device), "too_large", "device_upsert.model: 1025 bytes"),
+        (telemetry(device_upsert=ev.Device(id="d" * 300, host_id="h0")), "invalid_id", "device_upsert.id: 300 bytes"),
+        (telemetry(host_upsert=ev.Host(id="h1", labels=labels)), "too_large", "host_upsert.labels: 65 entries"),
+        (telemetry(link_upsert=ev.Link(id="l", src_id="s" * 257, dst_id="d0")), "invalid_id", "link_upsert.src_id"),
+        (  # read by the wire decoder: the fast path must refuse it too
+            ev.TelemetryEvent(cell="c", source="s" * 2000, metrics_batch=metrics(("d0", 0.5))).SerializeToString(),
+            "too_large",
+            "source: 2000 bytes",
+        ),
+        (
+            ev.TelemetryEvent(cell="c" * 1025, device_metrics=ev.DeviceMetrics(device_id="d0")).SerializeToString(),
+            "too_large",
+            "cell: 1025 bytes",
+        ),
+        (
+            telemetry(metrics_batch=metrics(*[("d0", 0.5)] * 3)),
+            "too_large",
+            "metrics_batch.devices: 3 entries, at most 2 (limits.batch_reports)",
+        ),
+    ]
+    return [(TOPICS.tasks, *t) for t in tasks] + [(TOPICS.telemetry, *t) for t in telemetry_events]
+
+
+@pytest.mark.parametrize(
+    ("topic", "record", "reason", "names"),
+    [pytest.param(*case, id=case[3].split(":")[0].replace("k" * 40, "k...")) for case in over_limits()],
+)
+def test_a_string_list_or_map_over_its_limit_goes_to_the_dead_letter_topic_naming_field_and_limit(
+    topic: str, record: bytes, reason: str, names: str
+) -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, max_event_bytes=2 << 20, limits=LimitsSettings(batch_reports=2))
+    publish(bus, TOPICS.telemetry, DEVICE)
+    drain(ingestor)
+    graph = ingestor.scheduler.graph
+    before = (graph.version, graph.metrics_version, dict(graph.tasks), float(graph.devices.utilization[0]))
+    publish(bus, topic, record)
+    drain(ingestor)
+    assert ingestor.stats.rejected == {reason: 1}
+    [dead] = bus.read_all(TOPICS.dlq)
+    assert dict(dead.headers)["hlb.error.reason"] == reason.encode()
+    assert names in dict(dead.headers)["hlb.error.message"].decode()
+    after = (graph.version, graph.metrics_version, dict(graph.tasks), float(graph.devices.utilization[0]))
+    assert after == before, "a record over the limits changed the graph"
+    assert ingestor.scheduler.ledger.last_sequence == 0
+
+
+def test_events_at_the_limits_are_applied() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, max_event_bytes=1 << 20)
+    spec = ev.TaskSpec(
+        id="x" * 256,
+        job_id="j" * 1024,
+        labels={f"k{i}": "\u00e9" * 512 for i in range(64)},  # 1024 bytes each
+        allowed_models=[f"m{i}" for i in range(4096)],
+        memory_per_device_gb=1,
+    )
+    publish(bus, TOPICS.tasks, ev.TaskEvent(cell="c" * 1024, submitted=spec).SerializeToString())
+    drain(ingestor)
+    assert ingestor.stats.rejected == {}
+    assert "x" * 256 in ingestor.scheduler.graph.tasks
+
+
+# -- event times -----------------------------------------------------------------------------------
+
+NOW_S = 1_800_000_000.0
+NOW_MS = int(NOW_S * 1000)
+YEAR_3000_MS = 32_503_680_000_000
+
+
+def test_telemetry_dated_ahead_of_the_clock_is_refused_so_staleness_keeps_growing() -> None:
+    bus = MemoryBus()
+    now = [NOW_S]
+    ingestor = make_ingestor(bus, clock=lambda: now[0])
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS, device_upsert=device("d0")))
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS, metrics_batch=metrics(("d0", 0.2))))
+    ingestor.run_once(10, 0.0)
+    now[0] += 5
+    publish(bus, TOPICS.telemetry, telemetry(YEAR_3000_MS, metrics_batch=metrics(("d0", 0.9))))  # the wire path
+    publish(bus, TOPICS.telemetry, telemetry(YEAR_3000_MS, device_metrics=ev.DeviceMetrics(device_id="d0")))
+    publish(bus, TOPICS.telemetry, telemetry(YEAR_3000_MS, device_upsert=device("d1")))  # the protobuf path
+    publish(bus, TOPICS.telemetry, telemetry(-1, device_upsert=device("d2")))
+    ingestor.run_once(10, 0.0)
+    now[0] += 5
+    publish(bus, TOPICS.tasks, task_event("t"))  # any batch measures staleness
+    ingestor.run_once(10, 0.0)
+
+    assert list(ingestor.stats.staleness_ms) == [0.0, 5000.0, 10000.0]
+    assert ingestor.stats.rejected == {"clock_skew": 4}
+    dead = [dict(r.headers) for r in bus.read_all(TOPICS.dlq)]
+    assert b"ahead of the daemon's clock, at most 3600 (limits.clock_skew_s)" in dead[0]["hlb.error.message"]
+    assert dead[3]["hlb.error.message"] == b"event_time_ms=-1 is negative"
+    graph = ingestor.scheduler.graph
+    assert graph.newest_telemetry_ms == NOW_MS
+    assert graph.devices.utilization[graph.devices.index["d0"]] == 0.2
+    assert set(graph.devices.index) == {"d0"}
+
+
+def test_telemetry_within_the_skew_and_from_the_past_is_applied() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, clock=lambda: NOW_S)
+    publish(bus, TOPICS.telemetry, telemetry(1000, device_upsert=device("d0")))  # long ago: applied
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS + 3_599_000, metrics_batch=metrics(("d0", 0.3))))
+    publish(
+        bus, TOPICS.tasks, ev.TaskEvent(event_time_ms=YEAR_3000_MS, submitted=ev.TaskSpec(id="t")).SerializeToString()
+    )
+    drain(ingestor)
+    assert ingestor.stats.rejected == {}  # a task event's time is not used: not checked
+    assert ingestor.scheduler.graph.newest_telemetry_ms == NOW_MS + 3_599_000
+
+
+def test_a_snapshot_after_a_refused_time_from_the_future_does_not_hold_it() -> None:
+    from hlb.daemon.record import snapshot
+
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, clock=lambda: NOW_S)
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS, device_upsert=device("d0")))
+    publish(bus, TOPICS.telemetry, telemetry(YEAR_3000_MS, metrics_batch=metrics(("d0", 0.9))))
+    drain(ingestor)
+    restored = snapshot.restore_state(snapshot.state_arrays(ingestor.scheduler, ingestor.positions)).graph
+    assert restored.newest_telemetry_ms == NOW_MS
+    assert int(restored.devices.metrics_ms.max()) <= NOW_MS
+
+
+def test_times_from_the_future_in_a_restored_graph_are_forgotten_before_the_next_batch() -> None:
+    bus = MemoryBus()
+    ingestor = make_ingestor(bus, clock=lambda: NOW_S)
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS - 2000, device_upsert=device("d0")))
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS - 1000, device_upsert=device("d1")))
+    publish(bus, TOPICS.telemetry, telemetry(NOW_MS - 1000, metrics_batch=metrics(("d0", 0.1), ("d1", 0.1))))
+    drain(ingestor)
+    graph = ingestor.scheduler.graph
+    # As a snapshot written before times were checked would hold them:
+    graph.devices.metrics_ms[graph.devices.index["d1"]] = YEAR_3000_MS
+    graph.newest_telemetry_ms = YEAR_3000_MS
+    ingestor.run_once(10, 0.0)  # nothing to consume: the times are forgotten all the same
+    assert graph.newest_telemetry_ms == NOW_MS - 1000
+    assert graph.devices.metrics_ms[graph.devices.index["d1"]] == 0
