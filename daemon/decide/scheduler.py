@@ -505,6 +505,45 @@ class Scheduler:
                 return f"waiting for dependency {dep.task_id} ({state.label})"
         return None
 
+    # -- taking back decisions that could not be made durable ----------------------------------
+
+    def unplace(self, placement: ev.Placement, reason: str) -> bool:
+        """Take back ``placement`` (its record never became durable): the task's devices are free
+        again and it is queued again, pending for ``reason``. False, changing nothing, when the
+        placement is not the task's current one or the task has started on it."""
+        task_id = placement.task_id
+        recorded = self.ledger.get(task_id)
+        task = self.graph.tasks.get(task_id)
+        if recorded is None or recorded.sequence != placement.sequence or task is None:
+            return False  # gone already (a task cancelled and forgotten meanwhile)
+        if task.state != TaskState.PLACED:
+            return False
+        self.ledger.forget([task_id])
+        self.device_waits.ended(self.graph, task)  # its expected end no longer counts on its devices
+        self.graph.unbind(task)
+        task.pending_reason = reason
+        self.queue.add(task, self.graph, self.policy)
+        self._dirty = True  # decided afresh at the next pass
+        return True
+
+    def withdraw_submission(self, task_id: str) -> bool:
+        """Forget a task whose submission never became durable, as if it never came. False, changing
+        nothing, when it holds devices (placed by a decision that is durable)."""
+        task = self.graph.tasks.get(task_id)
+        if task is None or task.state.holds_devices:
+            return False
+        self.queue.remove(task_id)
+        self._arrived.pop(task_id, None)
+        self.device_waits.stop(task_id)
+        if not task.state.is_final:  # an ended task stopped holding its dependencies when it ended
+            self.ended.count_dependents(task.spec, -1)
+        self.graph.drop_task(task_id)
+        return True
+
+    def reconsider(self) -> None:
+        """Have the next pass try every queued task again."""
+        self._dirty = True
+
     # -- forgetting ended tasks (hlb.daemon.decide.forgetting) -------------------------------
 
     def _task_ended(self, task: Task) -> None:

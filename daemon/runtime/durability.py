@@ -25,7 +25,6 @@ import structlog
 from hlb.daemon.config import Topics
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.record.journal import JournalRecord
-from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -56,62 +55,19 @@ def withdraw_decisions(scheduler: Scheduler, records: Sequence[JournalRecord], t
                 submitted.append(event.submitted.id)
     done = Withdrawn()
     for placement in reversed(placements):
-        (done.placements if _unplace(scheduler, placement) else done.kept).append(placement.task_id)
+        undone = scheduler.unplace(placement, WITHDRAWN_REASON)
+        if not undone and scheduler.graph.tasks.get(placement.task_id) is not None:
+            log.error("a withdrawn placement was acted on already; it stays", task_id=placement.task_id)
+        (done.placements if undone else done.kept).append(placement.task_id)
     for task_id in reversed(submitted):
-        if _drop(scheduler, task_id):
+        if scheduler.withdraw_submission(task_id):
             done.submissions.append(task_id)
+        elif task_id in scheduler.graph.tasks:
+            log.error("a withdrawn submission's task holds devices; it stays", task_id=task_id)
     done.placements.reverse()
     done.kept.reverse()
     done.submissions.reverse()
     return done
-
-
-def _unplace(scheduler: Scheduler, placement: ev.Placement) -> bool:
-    """Take back ``placement``: the task's devices are free again and it is queued again."""
-    task_id = placement.task_id
-    recorded = scheduler.ledger.get(task_id)
-    graph = scheduler.graph
-    task = graph.tasks.get(task_id)
-    if recorded is None or recorded.sequence != placement.sequence or task is None:
-        return False  # gone already (a task cancelled and forgotten meanwhile)
-    if task.state != TaskState.PLACED:
-        log.error("a withdrawn placement was acted on already; it stays", task_id=task_id, state=task.state.label)
-        return False
-    scheduler.ledger.forget([task_id])
-    scheduler.device_waits.ended(graph, task)  # its expected end no longer counts on its devices
-    graph.release(task, TaskState.PENDING)
-    task.device_rows, task.device_ids = (), ()
-    if task.row >= 0:
-        graph.task_table.hold(task.row, ())
-    task.pending_reason = WITHDRAWN_REASON
-    scheduler.queue.add(task, graph, scheduler.policy)
-    return True
-
-
-def _drop(scheduler: Scheduler, task_id: str) -> bool:
-    """Forget a task whose submission (through the API) was withdrawn, as if it never came."""
-    graph = scheduler.graph
-    task = graph.tasks.get(task_id)
-    if task is None:
-        return False
-    if task.state.holds_devices:  # placed by a record that was committed: not this submission's to undo
-        log.error("a withdrawn submission's task holds devices; it stays", task_id=task_id)
-        return False
-    scheduler.queue.remove(task_id)
-    scheduler.device_waits.stop(task_id)
-    if not task.state.is_final:  # an ended task stopped holding its dependencies when it ended
-        scheduler.ended.count_dependents(task.spec, -1)
-    if task.row >= 0:
-        graph.task_table.remove(task_id)
-        task.row = -1
-    del graph.tasks[task_id]
-    return True
-
-
-def reconsider_queue(scheduler: Scheduler) -> None:
-    """Have the next pass look at the whole queue again (the journal takes decisions again: the
-    tasks queued again while it did not are decided now, not at the next change of the graph)."""
-    scheduler._dirty = True
 
 
 class FailureEpisode:

@@ -483,8 +483,12 @@ class InfraGraph:
         return dependency_cycle(spec, self.tasks, self._dependency_targets)
 
     def drop_task(self, task_id: str) -> Task:
-        """Forget an ended task: out of ``tasks`` and of the dependency index."""
+        """Forget a task (an ended one, or one whose submission is withdrawn): out of ``tasks``, its
+        task table row and the dependency index."""
         task = self.tasks.pop(task_id)
+        if task.row >= 0:
+            self.task_table.remove(task_id)
+            task.row = -1
         targets = self._dependency_targets
         if targets is not None:
             for dep in task.spec.dependencies:
@@ -566,6 +570,13 @@ class InfraGraph:
                         d.utilization[row] = 0.0
         self._set_state(task, final_state)
         self.changes += len(task.device_rows)
+
+    def unbind(self, task: Task) -> None:
+        """Take back a placed task's devices (its placement was withdrawn): pending again, unbound."""
+        self.release(task, TaskState.PENDING)
+        task.device_rows, task.device_ids = (), ()
+        if task.row >= 0:
+            self.task_table.hold(task.row, ())
 
     def _set_state(self, task: Task, state: TaskState) -> None:
         task.state = state

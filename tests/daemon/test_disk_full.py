@@ -25,7 +25,7 @@ from hlb.daemon.record.snapshot import FileSnapshotStore
 from hlb.daemon.record.statedump import canonical_state
 from hlb.daemon.runtime import daemon as daemon_module
 from hlb.daemon.runtime.daemon import Daemon
-from hlb.daemon.runtime.durability import WITHDRAWN_REASON, reconsider_queue, withdraw_decisions
+from hlb.daemon.runtime.durability import WITHDRAWN_REASON, withdraw_decisions
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.sim.agent import inventory_events
@@ -271,7 +271,7 @@ def test_withdrawing_placements_gives_their_devices_back_and_queues_their_tasks_
     before["ledger"] = after["ledger"]
     assert after == before
     assert {scheduler.graph.tasks[f"t{i}"].pending_reason for i in range(3)} == {WITHDRAWN_REASON}
-    reconsider_queue(scheduler)
+    scheduler.reconsider()
     again = scheduler.schedule_pending()
     assert [(p.task_id, p.sequence) for p in again] == [("t0", 4), ("t1", 5), ("t2", 6)]
     journal.ticket()
