@@ -321,9 +321,9 @@ class SchedulerSettings(_Section):
     # A preset (hlb.daemon.decide.presets): a baseline scorer alone; "rules": hetero-greedy with the
     # rules below; "gnn": the model of the `model` section with the same rules, falling back to
     # plain hetero-greedy while the model cannot decide.
-    policy: Literal["random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "rules", "gnn"] = (
-        "gnn"
-    )
+    policy: Literal[
+        "random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "rules", "rules-table", "gnn"
+    ] = "gnn"
     rules: RulesSettings = RulesSettings()
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()
     seed: int = Field(0, ge=0, description="seed of the random policy")
@@ -336,6 +336,12 @@ class SchedulerSettings(_Section):
     # a dependency on it resolves and a submission reusing its id is refused.
     keep_ended_s: float = Field(3600.0, ge=0, le=365 * 86400)
     remember_ended: int = Field(200_000, ge=0, le=100_000_000)
+    # Queued tasks at most; a new task beyond is refused (gRPC RESOURCE_EXHAUSTED, dead-letter reason
+    # queue_full). About 2 KB of memory each (hlb bench queue). 0: no bound.
+    max_pending: int = Field(1_000_000, ge=0, le=100_000_000)
+    # What the policies are told of device speeds: exact (per workload class, gang and placement: the
+    # shipped profiles, measured), coarse (one speed per model) or nameplate (peak TFLOPS alone).
+    profiles: Literal["exact", "coarse", "nameplate"] = "exact"
 
     @field_validator("keep_ended_s")
     @classmethod

@@ -106,7 +106,16 @@ class Shard(Daemon):
         kafka = self.settings.kafka
         source = self.bus.source(inputs, kafka.group_id, start)
         dead_letters = CountingPublisher(self.raw_publisher, kafka.topics.dlq, self.metrics)
-        ingestor = Ingestor(source, dead_letters, self.scheduler, self.lock, kafka.topics, kafka.max_event_bytes)
+        ingestor = Ingestor(
+            source,
+            dead_letters,
+            self.scheduler,
+            self.lock,
+            kafka.topics,
+            kafka.max_event_bytes,
+            limits=self.settings.limits,
+            dead_letter_max_bytes=kafka.dead_letter_max_bytes,
+        )
         ingestor.admit = self._admit
         ingestor.pipelines[kafka.topics.tasks].insert(1, self._same_cell)
         self._ingestor = ingestor

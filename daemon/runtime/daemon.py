@@ -50,7 +50,7 @@ from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
 from hlb.daemon.record.journal import PROBE_BYTES, AnswerGate, JournaledPublisher, JournalFile, NotDurableError
 from hlb.daemon.record.statedump import canonical_state, write_dump
-from hlb.daemon.runtime.durability import FailureEpisode, describe, reconsider_queue, withdraw_decisions
+from hlb.daemon.runtime.durability import FailureEpisode, describe, withdraw_decisions
 from hlb.daemon.runtime.metrics import (
     DaemonMetrics,
     MetricsServer,
@@ -149,6 +149,7 @@ class Daemon:
             clock,
             keep_ended_s=settings.scheduler.keep_ended_s,
             remember_ended=settings.scheduler.remember_ended,
+            max_pending=settings.scheduler.max_pending,
         )
         self.raw_publisher = bus.publisher()
         self.decisions = DecisionPublisher(
@@ -352,7 +353,7 @@ class Daemon:
             await self._journal_failed(exc)  # counted, not logged again; what ingest decided is undone
             return
         with self.lock:
-            reconsider_queue(self.scheduler)  # the tasks queued again are decided now
+            self.scheduler.reconsider()  # the tasks queued again are decided now
         self.journal_writable = True
         self._journal_trouble.ended()
         await self._publish_health()
@@ -473,8 +474,16 @@ class Daemon:
         source = self.bus.source(inputs, self.settings.kafka.group_id, start)
         # Dead letters and mirrored inventory are no decisions: they bypass the journal.
         dead_letters = CountingPublisher(self.raw_publisher, topics.dlq, self.metrics)
+        kafka = self.settings.kafka
         self._ingestor = Ingestor(
-            source, dead_letters, self.scheduler, self.lock, topics, self.settings.kafka.max_event_bytes
+            source,
+            dead_letters,
+            self.scheduler,
+            self.lock,
+            topics,
+            kafka.max_event_bytes,
+            limits=self.settings.limits,
+            dead_letter_max_bytes=kafka.dead_letter_max_bytes,
         )
         ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
         self.ingest = ingest
@@ -514,6 +523,7 @@ class Daemon:
         service.staleness_ms = self.staleness_ms
         service.refusal = self.refusal
         service.durable = self.durable
+        service.limits = self.settings.limits
         return service
 
     async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:

@@ -14,6 +14,7 @@ from hlb.daemon.config import ModelSettings, Settings
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import profiles_of
 
 # Called with the reason each time the GNN's fallback decides (``DaemonMetrics.record_fallback``).
 OnFallback = Callable[[str], None]
@@ -30,6 +31,7 @@ def build_policy(settings: Settings, on_fallback: OnFallback) -> Policy:
         rules=s.rules,
         mode=None,
         on_fallback=on_fallback,
+        profiles=profiles_of(s.profiles),
     )
 
 

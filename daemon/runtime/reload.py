@@ -116,6 +116,7 @@ def scheduler_reloader(scheduler: Scheduler, lock: threading.RLock, on_fallback:
             old, scheduler.policy = scheduler.policy, policy
             scheduler.keep_ended_s = new.scheduler.keep_ended_s
             scheduler.remember_ended = new.scheduler.remember_ended
+            scheduler.max_pending = new.scheduler.max_pending
         stop_policy(old)
 
     return reload_scheduler

@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hlb.daemon.config import LimitsSettings, TlsSettings
 from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
-from hlb.daemon.errors import InvalidEventError, UnknownTaskError
+from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
 from hlb.daemon.serve.interceptors import HandlerWrapper
 from hlb.daemon.serve.tls import server_credentials
 from hlb.daemon.state.checks import check_bounds
@@ -58,6 +58,11 @@ Durable = Callable[[], Awaitable[None]]
 
 async def _nothing_to_wait_for() -> None:
     return None
+
+
+def _refusal_code(error: InvalidEventError) -> grpc.StatusCode:
+    """RESOURCE_EXHAUSTED for a full queue (try again later), INVALID_ARGUMENT for a bad task."""
+    return grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, QueueFullError) else grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def _abort(context: grpc.aio.ServicerContext[object, object], code: grpc.StatusCode, details: str) -> NoReturn:
@@ -117,7 +122,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 is_new = request.task.id not in self.scheduler.graph.tasks
                 decision = self.scheduler.place(request.task, dry_run=request.dry_run)
         except InvalidEventError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, _refusal_code(exc), str(exc))
         if is_new and not request.dry_run:
             self.on_submitted(request.task)
         if not request.dry_run:
@@ -190,7 +195,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 new = [spec for spec in request.tasks if spec.id not in tasks]
                 decisions = self.scheduler.place_batch(request.tasks, dry_run=request.dry_run)
         except InvalidEventError as exc:  # names the task's index: "tasks[3]: ..."
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, _refusal_code(exc), str(exc))
         if not request.dry_run:
             for spec in new:
                 self.on_submitted(spec)

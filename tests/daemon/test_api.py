@@ -374,3 +374,22 @@ def test_watch_placements_with_a_cell_over_the_limit_is_invalid_argument(running
         next(iter(stream))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cell: 1025 bytes" in (refused.value.details() or "")
+
+
+def test_a_full_queue_answers_resource_exhausted_and_frees_up_as_it_drains(running: Running) -> None:
+    running.daemon.scheduler.max_pending = 1
+    never = ev.TaskSpec(id="never", num_devices=1000, memory_per_device_gb=1)  # stays queued
+    assert running.stub.Place(api.PlaceRequest(task=never), timeout=5).HasField("pending")
+    with pytest.raises(grpc.RpcError) as refused:
+        running.stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="late", memory_per_device_gb=1)), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "scheduler.max_pending" in (refused.value.details() or "")
+    with pytest.raises(grpc.RpcError) as batch:
+        running.stub.PlaceBatch(api.PlaceBatchRequest(tasks=[ev.TaskSpec(id="b1", memory_per_device_gb=1)]), timeout=5)
+    assert batch.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError):
+        running.stub.GetPlacement(api.GetPlacementRequest(task_id="late"), timeout=5)  # nothing of it was kept
+    running.daemon.scheduler.max_pending = 2
+    assert running.stub.Place(
+        api.PlaceRequest(task=ev.TaskSpec(id="late", memory_per_device_gb=1)), timeout=5
+    ).HasField("placement")
