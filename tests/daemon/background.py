@@ -7,13 +7,29 @@ import contextlib
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hlb.daemon.bus.seam import MemoryBus
-from hlb.daemon.config import Settings
+from hlb.daemon.config import Settings, load_settings
 from hlb.daemon.runtime.daemon import Daemon
+from hlb.sim.kafka_local import free_port
 
 T = TypeVar("T")
+
+
+def memory_settings(tmp_path: Path, journal_sync: str = "write", **overrides: Any) -> Settings:
+    """Settings of a daemon on the in-memory bus, its state under ``tmp_path``, gRPC on a free
+    loopback port, ingest polling briskly; ``overrides``: more sections."""
+    return load_settings(
+        None,
+        bus="memory",
+        state_dir=str(tmp_path / "state"),
+        grpc={"listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0},
+        kafka={"poll_timeout_s": 0.02},
+        journal={"sync": journal_sync},
+        **overrides,
+    )
 
 
 class BackgroundDaemon:

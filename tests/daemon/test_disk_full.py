@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from hlb.daemon.bus.seam import MemoryBus
-from hlb.daemon.config import Settings, Topics, load_settings
+from hlb.daemon.config import Settings, Topics
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.record.journal import JOURNAL_NAME, JournaledPublisher, JournalFile, decode_all
@@ -29,28 +29,15 @@ from hlb.daemon.runtime.durability import WITHDRAWN_REASON, withdraw_decisions
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.sim.agent import inventory_events
-from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from tests.daemon.background import BackgroundDaemon
+from tests.daemon.background import BackgroundDaemon, memory_settings
 from tests.daemon.diskfull import DiskFull
 
 CELL = "default"
 REFUSED = "decisions refused: the decision journal cannot be written; tried again every second"
 WORKS_AGAIN = "the decision journal is written again; deciding"
-
-
-def _settings(tmp_path: Path, journal_sync: str = "write", **overrides: Any) -> Settings:
-    return load_settings(
-        None,
-        bus="memory",
-        state_dir=str(tmp_path / "state"),
-        grpc={"listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0},
-        kafka={"poll_timeout_s": 0.02},
-        journal={"sync": journal_sync},
-        **overrides,
-    )
 
 
 def _journaled(settings: Settings, bus: MemoryBus) -> BackgroundDaemon:
@@ -102,7 +89,7 @@ def _submitted(bus: MemoryBus, settings: Settings) -> list[str]:
 def test_a_decision_the_journal_does_not_take_is_refused_and_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: str, failing: str
 ) -> None:
-    settings = _settings(tmp_path, sync)
+    settings = memory_settings(tmp_path, sync)
     bus = MemoryBus()
     devices = _publish_inventory(bus, settings)
     disk = DiskFull(monkeypatch, settings.state_dir)
@@ -180,7 +167,7 @@ def test_the_daemon_serves_again_by_itself_once_the_disk_takes_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(daemon_module, "JOURNAL_PROBE_S", 0.1)  # tried every 0.1 s instead of every second
-    settings = _settings(tmp_path)
+    settings = memory_settings(tmp_path)
     topics = settings.kafka.topics
     bus = MemoryBus()
     devices = _publish_inventory(bus, settings)
@@ -230,7 +217,7 @@ def test_the_daemon_serves_again_by_itself_once_the_disk_takes_data(
 def test_snapshots_the_disk_does_not_take_are_logged_once_and_leave_no_file_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = _settings(tmp_path, snapshot={"interval_s": 0.05})
+    settings = memory_settings(tmp_path, snapshot={"interval_s": 0.05})
     directory = settings.state_dir / "snapshots"
     disk = DiskFull(monkeypatch, settings.state_dir)
     running = BackgroundDaemon(settings, MemoryBus())

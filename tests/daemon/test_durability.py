@@ -14,28 +14,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets, RawEvent
-from hlb.daemon.config import Settings, load_settings
+from hlb.daemon.config import Settings
 from hlb.daemon.record.journal import FILE_HEADER, JOURNAL_NAME, RECORD_HEADER_BYTES
 from hlb.sim.agent import inventory_events
-from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from tests.daemon.background import BackgroundDaemon
+from tests.daemon.background import BackgroundDaemon, memory_settings
 
 CELL = "default"
 SPEC = ev.TaskSpec(id="answered", memory_per_device_gb=4.0, workload_class="resnet50", work_ref_s=60.0)
-
-
-def _settings(tmp_path: Path, journal_sync: str = "write") -> Settings:
-    return load_settings(
-        None,
-        bus="memory",
-        state_dir=str(tmp_path / "state"),
-        grpc={"listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0},
-        kafka={"poll_timeout_s": 0.02},
-        journal={"sync": journal_sync},
-    )
 
 
 def _publish_inventory(bus: MemoryBus, settings: Settings) -> int:
@@ -82,7 +70,7 @@ def _health(target: str) -> int | None:
 
 
 def test_a_started_daemon_refuses_decisions_until_its_replay_reaches_the_start_watermarks(tmp_path: Path) -> None:
-    settings = _settings(tmp_path)
+    settings = memory_settings(tmp_path)
     bus = HeldBus()
     devices = _publish_inventory(bus, settings)
     submitted = ev.TaskEvent(cell=CELL, submitted=ev.TaskSpec(id="before-start", memory_per_device_gb=1.0))
@@ -143,7 +131,7 @@ def _journaled(settings: Settings, bus: MemoryBus) -> BackgroundDaemon:
 
 @pytest.mark.parametrize("sync", ["write", "fsync"])
 def test_a_place_answer_whose_records_never_reached_the_bus_is_kept_after_a_restart(tmp_path: Path, sync: str) -> None:
-    settings = _settings(tmp_path, sync)
+    settings = memory_settings(tmp_path, sync)
     topics = settings.kafka.topics
     bus = LossyBus()
     devices = _publish_inventory(bus, settings)
@@ -205,7 +193,7 @@ def _record_starts(data: bytes) -> list[int]:
 def test_a_flipped_bit_in_one_journal_record_loses_that_record_only_and_no_sequence_repeats(
     tmp_path: Path, record: int, where: str
 ) -> None:
-    settings = _settings(tmp_path)
+    settings = memory_settings(tmp_path)
     topics = settings.kafka.topics
     bus = LossyBus()
     devices = _publish_inventory(bus, settings)

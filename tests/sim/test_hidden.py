@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.catalogue import Catalogue
 from hlb.sim.eval import _hidden, add_arguments
 from hlb.sim.execution import TIME_SHARING_FACTOR, ExecutionModel, shared_uplink_rate
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, Episode, HiddenConfig, HiddenTruth
@@ -18,33 +18,11 @@ from hlb.sim.metrics import compute_metrics
 from hlb.sim.result import SimResult
 from hlb.sim.scenarios import build_cluster, build_workload
 from hlb.sim.simulator import SimConfig, Simulation, simulate
-from hlb.sim.telemetry import TelemetryConfig
 from hlb.sim.topology import Inventory, homogeneous_cluster, inventory_from_document, mixed_cluster
-from hlb.sim.workloads import Dependency, Task
+from hlb.sim.workloads import Dependency
+from tests.sim.builders import CLASS, EXACT, V100, task
 
-V100, P100, T4 = "V100-SXM2-16GB", "P100-PCIE-16GB", "T4"
-CLASS = "resnet18-bs16"
-EXACT = SimConfig(telemetry=TelemetryConfig(utilization_noise=0.0, power_noise=0.0, memory_noise_gb=0.0))
-
-
-@pytest.fixture(scope="module")
-def catalogue() -> Catalogue:
-    return load_catalogue()
-
-
-def task(task_id: str, work_ref_s: float, **fields: Any) -> Task:
-    values: dict[str, Any] = {
-        "id": task_id,
-        "job_id": task_id,
-        "arrival_s": 0.0,
-        "kind": "training",
-        "workload_class": CLASS,
-        "num_devices": 1,
-        "memory_per_device_gb": 1.5,
-        "work_ref_s": work_ref_s,
-    }
-    values.update(fields)
-    return Task(**values)
+P100, T4 = "P100-PCIE-16GB", "T4"
 
 
 def hidden(**switches: Any) -> SimConfig:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
-from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.catalogue import Catalogue
 from hlb.sim.lookahead import LookaheadPolicy, PinnedPolicy
 from hlb.sim.metrics import compute_metrics
 from hlb.sim.network import Network
@@ -25,30 +25,9 @@ from hlb.sim.topology import Inventory, homogeneous_cluster, inventory_from_docu
 from hlb.sim.traces import read_trace
 from hlb.sim.workloads import Dependency, Task, merge_workloads
 from hlb.v1 import events_pb2 as ev
+from tests.sim.builders import EXACT, V100, task
 
 FIXTURES = Path(__file__).parent / "fixtures"
-V100 = "V100-SXM2-16GB"
-EXACT = SimConfig(telemetry=TelemetryConfig(utilization_noise=0.0, power_noise=0.0, memory_noise_gb=0.0))
-
-
-@pytest.fixture(scope="module")
-def catalogue() -> Catalogue:
-    return load_catalogue()
-
-
-def task(task_id: str, work_ref_s: float, **fields: Any) -> Task:
-    values: dict[str, Any] = {
-        "id": task_id,
-        "job_id": task_id,
-        "arrival_s": 0.0,
-        "kind": "training",
-        "workload_class": "resnet18-bs16",
-        "num_devices": 1,
-        "memory_per_device_gb": 1.5,
-        "work_ref_s": work_ref_s,
-    }
-    values.update(fields)
-    return Task(**values)
 
 
 def host(host_id: str, rack: str, devices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

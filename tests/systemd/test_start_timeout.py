@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets, RawEvent
-from hlb.daemon.config import Settings, load_settings
+from hlb.daemon.config import Settings
 from hlb.daemon.runtime.sdnotify import START_EXTEND_EVERY_S, START_EXTENSION_S, SystemdNotifier
 from hlb.sim.agent import inventory_events
-from hlb.sim.kafka_local import free_port
-from tests.daemon.background import BackgroundDaemon
+from tests.daemon.background import BackgroundDaemon, memory_settings
 from tests.systemd.notify_socket import NotifySocket
 from tests.systemd.test_unit import start_timeout_s
 
@@ -69,16 +68,6 @@ class SteppingClock:
         return self.now
 
 
-def _settings(tmp_path: Path) -> Settings:
-    return load_settings(
-        None,
-        bus="memory",
-        state_dir=str(tmp_path / "state"),
-        grpc={"listen": f"127.0.0.1:{free_port()}", "grace_s": 1.0},
-        kafka={"poll_timeout_s": 0.02},
-    )
-
-
 def _backlog(settings: Settings) -> PacedBus:
     """A bus holding ``RECORDS`` inventory records that a started daemon must replay first."""
     bus = PacedBus()
@@ -104,7 +93,7 @@ def _read_until(notify: NotifySocket, clock: SteppingClock, now_s: float, timeou
 
 
 def test_a_replay_longer_than_the_start_timeout_extends_it_until_ready_and_not_after(tmp_path: Path) -> None:
-    settings = _settings(tmp_path)
+    settings = memory_settings(tmp_path)
     bus = _backlog(settings)
     clock = SteppingClock(STEP_S, on_read=bus.allow_one)  # one record further per replay check
     notify = NotifySocket(tmp_path / "notify.sock", timeout_s=30.0)
@@ -129,7 +118,7 @@ def test_a_replay_longer_than_the_start_timeout_extends_it_until_ready_and_not_a
 
 
 def test_a_replay_that_stops_moving_stops_extending(tmp_path: Path) -> None:
-    settings = _settings(tmp_path)
+    settings = memory_settings(tmp_path)
     bus = _backlog(settings)
     clock = SteppingClock(STEP_S)  # time passes; no record gets through
     notify = NotifySocket(tmp_path / "notify.sock", timeout_s=30.0)
