@@ -284,6 +284,6 @@ def test_features_do_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, daemon.features, daemon.inference; print('torch' in sys.modules)"
+    code = "import sys, hlb.daemon.decide.gnn.features, hlb.daemon.decide.gnn.inference; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
