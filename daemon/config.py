@@ -218,6 +218,21 @@ class GrpcSettings(_Section):
     _listen = field_validator("listen")(_grpc_listen)
 
 
+class AuthSettings(_Section):
+    """Who may do what over gRPC (``hlb.daemon.serve.auth``; docs/deploy.md, "Tenants").
+
+    A caller's identity is its client certificate's subject CN where mutual TLS is on
+    (``grpc.tls.require_client_cert``); where it is off, the ``x-hlb-identity`` request header
+    when ``trust_header`` is set (a gateway in front of hlb vouches for it), else ``anonymous``.
+    ``policy_file`` (YAML) says which identity may submit and read which tenants' tasks in which
+    cells, and which tenants each task topic may carry; without one every caller may do
+    everything. Both reloadable (SIGHUP), which also reads the policy file again.
+    """
+
+    policy_file: FilePath | None = None
+    trust_header: bool = False
+
+
 class MetricsSettings(_Section):
     """The Prometheus endpoint (``/metrics`` over HTTP)."""
 
@@ -241,7 +256,7 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "model"
 
 
 class ModelRefreshSettings(_Section):
-    """When the GNN's cached device embeddings are recomputed (daemon/gnn_policy.py)."""
+    """When the GNN's cached device embeddings are recomputed (daemon/decide/gnn/scorer.py)."""
 
     # background: a thread re-encodes off the request path; sync: the deciding call re-encodes
     # first when the graph changed (the simulator and `hlb eval`, which own their graph).
@@ -413,6 +428,7 @@ class Settings(BaseSettings):
     kafka: KafkaSettings = KafkaSettings()
     limits: LimitsSettings = LimitsSettings()
     grpc: GrpcSettings = GrpcSettings()
+    auth: AuthSettings = AuthSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
@@ -427,6 +443,11 @@ class Settings(BaseSettings):
             raise ValueError("cells.enabled needs bus: kafka (the consumer group shares the cells)")
         if self.cells.enabled and not self.kafka.group_instance_id:
             raise ValueError("cells.enabled needs kafka.group_instance_id, a stable id per instance")
+        if self.auth.trust_header and self.grpc.tls.require_client_cert:
+            raise ValueError(
+                "auth.trust_header is for a port without mutual TLS: with grpc.tls.require_client_cert every "
+                "caller is named by its certificate, and the x-hlb-identity header is never read"
+            )
         return self
 
     _yaml_file: ClassVar[Path | None] = None
@@ -453,7 +474,7 @@ class _YamlFile(YamlConfigSettingsSource):
         try:
             data: object = super()._read_file(file_path)  # typed a dict, but it is whatever the YAML holds
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {file_path}: not valid YAML {_yaml_problem(exc)}") from None
+            raise ConfigError(f"config file {file_path}: not valid YAML {yaml_problem(exc)}") from None
         if not isinstance(data, dict):  # not shown: a lone value may be a secret pasted in the wrong place
             found = "a list" if isinstance(data, list) else "a single value"
             raise ConfigError(
@@ -462,7 +483,7 @@ class _YamlFile(YamlConfigSettingsSource):
         return data
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
+def yaml_problem(exc: yaml.YAMLError) -> str:
     """The parser's problem with its line and column (1-based, as editors count)."""
     if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem is None or exc.problem_mark is None:
         return f"({exc})"

@@ -73,8 +73,8 @@ class TrainConfig:
     hidden: int = 32
     rounds: int = 2
     seed: int = 0
-    # The daemon's rules the student decides by in REINFORCE and validation (model.wait_for_faster,
-    # model.gang_wait_factor, model.queue_order, model.fit_services); DAgger follows the teacher,
+    # The daemon's rules the student decides by in REINFORCE and validation (scheduler.rules:
+    # wait_for_faster, gang_wait_factor, queue_order, fit_services); DAgger follows the teacher,
     # which neither waits nor reorders.
     wait_for_faster: bool = True
     gang_wait_factor: float = 0.5

@@ -153,8 +153,8 @@ class TorchGnnPolicy(Policy):
     def wait_for(
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        """As the daemon's GNN decides (:meth:`hlb.daemon.decide.gnn.scorer.GnnPolicy.wait_for`); sampled
-        among the free device and the options with ``temperature`` > 0, and recorded as a decision
+        """As the daemon's ``gnn`` preset decides (its permit plugins, :mod:`hlb.daemon.decide.rules`);
+        sampled among the free device and the options with ``temperature`` > 0, and recorded as a decision
         over those candidates (the free one first). A gang waits by the rule alone
         (:func:`hlb.daemon.decide.waiting.gang_wait`), which neither samples nor records."""
         if len(gang) > 1:

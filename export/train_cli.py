@@ -50,17 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-wait",
         action="store_true",
-        help="the student never waits for a faster busy device (as model.wait_for_faster: false)",
+        help="the student never waits for a faster busy device (as scheduler.rules.wait_for_faster: false)",
     )
     parser.add_argument(
         "--queue-order",
         choices=("shortest-first", "arrival"),
-        help="the student's queue order (as model.queue_order; default shortest-first)",
+        help="the student's queue order (as scheduler.rules.queue_order; default shortest-first)",
     )
     parser.add_argument(
         "--no-fit-services",
         action="store_true",
-        help="the student places services as any task (as model.fit_services: false)",
+        help="the student places services as any task (as scheduler.rules.fit_services: false)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
