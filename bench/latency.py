@@ -206,7 +206,8 @@ def _journal_service(service: Any, scheduler: Any, journal_dir: Any, sync: str) 
     are published by the daemon's ``DecisionPublisher`` through a journal (nothing behind it), and
     the handlers wait for the journal as ``sync`` says."""
     from hlb.daemon.config import Topics
-    from hlb.daemon.record.journal import AnswerGate, JournaledPublisher, JournalFile
+    from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
+    from hlb.daemon.record.journal import JournalFile
     from hlb.daemon.runtime.metrics import DaemonMetrics
     from hlb.daemon.runtime.publish import DecisionPublisher
 

@@ -48,7 +48,8 @@ from hlb.daemon.config import Settings
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
-from hlb.daemon.record.journal import PROBE_BYTES, AnswerGate, JournaledPublisher, JournalFile, NotDurableError
+from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
+from hlb.daemon.record.journal import PROBE_BYTES, JournalFile, NotDurableError
 from hlb.daemon.record.statedump import canonical_state, write_dump
 from hlb.daemon.runtime.durability import FailureEpisode, describe, withdraw_decisions
 from hlb.daemon.runtime.metrics import (

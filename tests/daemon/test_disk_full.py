@@ -20,7 +20,8 @@ from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Settings, Topics
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
-from hlb.daemon.record.journal import JOURNAL_NAME, JournaledPublisher, JournalFile, decode_all
+from hlb.daemon.record.answers import JournaledPublisher
+from hlb.daemon.record.journal import JOURNAL_NAME, JournalFile, decode_all
 from hlb.daemon.record.snapshot import FileSnapshotStore
 from hlb.daemon.record.statedump import canonical_state
 from hlb.daemon.runtime import daemon as daemon_module

@@ -17,13 +17,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from hlb.daemon.record import journal as journal_module
+from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
 from hlb.daemon.record.journal import (
     FILE_HEADER,
     JOURNAL_NAME,
     MARKER,
     RECORD_HEADER_BYTES,
-    AnswerGate,
-    JournaledPublisher,
     JournalFile,
     JournalFormatError,
     JournalRecord,
