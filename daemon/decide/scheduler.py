@@ -11,6 +11,11 @@ a telemetry change. A task is placeable once every dependency has finished; hard
 filtered by the graph before the policy scores anything; a gang is bound all or nothing. A task
 that does not fit does not hold back smaller ones behind it (backfilling). Every decision goes to
 the ledger with a sequence number, and a replayed submission binds to its earlier decision.
+
+Longer than hlb's modules usually are, on purpose: every way a decision is made or taken back
+(one task, a batch, a pass, an explanation, a withdrawal) changes the same queue, ledger and
+bindings, and their order is easiest to check in one file; the parts that stand alone are their
+own modules (``batch``, ``queue``, ``device_waits``, ``forgetting``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.queue import PendingQueue
 from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
-from hlb.daemon.state.checks import check_task_spec, check_task_specs
+from hlb.daemon.state.checks import check_task_progress, check_task_spec, check_task_specs
 from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
@@ -112,18 +117,21 @@ class Scheduler:
             self._bind_restored()
 
     def apply_task_event(self, event: ev.TaskEvent) -> None:
-        """Apply one lifecycle event. Raises ``InvalidEventError`` and changes nothing if it is bad."""
+        """Apply one lifecycle or progress event. Raises ``InvalidEventError`` and changes nothing if it is bad."""
         kind = event.WhichOneof("payload")
         if kind is None:
             raise InvalidEventError("task event without a payload", "empty")
         if kind == "submitted":
             self.submit(event.submitted, event.cell or self.cell)
             return
+        if kind == "progress":
+            check_task_progress(event.progress)
         task_id = {
             "cancelled": event.cancelled.id,
             "started": event.started.task_id,
             "finished": event.finished.task_id,
             "failed": event.failed.task_id,
+            "progress": event.progress.task_id,
         }[kind]
         task = self.graph.tasks.get(task_id)
         if task is None:
@@ -133,7 +141,11 @@ class Scheduler:
         if task.state.is_final:
             return  # a replayed or late event for a task that has ended
         if task_id in self._unbound:  # placed before a restart; its devices are not replayed yet
-            self._apply_to_unbound(task, kind)
+            if kind != "progress":  # nothing to expect of devices not known yet
+                self._apply_to_unbound(task, kind)
+            return
+        if kind == "progress":
+            self._progressed(task, event)
             return
         if kind == "started":
             if task.state == TaskState.PLACED:
@@ -436,6 +448,25 @@ class Scheduler:
         """:meth:`DeviceWaits.expect_end`, for a policy that waits (the only one that reads it)."""
         if self._may_wait:
             self.device_waits.expect_end(self.graph, task, self.clock())
+
+    def _progressed(self, task: Task, event: ev.TaskEvent) -> None:
+        """A running task reported its progress: a policy that waits expects its end from it
+        (:meth:`DeviceWaits.progressed`) instead of from its estimate, and the tasks waiting for
+        busy devices are decided afresh when that moved. A report on a task placed but not
+        started yet changes nothing (its start is still to come)."""
+        task_id = task.spec.id
+        if task.state == TaskState.PENDING:
+            raise InvalidEventError(f"task {task_id} progress but was never placed", "inconsistent")
+        if task.state != TaskState.RUNNING or not self._may_wait:
+            return
+        progress = event.progress
+        now = self.clock()
+        measured_ms = progress.measured_at_ms or event.event_time_ms
+        measured = min(measured_ms / 1000.0, now) if measured_ms else now  # never ahead of the clock
+        started = self._started_s.get(task_id)
+        elapsed = measured - started if started is not None else 0.0  # unknown after a restart
+        if self.device_waits.progressed(self.graph, task, progress, measured, elapsed) and self.device_waits.waiting:
+            self._dirty = True
 
     def _decision(self, task: Task, placement: ev.Placement | None) -> Decision:
         return Decision(placement=placement) if placement is not None else Decision(pending=self._pending_message(task))

@@ -42,6 +42,9 @@ crash) is cut off. A file without the header is of version 1 (hlb before version
 ``uint32 length, uint32 crc32`` and the payload, read up to the first bad one): it is read and
 rewritten in version 2. Another version is refused (``JournalFormatError``): the daemon does not
 start over a journal it cannot read, which may hold answered decisions.
+
+Longer than hlb's modules usually are, on purpose: the file's format, its reading and its writing
+(appends, fsyncs, withdrawals, truncation) agree byte for byte, and are checked together.
 """
 
 from __future__ import annotations
