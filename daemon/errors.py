@@ -8,6 +8,7 @@ HlbError
 │       └── QueueFullError   a new task while the queue holds its limit (RESOURCE_EXHAUSTED)
 ├── RequestError         a gRPC request that is malformed (INVALID_ARGUMENT)
 ├── UnknownTaskError     a task the daemon has never seen (NOT_FOUND)
+├── AccessDeniedError    a caller the access policy does not allow this action (PERMISSION_DENIED)
 └── BrokerError          Kafka cannot be reached or set up, or the local broker failed to start
 """
 
@@ -51,6 +52,10 @@ class RequestError(HlbError):
 
 class UnknownTaskError(HlbError):
     """A task id that the daemon does not know."""
+
+
+class AccessDeniedError(HlbError):
+    """The access policy does not allow the caller this action; the message names the action and tenant."""
 
 
 class BrokerError(HlbError):

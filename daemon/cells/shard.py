@@ -115,6 +115,7 @@ class Shard(Daemon):
             kafka.max_event_bytes,
             limits=self.settings.limits,
             dead_letter_max_bytes=kafka.dead_letter_max_bytes,
+            tenants=self.access.task_event_refusal,
         )
         ingestor.admit = self._admit
         ingestor.pipelines[kafka.topics.tasks].insert(1, self._same_cell)

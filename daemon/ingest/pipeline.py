@@ -3,6 +3,7 @@
 Each record goes through a pipeline of small steps, one list per topic (``Ingestor.pipelines``):
 decode, validate (a payload; every string, list and map within the configured limits; for
 telemetry, an event time not ahead of the daemon's clock by more than the allowed skew; for tasks,
+a tenant the record's topic may carry (``TenantCheck``: the access policy's ``kafka.topics``) and
 no dependency cycle), apply. A step returns the record's event or raises ``EventError``. A record
 that fails goes to the dead-letter topic (``hlb.daemon.bus.deadletter``: a copy, cut when too big
 to publish, with headers naming where it came from and why) and is counted by reason; the batch
@@ -63,6 +64,8 @@ log = structlog.get_logger(__name__)
 Event = Any  # a decoded protobuf message (ev.TelemetryEvent or ev.TaskEvent)
 Step = Callable[[RawEvent, Event], Event]  # one pipeline stage: raises EventError to refuse
 Offsets = dict[tuple[str, int], int]  # (topic, partition) -> next offset to read
+# Why a task event may not come from a topic (its task's tenant is not allowed there), or None.
+TenantCheck = Callable[[str, ev.TaskEvent], str | None]
 
 
 @runtime_checkable
@@ -150,6 +153,19 @@ def timely(now_ms: Callable[[], float], max_skew_s: float) -> Step:
     return check
 
 
+def allowed_tenant(check: TenantCheck) -> Step:
+    """Step: a task event's task must be of a tenant its record's topic may carry; else the record
+    goes to the dead-letter topic with reason ``tenant_not_allowed``."""
+
+    def step(record: RawEvent, event: Event) -> Event:
+        why = check(record.topic, event)
+        if why is not None:
+            raise InvalidEventError(why, "tenant_not_allowed")
+        return event
+
+    return step
+
+
 def no_dependency_cycle(tasks: Callable[[], Mapping[str, Task]]) -> Step:
     """Step: refuse a submitted task whose dependencies, through known tasks, lead back to it."""
 
@@ -184,7 +200,8 @@ class Ingestor:
     scheduler's when not given). ``limits``: what one event may hold, and how far ahead of
     ``clock`` a telemetry time may be. ``dead_letter_max_bytes``: a dead letter's copy of a
     bigger value is cut to this. ``monotonic`` times the folding of repeated failures to publish
-    a dead letter in the log.
+    a dead letter in the log. ``tenants``: which tenants' task events each topic may carry (None:
+    any).
     """
 
     def __init__(
@@ -200,6 +217,7 @@ class Ingestor:
         limits: LimitsSettings | None = None,
         dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
         monotonic: Callable[[], float] = time.monotonic,
+        tenants: TenantCheck | None = None,
     ) -> None:
         self.source = source
         # Where the source knows its consumer's positions, they move past transaction markers that
@@ -230,6 +248,7 @@ class Ingestor:
                 decoder(ev.TaskEvent, max_event_bytes),
                 require_payload,
                 bounded(self.limits),
+                *([allowed_tenant(tenants)] if tenants is not None else []),
                 no_dependency_cycle(lambda: scheduler.graph.tasks),
                 applier(scheduler.apply_task_event),
             ],

@@ -26,13 +26,15 @@ RPCs and gives in-flight ones ``grpc.grace_s``; ingest stops, which stores and c
 offsets of everything applied; ``Daemon.on_shutdown_snapshot`` runs (the snapshot seam); the
 producer flushes what is still queued; the metrics endpoint closes last. Exit code 0.
 
-SIGHUP re-reads the config file (``Daemon.reload``; ``hlb.daemon.runtime.reload``).
+SIGHUP re-reads the config file (``Daemon.reload``; ``hlb.daemon.runtime.reload``), and the
+access policy file (``auth.policy_file``; ``hlb.daemon.serve.auth``) whether or not a key changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +48,7 @@ from hlb.daemon.bus.lag import Lag
 from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
 from hlb.daemon.config import Settings
 from hlb.daemon.decide.scheduler import Clock, Scheduler
+from hlb.daemon.errors import ConfigError
 from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
 from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
@@ -92,6 +95,7 @@ from hlb.daemon.runtime.restore import (
 )
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, SchedulerService, cluster_state
+from hlb.daemon.serve.auth import Access
 from hlb.daemon.serve.ratelimit import RateLimitInterceptor
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
@@ -181,12 +185,14 @@ class Daemon:
         self.on_shutdown_snapshot: Callable[[], None] = lambda: None
         self.rate_limit = RateLimitInterceptor(token_bucket(settings, monotonic), self.metrics.count_rate_limited)
         reload_rate_limit = rate_limit_reloader(self.rate_limit, monotonic)
+        self.access = Access.from_settings(settings)  # a policy file that does not load: ConfigError
         self.reloaders: dict[str, Reloader] = {
             "log.": reload_logging,
             "scheduler.": scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback),
             "model.": model_reloader(self.scheduler, lambda: self.settings),
             "grpc.max_requests_per_s": reload_rate_limit,
             "grpc.request_burst": reload_rate_limit,
+            "auth.": self.access.reload,
         }
         # Keys under a reloader's section that it cannot apply: the graph is built with them.
         self.restart_only = {"scheduler.max_tasks_per_device"}
@@ -460,6 +466,7 @@ class Daemon:
         )
         self.port = server.port
         self._server = server
+        self.access.announce()
         await asyncio.to_thread(
             self.bus.ensure_topics, [topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory]
         )
@@ -485,6 +492,7 @@ class Daemon:
             kafka.max_event_bytes,
             limits=self.settings.limits,
             dead_letter_max_bytes=kafka.dead_letter_max_bytes,
+            tenants=self.access.task_event_refusal,
         )
         ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
         self.ingest = ingest
@@ -525,6 +533,7 @@ class Daemon:
         service.refusal = self.refusal
         service.durable = self.durable
         service.limits = self.settings.limits
+        service.access = self.access
         return service
 
     async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:
@@ -656,6 +665,9 @@ class Daemon:
                 self.settings, result = await reload_settings(
                     self.config_path, self.settings, lambda key: reloader_for(self.reloaders, self.restart_only, key)
                 )
+                reloaded = (*result.applied, *result.failed)
+                if result.error is None and not any(key.startswith("auth.") for key in reloaded):
+                    result = await asyncio.to_thread(self._reread_policy, result)
                 self.metrics.reloads.labels(result=result.outcome).inc()
                 policy = self.scheduler.policy
                 if has_model(policy):  # SIGHUP also looks at the model files again
@@ -663,6 +675,16 @@ class Daemon:
             finally:
                 self.notifier.ready(self._status_line())
             return result
+
+    def _reread_policy(self, result: ReloadResult) -> ReloadResult:
+        """The policy file's contents may have changed with no key: read it again, keeping the
+        running policy (and saying so in ``result``) when it does not load."""
+        try:
+            self.access.reload(self.settings)
+        except ConfigError as exc:
+            log.error("reload of the access policy refused; the running policy is kept", error=str(exc))
+            return dataclasses.replace(result, failed=(*result.failed, "auth.policy_file"))
+        return result
 
     def _start_policy(self) -> None:
         """Load and warm up a GNN's model on the current graph and start its refresh thread."""

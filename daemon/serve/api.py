@@ -5,9 +5,13 @@ request changes nothing and gets ``INVALID_ARGUMENT`` naming the field; an unkno
 ``NOT_FOUND``; a request whose deadline has already passed ``DEADLINE_EXCEEDED`` before any work.
 Sizes are bounded on top of the server's message size limit: every string, list and map of a
 request by ``SchedulerService.limits`` (``check_bounds``, first of all, so a request over them
-reserves, numbers and records nothing), explained candidates by ``MAX_TOP_K``. While the daemon
-cannot decide soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a
-shutdown), the RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
+reserves, numbers and records nothing), explained candidates by ``MAX_TOP_K``. Then the access
+policy (``SchedulerService.access``, ``hlb.daemon.serve.auth``): a caller it does not allow the
+action on a task's tenant, in this cell, gets ``PERMISSION_DENIED`` naming both, before the task
+is looked up, so the answer is the same whether the task exists or not; ``WatchPlacements``
+leaves out the placements of tenants the caller may not read. While the daemon cannot decide
+soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a shutdown), the
+RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
 (or answers with a placement) waits for ``SchedulerService.durable`` before it answers, and
 answers ``UNAVAILABLE`` when its decisions could not be made durable (undone by then).
 """
@@ -33,7 +37,8 @@ from grpc_reflection.v1alpha import reflection
 
 from hlb.daemon.config import LimitsSettings, TlsSettings
 from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
-from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
+from hlb.daemon.errors import AccessDeniedError, InvalidEventError, QueueFullError, UnknownTaskError
+from hlb.daemon.serve.auth import Access
 from hlb.daemon.serve.interceptors import HandlerWrapper
 from hlb.daemon.serve.tls import server_credentials
 from hlb.daemon.state.checks import check_bounds
@@ -89,6 +94,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self.durable: Durable = _nothing_to_wait_for
         # What one request may hold (the settings' ``limits``).
         self.limits = LimitsSettings()
+        # Who may do what (the settings' ``auth``); without a policy, everyone everything.
+        self.access = Access()
 
     async def _check_bounds(self, request: Message, context: grpc.aio.ServicerContext[object, object]) -> None:
         """INVALID_ARGUMENT naming the first string, list or map of ``request`` over its limit."""
@@ -96,6 +103,13 @@ class SchedulerService(api_grpc.SchedulerServicer):
             check_bounds(request, self.limits)
         except InvalidEventError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _permitted(self, context: grpc.aio.ServicerContext[object, object], check: Callable[[], None]) -> None:
+        """PERMISSION_DENIED, naming the action and the tenant, when ``check`` (an ``Access`` check) refuses."""
+        try:
+            check()
+        except AccessDeniedError as exc:
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, str(exc))
 
     async def _check_serving(self, context: grpc.aio.ServicerContext[object, object]) -> None:
         why = self.refusal()
@@ -115,6 +129,10 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if not request.HasField("task"):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task: required")
         await self._check_bounds(request, context)
+        caller, cell = self.access.caller(context), self.scheduler.cell
+        await self._permitted(
+            context, lambda: self.access.check_submit(caller, request.task, cell, recorded=not request.dry_run)
+        )
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -135,6 +153,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if not request.task_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "task_id: required")
         await self._check_bounds(request, context)
+        caller, cell = self.access.caller(context), self.scheduler.cell
+        await self._permitted(context, lambda: self.access.check_read(caller, request.task_id, cell))
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -159,6 +179,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 loop.call_soon_threadsafe(wake.set)
 
         await self._check_bounds(request, context)
+        caller, cell = self.access.caller(context), self.scheduler.cell
+        await self._permitted(context, lambda: self.access.check_cell(caller, cell))
         next_sequence = max(1, request.from_sequence)
         with self.lock:
             unsubscribe = self.scheduler.ledger.subscribe(notify)
@@ -168,8 +190,9 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 with self.lock:
                     batch = self.scheduler.ledger.since(next_sequence)
                 for placement in batch:
-                    yield placement
                     next_sequence = placement.sequence + 1
+                    if self.access.may_read(caller, placement.task_id, placement.cell or cell):
+                        yield placement
                 if not batch:
                     await wake.wait()
         finally:
@@ -180,6 +203,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.ClusterState:
         await self._check_bounds(request, context)
+        caller = self.access.caller(context)
+        await self._permitted(context, lambda: self.access.check_cell(caller, self.scheduler.cell))
         with self.lock:
             return cluster_state(self.scheduler, self.staleness_ms())
 
@@ -187,6 +212,7 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> api.PlaceBatchResponse:
         await self._check_bounds(request, context)
+        await self._permitted(context, lambda: self._check_batch(request, context))
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -217,6 +243,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if not request.device_ids:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "device_ids: at least one candidate required")
         await self._check_bounds(request, context)
+        caller, cell = self.access.caller(context), self.scheduler.cell
+        await self._permitted(context, lambda: self.access.check_read(caller, request.task.id, cell, "task"))
         await self._check_serving(context)
         await _check_deadline(context)
         try:
@@ -235,9 +263,12 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if request.top_k > MAX_TOP_K:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"top_k: {request.top_k}, at most {MAX_TOP_K}")
         await self._check_bounds(request, context)
+        target: str | ev.TaskSpec = request.task_id if which == "task_id" else request.task
+        caller, cell = self.access.caller(context), self.scheduler.cell
+        target_id, where = (request.task_id, "task_id") if which == "task_id" else (request.task.id, "task")
+        await self._permitted(context, lambda: self.access.check_read(caller, target_id, cell, where))
         await self._check_serving(context)
         await _check_deadline(context)
-        target: str | ev.TaskSpec = request.task_id if which == "task_id" else request.task
         try:
             with self.lock:
                 why = self.scheduler.explain(target, request.top_k or DEFAULT_TOP_K, MAX_EXCLUDED)
@@ -258,6 +289,11 @@ class SchedulerService(api_grpc.SchedulerServicer):
         if why.placement is not None:
             reply.placement.CopyFrom(why.placement)
         return reply
+
+    def _check_batch(self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]) -> None:
+        caller, cell = self.access.caller(context), self.scheduler.cell
+        for i, spec in enumerate(request.tasks):
+            self.access.check_submit(caller, spec, cell, recorded=not request.dry_run, where=f"tasks[{i}]")
 
 
 def _place_response(decision: Decision) -> api.PlaceResponse:
