@@ -367,6 +367,30 @@ def check_task_specs(specs: Sequence[ev.TaskSpec]) -> list[bool]:
     return plain
 
 
+MAX_WORK_REF_S = 1.0e10  # a task's work (TaskSpec.work_ref_s), or the work it has done
+MAX_PROGRESS_RATE = 1.0e9  # fractions or reference-device seconds per second
+
+
+def check_task_progress(progress: ev.TaskProgress) -> None:
+    """Raise ``InvalidEventError`` naming the field when a progress report is out of range: reason
+    ``empty`` when it names no work done, ``out_of_range`` for a value outside its range (a
+    fraction in [0, 1], reference-device seconds as ``work_ref_s``, a rate and a time >= 0)."""
+    task_id = progress.task_id
+    check_id(task_id, "progress")
+    done = progress.WhichOneof("done")
+    if done is None:
+        raise InvalidEventError(f"progress of task {task_id}: neither fraction_done nor work_done_ref_s", "empty")
+    if done == "fraction_done":
+        check_range(progress.fraction_done, f"progress of task {task_id} fraction_done", 0.0, 1.0)
+    else:
+        check_range(progress.work_done_ref_s, f"progress of task {task_id} work_done_ref_s", 0.0, MAX_WORK_REF_S)
+    check_range(progress.rate_per_s, f"progress of task {task_id} rate_per_s", 0.0, MAX_PROGRESS_RATE)
+    if progress.measured_at_ms < 0:
+        raise InvalidEventError(
+            f"progress of task {task_id}: measured_at_ms={progress.measured_at_ms} is negative", "out_of_range"
+        )
+
+
 def dependency_cycle(spec: ev.TaskSpec, tasks: Mapping[str, Task], targets: Container[str] | None = None) -> list[str]:
     """The cycle ``spec`` would close (``[spec.id, dep, ..., spec.id]``), or [] when there is none.
 

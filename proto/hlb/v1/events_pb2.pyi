@@ -6,7 +6,7 @@ Kafka event contracts of hlb (docs/design.md §3).
 Topics and the messages their values carry:
   hlb.telemetry   TelemetryEvent  (inventory and metrics, key = cell)
   hlb.inventory   TelemetryEvent  (inventory only, compacted, key = entity id)
-  hlb.tasks       TaskEvent       (task lifecycle, key = cell)
+  hlb.tasks       TaskEvent       (task lifecycle and progress, key = cell)
   hlb.placements  Placement       (the decision ledger, key = cell)
 Values are binary protobuf; protobuf's JSON mapping of the same messages is accepted too.
 """
@@ -677,6 +677,51 @@ class TaskFailed(_message.Message):
 Global___TaskFailed: _TypeAlias = TaskFailed  # noqa: Y015
 
 @_typing.final
+class TaskProgress(_message.Message):
+    """How far a running task has got, as its executor or agent measured it. The work done is a
+    fraction of the whole or reference-device seconds (the unit of TaskSpec.work_ref_s, whose
+    estimate is then the whole); the daemon expects the task to end when the rest of the work is
+    done at the current rate, or, without a rate, at the pace it has kept since it started.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FRACTION_DONE_FIELD_NUMBER: _builtins.int
+    WORK_DONE_REF_S_FIELD_NUMBER: _builtins.int
+    RATE_PER_S_FIELD_NUMBER: _builtins.int
+    MEASURED_AT_MS_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    fraction_done: _builtins.float
+    """in [0, 1]"""
+    work_done_ref_s: _builtins.float
+    """reference-device seconds, in [0, 1e10]"""
+    rate_per_s: _builtins.float
+    """The current rate in the unit of the work done, per second (a fraction per second, or
+    reference-device seconds per second); 0: not known.
+    """
+    measured_at_ms: _builtins.int
+    """Unix epoch milliseconds; 0: the event's event_time_ms"""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        fraction_done: _builtins.float = ...,
+        work_done_ref_s: _builtins.float = ...,
+        rate_per_s: _builtins.float = ...,
+        measured_at_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "fraction_done", b"fraction_done", "work_done_ref_s", b"work_done_ref_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "fraction_done", b"fraction_done", "measured_at_ms", b"measured_at_ms", "rate_per_s", b"rate_per_s", "task_id", b"task_id", "work_done_ref_s", b"work_done_ref_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_done: _TypeAlias = _typing.Literal["fraction_done", "work_done_ref_s"]  # noqa: Y015
+    _WhichOneofArgType_done: _TypeAlias = _typing.Literal["done", b"done"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_done) -> _WhichOneofReturnType_done | None: ...
+
+Global___TaskProgress: _TypeAlias = TaskProgress  # noqa: Y015
+
+@_typing.final
 class TaskEvent(_message.Message):
     """A value on hlb.tasks: one step of a task's lifecycle."""
 
@@ -690,6 +735,7 @@ class TaskEvent(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     cell: _builtins.str
     event_time_ms: _builtins.int
     source: _builtins.str
@@ -703,6 +749,8 @@ class TaskEvent(_message.Message):
     def finished(self) -> Global___TaskFinished: ...
     @_builtins.property
     def failed(self) -> Global___TaskFailed: ...
+    @_builtins.property
+    def progress(self) -> Global___TaskProgress: ...
     def __init__(
         self,
         *,
@@ -714,12 +762,13 @@ class TaskEvent(_message.Message):
         started: Global___TaskStarted | None = ...,
         finished: Global___TaskFinished | None = ...,
         failed: Global___TaskFailed | None = ...,
+        progress: Global___TaskProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failed", b"failed", "finished", b"finished", "payload", b"payload", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failed", b"failed", "finished", b"finished", "payload", b"payload", "progress", b"progress", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "cell", b"cell", "event_time_ms", b"event_time_ms", "failed", b"failed", "finished", b"finished", "payload", b"payload", "source", b"source", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "cell", b"cell", "event_time_ms", b"event_time_ms", "failed", b"failed", "finished", b"finished", "payload", b"payload", "progress", b"progress", "source", b"source", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["submitted", "cancelled", "started", "finished", "failed"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["submitted", "cancelled", "started", "finished", "failed", "progress"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 

@@ -6,7 +6,7 @@ Kafka event contracts of hlb (docs/design.md §3).
 Topics and the messages their values carry:
   hlb.telemetry   TelemetryEvent  (inventory and metrics, key = cell)
   hlb.inventory   TelemetryEvent  (inventory only, compacted, key = entity id)
-  hlb.tasks       TaskEvent       (task lifecycle, key = cell)
+  hlb.tasks       TaskEvent       (task lifecycle and progress, key = cell)
   hlb.placements  Placement       (the decision ledger, key = cell)
 Values are binary protobuf; protobuf's JSON mapping of the same messages is accepted too.
 """
