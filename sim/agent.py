@@ -3,8 +3,8 @@
 It publishes the cluster's inventory to the telemetry topic (the daemon mirrors what it applies to
 the compacted inventory topic), periodic metrics per host, and a Poisson stream of task
 submissions. It also plays the executor: it reads the placement ledger, reports each of its tasks
-as started, and as finished once the task's runtime has passed, so that devices free up and the
-daemon keeps placing.
+as started, its progress every few seconds (the share of its runtime passed, and the rate), and as
+finished once the task's runtime has passed, so that devices free up and the daemon keeps placing.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 
+DEFAULT_PROGRESS_INTERVAL_S = 5.0  # demo tasks run 5 to 90 s
 
 # The demo cluster: four accelerator models of two kinds on standard hosts (sim/topology.py),
 # with profiles from the device catalogue (sim/data/devices.json): 24 devices on 6 hosts.
@@ -82,9 +83,12 @@ class Agent:
         metrics_interval_s: float = 1.0,
         max_tasks: int = 0,
         clock: Clock = time.time,
+        progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
     ) -> None:
         if not (math.isfinite(rate_per_s) and rate_per_s > 0):
             raise ValueError(f"rate_per_s must be a finite number above 0, got {rate_per_s}")
+        if not (math.isfinite(progress_interval_s) and progress_interval_s >= 0):
+            raise ValueError(f"progress_interval_s must be 0 (never) or seconds above 0, got {progress_interval_s}")
         self.publisher = publisher
         self.placements = placements
         self.topics = topics
@@ -94,13 +98,16 @@ class Agent:
         self.metrics_interval_s = metrics_interval_s
         self.max_tasks = max_tasks
         self.clock = clock
+        self.progress_interval_s = progress_interval_s  # 0: no progress reports
         self.inventory = inventory_events(cell)
         self.devices = [e.device_upsert for e in self.inventory if e.HasField("device_upsert")]
         self.submitted: dict[str, ev.TaskSpec] = {}
         self.busy: dict[str, float] = {}  # device id -> memory in use, GB
         self._finishing: list[tuple[float, str, tuple[str, ...]]] = []  # heap of (time, task, devices)
         self._started: set[str] = set()  # tasks seen placed; placements may be read twice
+        self._running: dict[str, tuple[float, float]] = {}  # task -> (started, runtime), in start order
         self._next_metrics = 0.0
+        self._next_progress = 0.0
         self._next_task = 0.0
         self._seq = 0
 
@@ -174,6 +181,7 @@ class Agent:
                 self.busy[device_id] = self.busy.get(device_id, 0.0) + spec.memory_per_device_gb
             self._publish_task_event(ev.TaskEvent(started=ev.TaskStarted(task_id=spec.id, device_ids=devices)))
             heapq.heappush(self._finishing, (now + spec.work_ref_s, spec.id, devices))
+            self._running[spec.id] = (now, spec.work_ref_s)
         if records:
             self.placements.commit(records)
 
@@ -182,15 +190,33 @@ class Agent:
             _, task_id, devices = heapq.heappop(self._finishing)
             spec = self.submitted.pop(task_id)
             self._started.discard(task_id)
+            self._running.pop(task_id, None)
             for device_id in devices:
                 self.busy[device_id] = max(0.0, self.busy.get(device_id, 0.0) - spec.memory_per_device_gb)
             self._publish_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=task_id)))
 
+    def publish_progress(self, now: float) -> None:
+        """Each running task's progress: the share of its runtime passed, at 1 / runtime a second."""
+        for task_id, (started, runtime) in self._running.items():
+            if runtime <= 0:
+                continue
+            progress = ev.TaskProgress(
+                task_id=task_id,
+                fraction_done=min(1.0, max(0.0, (now - started) / runtime)),
+                rate_per_s=1.0 / runtime,
+                measured_at_ms=int(now * 1000),
+            )
+            self._publish_task_event(ev.TaskEvent(progress=progress))
+
     def step(self) -> None:
-        """One round: follow placements, finish due tasks, publish metrics and submissions when due."""
+        """One round: follow placements, finish due tasks, publish progress, metrics and submissions
+        when due."""
         now = self.clock()
         self._follow_placements(now)
         self._finish_due(now)
+        if self.progress_interval_s > 0 and now >= self._next_progress:
+            self.publish_progress(now)
+            self._next_progress = now + self.progress_interval_s
         if now >= self._next_metrics:
             self.publish_metrics()
             self._next_metrics = now + self.metrics_interval_s
@@ -211,16 +237,34 @@ class Agent:
         self.placements.close()
 
 
-def make_agent(bus: EventBus, topics: Topics, cell: str, seed: int, rate_per_s: float, max_tasks: int = 0) -> Agent:
+def make_agent(
+    bus: EventBus,
+    topics: Topics,
+    cell: str,
+    seed: int,
+    rate_per_s: float,
+    max_tasks: int = 0,
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+) -> Agent:
     bus.ensure_topics([topics.telemetry, topics.tasks, topics.placements], [topics.inventory])
     placements = bus.source([topics.placements], f"hlb-agent-{cell}-{seed}-{time.time_ns()}")
-    return Agent(bus.publisher(), placements, topics, cell, seed, rate_per_s, max_tasks=max_tasks)
+    return Agent(
+        bus.publisher(),
+        placements,
+        topics,
+        cell,
+        seed,
+        rate_per_s,
+        max_tasks=max_tasks,
+        progress_interval_s=progress_interval_s,
+    )
 
 
 # argparse types: task submissions per second, a finite number above 0; seconds to run, 0 (until
 # Ctrl-C) or more.
 submission_rate = float_in(0.0, above=True, expected="submissions per second above 0")
 duration_s = float_in(0.0, expected="seconds, 0 (until Ctrl-C) or more")
+progress_interval = float_in(0.0, expected="seconds, 0 (never) or more")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,6 +275,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=duration_s, default=0.0, help="seconds to run (0: until Ctrl-C)")
     parser.add_argument("--tasks", type=int_in(0), default=0, help="stop submitting after this many tasks (0: never)")
+    parser.add_argument(
+        "--progress-interval",
+        type=progress_interval,
+        default=DEFAULT_PROGRESS_INTERVAL_S,
+        metavar="S",
+        help="report each running task's progress every S seconds (0: never; default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -246,7 +297,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"hlb agent: {exc}")
         return EX_CONFIG
     configure_logging(settings.log.level, settings.log.format)
-    agent = make_agent(make_bus(settings), settings.kafka.topics, settings.cell, args.seed, args.rate, args.tasks)
+    agent = make_agent(
+        make_bus(settings),
+        settings.kafka.topics,
+        settings.cell,
+        args.seed,
+        args.rate,
+        args.tasks,
+        args.progress_interval,
+    )
     stop = threading.Event()
     try:
         agent.run(stop, args.duration)

@@ -97,6 +97,11 @@ DURATION_ERROR = "argument --duration: -1 is out of range: expected seconds, 0 (
         ("agent", ["--duration", "-1"], DURATION_ERROR),
         ("agent", ["--duration", "nan"], "argument --duration: nan is out of range"),
         ("agent", ["--tasks", "-5"], "argument --tasks: -5 is out of range: expected an integer at least 0"),
+        (
+            "agent",
+            ["--progress-interval", "-1"],
+            "argument --progress-interval: -1 is out of range: expected seconds, 0 (never) or more",
+        ),
         ("demo", ["--duration", "-1"], DURATION_ERROR),
     ],
 )
@@ -107,3 +112,47 @@ def test_a_negative_duration_or_task_count_is_refused(
         main([command, "--config", "/nonexistent.yaml", *args])
     assert exited.value.code == 2
     assert error in capsys.readouterr().err
+
+
+def test_the_agent_reports_the_progress_of_the_tasks_it_runs_at_its_interval() -> None:
+    def progress(interval_s: float) -> list[tuple[float, ev.TaskProgress]]:
+        bus = MemoryBus()
+        clock = FakeClock()
+        scheduler = Scheduler(InfraGraph(), LeastLoaded(), PlacementLedger(), "c", clock=clock)
+        scheduler.ledger.subscribe(lambda p: bus.publish(TOPICS.placements, b"c", p.SerializeToString()))
+        ingestor = Ingestor(
+            bus.source([TOPICS.telemetry, TOPICS.tasks], "d"), bus, scheduler, threading.RLock(), TOPICS, 1 << 20
+        )
+        agent = Agent(
+            bus,
+            bus.source([TOPICS.placements], "a"),
+            TOPICS,
+            "c",
+            seed=3,
+            max_tasks=3,
+            clock=clock,
+            progress_interval_s=interval_s,
+        )
+        agent.publish_inventory()
+        for _ in range(200):
+            agent.step()
+            drain(ingestor)
+            clock.now += 1.0
+        assert ingestor.stats.rejected == {}
+        events = [ev.TaskEvent.FromString(r.value or b"") for r in bus.read_all(TOPICS.tasks)]
+        runtimes = {e.submitted.id: e.submitted.work_ref_s for e in events if e.HasField("submitted")}
+        started = {e.started.task_id: e.event_time_ms / 1000 for e in events if e.HasField("started")}
+        reports = [(e.event_time_ms / 1000, e.progress) for e in events if e.HasField("progress")]
+        for at_s, report in reports:
+            runtime = runtimes[report.task_id]
+            assert report.fraction_done == pytest.approx((at_s - started[report.task_id]) / runtime)
+            assert report.rate_per_s == pytest.approx(1.0 / runtime)
+            assert report.measured_at_ms == int(at_s * 1000)
+        return reports
+
+    assert progress(0.0) == []
+    reports = progress(5.0)
+    assert reports
+    assert {at_s % 5.0 for at_s, _ in reports} == {0.0}  # every 5 s from the first step
+    with pytest.raises(ValueError, match="progress_interval_s"):
+        Agent(MemoryBus(), MemoryBus().source([], "x"), TOPICS, "c", progress_interval_s=-1.0)
