@@ -19,6 +19,9 @@ Units: s, steps/s, GB.
   link sharing, a transfer gets a fair share of each link (:class:`hlb.sim.network.LinkLoad`) and
   a spread gang's rate falls with the number of spread gangs on its hosts' uplinks
   (:func:`hlb.sim.execution.shared_uplink_rate`), recomputed whenever one starts or ends there.
+- Progress (``SimConfig.progress_interval_s``, off by default): the simulator has every running
+  attempt report its true fraction done and current rate (:meth:`Attempts.report_progress`) at
+  each interval, as an executor would.
 - Tasks without an allow-list of models are submitted with one: the cluster's models on which
   their class runs at their gang size, so that the daemon's hard-constraint filter never offers
   such a device.
@@ -129,6 +132,7 @@ class Attempts:
         self._link_load = LinkLoad()
         self._spread_on_host: dict[str, set[str]] = {}  # per host, the running spread gangs sharing its uplink
         self._attempts: dict[str, Attempt] = {}
+        self._running: dict[str, Attempt] = {}  # attempts computing now, in the order they started
         self.active = 0
         self.retries_left = 0
         self.last_change_s = 0.0
@@ -283,6 +287,7 @@ class Attempts:
             attempt.fixed_end_s = now + lifetime
             self._queue.push(attempt.fixed_end_s, FINISH, (attempt.id, attempt.version))
         self._devices.begin(attempt.id, attempt.rows)
+        self._running[attempt.id] = attempt
         self._task_event(started=ev.TaskStarted(task_id=attempt.id, device_ids=list(attempt.record.device_ids)))
         for host in attempt.uplink_hosts:
             self._spread_on_host.setdefault(host, set()).add(attempt.id)
@@ -294,6 +299,30 @@ class Attempts:
         record.finish_s = self._clock.t_s
         self._release(attempt)
         self._task_event(finished=ev.TaskFinished(task_id=attempt.id))
+
+    def report_progress(self) -> None:
+        """Each running attempt reports its progress now, as its executor would: its true fraction
+        done and its current rate (a fraction per second), in the order they started."""
+        now = self._clock.t_s
+        measured_ms = self._clock.now_ms()
+        for attempt in self._running.values():
+            if not math.isnan(attempt.fixed_end_s):  # a service living its lifetime
+                lifetime = attempt.fixed_end_s - attempt.record.start_s
+                if lifetime <= 0:
+                    continue
+                fraction, rate = (now - attempt.record.start_s) / lifetime, 1.0 / lifetime
+            elif attempt.steps_total > 0:
+                done = attempt.steps_done + attempt.rate * (now - attempt.last_s)
+                fraction, rate = done / attempt.steps_total, attempt.rate / attempt.steps_total
+            else:
+                continue
+            progress = ev.TaskProgress(
+                task_id=attempt.id,
+                fraction_done=min(1.0, max(0.0, fraction)),
+                rate_per_s=rate,
+                measured_at_ms=measured_ms,
+            )
+            self._task_event(progress=progress)
 
     def device_speed_changed(self, row: int) -> None:
         """Device ``row``'s hidden speed changed: re-time what runs there, and its power."""
@@ -391,6 +420,7 @@ class Attempts:
         self._devices.release(attempt.id, attempt.rows, attempt.spec.memory_per_device_gb)
         self.last_change_s = self._clock.t_s
         if was_running:
+            del self._running[attempt.id]
             for host in attempt.uplink_hosts:
                 self._spread_on_host[host].discard(attempt.id)
             self._update_rows(self._uplink_rows(attempt))

@@ -179,6 +179,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--telemetry-interval", type=float, default=TelemetryConfig.interval_s, help="s")
     parser.add_argument("--telemetry-delay", type=float, default=TelemetryConfig.delay_s, help="s")
     parser.add_argument("--utilization-noise", type=float, default=TelemetryConfig.utilization_noise)
+    parser.add_argument(
+        "--progress-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="every S simulated seconds each running task reports its progress, which the policies that wait "
+        "for busy devices expect its end from (0: never, the default)",
+    )
     parser.add_argument("--mtbf-h", type=float, default=math.inf, help="mean hours between failures per device")
     parser.add_argument("--mttr-h", type=float, default=1.0, help="mean hours to repair a device")
     parser.add_argument("--max-time-h", type=float, default=math.inf, help="stop each run at this simulated time")
@@ -384,6 +392,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError("--estimate-bias needs a factor from 0.01 to 100")
     if not seeds or not policies:
         raise ValueError("at least one seed and one policy")
+    if not (math.isfinite(args.progress_interval) and args.progress_interval >= 0):
+        raise ValueError("--progress-interval needs seconds >= 0 (0: never)")
     hidden, tasks_per_device = _hidden(args)
     config = SimConfig(
         telemetry=TelemetryConfig(
@@ -398,6 +408,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         estimate_limits_h=_limits_h(args.estimate_limits),
         max_tasks_per_device=tasks_per_device,
         hidden=hidden,
+        progress_interval_s=args.progress_interval,
     )
     return [
         RunSpec(

@@ -12,6 +12,7 @@ from typing import Any
 
 # Event kinds.
 ARRIVAL, RETRY, TRANSFER_DONE, FINISH, FAIL, REPAIR, SAMPLE, DELIVER, THROTTLE_START, THROTTLE_END = range(10)
+PROGRESS = 10
 
 
 class EventQueue:

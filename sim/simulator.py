@@ -7,7 +7,8 @@ scheduler's event API, exactly as the service does over Kafka:
 - inventory: ``Inventory.to_events()`` through ``apply_telemetry`` at the start;
 - metrics: a noisy, delayed ``MetricsBatch`` every ``telemetry.interval_s`` (:mod:`hlb.sim.telemetry`);
 - task lifecycle: ``submitted`` at arrival, ``started`` when the inputs have arrived,
-  ``finished``, ``failed`` (and ``cancelled`` when a dependent must be resubmitted);
+  ``finished``, ``failed`` (and ``cancelled`` when a dependent must be resubmitted); with
+  ``SimConfig.progress_interval_s``, ``progress`` of every running task at that interval;
 - decisions: ``schedule_pending()`` (or an external :data:`Decider`) after every batch of events
   at one instant; whatever the ledger recorded since the last batch is carried out.
 
@@ -56,6 +57,7 @@ from hlb.sim.events import (
     DELIVER,
     FAIL,
     FINISH,
+    PROGRESS,
     REPAIR,
     RETRY,
     SAMPLE,
@@ -121,6 +123,15 @@ class SimConfig:
     # What the scheduler is not told (hlb.sim.hidden): per-job speeds, slow and throttling devices,
     # link sharing. All off by default; hlb.sim.hidden.HIDDEN_DEFAULTS turns every part on.
     hidden: HiddenConfig = field(default_factory=HiddenConfig)
+    # Every progress_interval_s (s) each running task reports its progress (TaskProgress: its true
+    # fraction done and rate), as an executor would; one timer for all of them. 0: never (the default).
+    progress_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.progress_interval_s) and self.progress_interval_s >= 0):
+            raise ValueError(
+                f"progress_interval_s must be 0 (off) or a number of seconds above 0, got {self.progress_interval_s}"
+            )
 
 
 class Simulation:
@@ -290,6 +301,8 @@ class Simulation:
             self._queue.push(task.arrival_s, ARRIVAL, task.id)
             self._arrivals_left += 1
         self._queue.push(0.0, SAMPLE, None)
+        if self.config.progress_interval_s > 0:
+            self._queue.push(self.config.progress_interval_s, PROGRESS, None)
         if math.isfinite(self.config.failures.mtbf_s):
             for row in range(len(self.devices.ids)):
                 self._queue.push(self._failure_rng.exponential(self.config.failures.mtbf_s), FAIL, row)
@@ -330,6 +343,9 @@ class Simulation:
             self._sample()
         elif kind == DELIVER:
             self.scheduler.apply_telemetry(payload)
+        elif kind == PROGRESS:
+            self._queue.push(self.clock.t_s + self.config.progress_interval_s, PROGRESS, None)
+            self.attempts.report_progress()
         elif kind == THROTTLE_START:
             self._queue.push(self.hidden.begin_throttle(payload, self.clock.t_s), THROTTLE_END, payload)
             self._device_speed_changed(payload)
