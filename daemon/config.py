@@ -4,6 +4,9 @@ One loader for the whole program. Precedence, highest first: values passed in co
 variables (``HLB_`` prefix, ``__`` between nested keys: ``HLB_KAFKA__BOOTSTRAP_SERVERS``), the
 YAML file, then the defaults below. Unknown keys are errors, so a typo in ``config.yaml`` stops
 the start instead of being ignored.
+
+Longer than hlb's modules usually are, on purpose: one loader, so every section's schema, default
+and reason stands in this one file, in the order of ``config.yaml``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ the record's offset advances all the same, so one record can never stop ingest o
 forever. The source's position is stored only after the whole batch has been applied, which
 makes delivery at-least-once; applying is idempotent, so a replayed record changes nothing.
 
+Longer than hlb's modules usually are, on purpose: the per-record pipeline and the vectorized
+metrics path must apply every record in the order it was consumed, and are read side by side.
+
 Ingest changes the graph only through the scheduler's and the graph's own methods
 (``apply_telemetry``, ``apply_task_event``, ``apply_metrics_arrays``); the dependency-cycle step
 is the state stage's ``dependency_cycle``.

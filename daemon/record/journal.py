@@ -5,9 +5,9 @@ process before the answer goes out. Every record the daemon publishes as a decis
 placements, and the submissions of tasks that came in through the API) is appended to
 ``<state_dir>/decisions.journal`` first and handed to the producer only once the journal has it
 (``hlb.daemon.record.answers.JournaledPublisher``); the gRPC handlers wait for the journal before
-they answer (``hlb.daemon.record.answers.AnswerGate``, as ``journal.sync`` says): in the file (``write``, the default: a daemon killed
-loses nothing answered, and a thread fsyncs the file within milliseconds) or on disk (``fsync``:
-nor does a machine going down). Group commit: one write or fsync covers every record appended
+they answer (``hlb.daemon.record.answers.AnswerGate``, as ``journal.sync`` says): in the file
+(``write``, the default: a daemon killed loses nothing answered, and a thread fsyncs the file
+within milliseconds) or on disk (``fsync``: nor does a machine going down). Group commit: one write or fsync covers every record appended
 before it, so a batch of decisions, or many concurrent requests, cost one.
 
 A record the journal cannot take (a full disk, an I/O error) is no decision: ``withdraw`` cuts

@@ -28,6 +28,10 @@ producer flushes what is still queued; the metrics endpoint closes last. Exit co
 
 SIGHUP re-reads the config file (``Daemon.reload``; ``hlb.daemon.runtime.reload``), and the
 access policy file (``auth.policy_file``; ``hlb.daemon.serve.auth``) whether or not a key changed.
+
+Longer than hlb's modules usually are, on purpose: the wiring of every part and the order of the
+start, the serving and the stop are one story; restore, reload, the policy, publishing and the
+durability of decisions are modules of their own.
 """
 
 from __future__ import annotations
