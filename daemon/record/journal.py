@@ -7,8 +7,9 @@ placements, and the submissions of tasks that came in through the API) is append
 (``hlb.daemon.record.answers.JournaledPublisher``); the gRPC handlers wait for the journal before
 they answer (``hlb.daemon.record.answers.AnswerGate``, as ``journal.sync`` says): in the file
 (``write``, the default: a daemon killed loses nothing answered, and a thread fsyncs the file
-within milliseconds) or on disk (``fsync``: nor does a machine going down). Group commit: one write or fsync covers every record appended
-before it, so a batch of decisions, or many concurrent requests, cost one.
+within milliseconds) or on disk (``fsync``: nor does a machine going down). Group commit: one
+write or fsync covers every record appended before it, so a batch of decisions, or many
+concurrent requests, cost one.
 
 A record the journal cannot take (a full disk, an I/O error) is no decision: ``withdraw`` cuts
 every record not committed yet off the journal, and off the file, and returns them for the
