@@ -428,6 +428,8 @@ class Daemon:
             policy = self.scheduler.policy
             waiting = self.scheduler.waiting_count
             held, forgotten = len(self.scheduler.graph.tasks), self.scheduler.forgotten_total
+            max_pending, queue_full = self.scheduler.max_pending, self.scheduler.refused_queue_full
+            dead_letter_failures = stats.dead_letter_failures
         return StateSample(
             serving=self.serving and self.journal_writable,
             journal_writable=self.journal_writable,
@@ -448,6 +450,9 @@ class Daemon:
             model_provider=model_provider(policy),
             tasks_held=held,
             tasks_forgotten=forgotten,
+            max_pending=max_pending,
+            refused_queue_full=queue_full,
+            dead_letter_failures=dead_letter_failures,
         )
 
     # -- running -----------------------------------------------------------------------------

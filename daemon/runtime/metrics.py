@@ -82,6 +82,9 @@ class StateSample:
     tasks_held: int = 0  # tasks in memory, ended ones not forgotten yet included
     tasks_forgotten: int = 0  # ended tasks forgotten since start (scheduler.keep_ended_s)
     journal_writable: bool = True  # False while the decision journal takes nothing (a full disk)
+    max_pending: int = 0  # the queue's bound (scheduler.max_pending; 0: none)
+    refused_queue_full: int = 0  # new tasks refused since start because the queue held max_pending
+    dead_letter_failures: int = 0  # refused records whose dead letter could not be published
 
 
 StateProvider = Callable[[], StateSample]
@@ -201,6 +204,7 @@ class _StateCollector(Collector):
             ("hlb_ledger_sequence", "Sequence number of the newest placement in the ledger.", s.last_sequence),
             ("hlb_graph_staleness_seconds", "Age of the newest applied telemetry; -1 before any.", s.staleness_s),
             ("hlb_mean_utilization", "Mean device load over the cluster, 0 to 1.", s.mean_utilization),
+            ("hlb_queue_limit", "The queue's bound (scheduler.max_pending); 0: none.", s.max_pending),
         ]
         metrics: list[Metric] = [GaugeMetricFamily(name, doc, value=value) for name, doc, value in gauges]
         info = GaugeMetricFamily(
@@ -221,6 +225,16 @@ class _StateCollector(Collector):
         forgotten = CounterMetricFamily(
             "hlb_tasks_forgotten", "Ended tasks dropped from memory (scheduler.keep_ended_s).", value=s.tasks_forgotten
         )
+        queue_full = CounterMetricFamily(
+            "hlb_tasks_refused_queue_full",
+            "New tasks refused because the queue held scheduler.max_pending (gRPC and Kafka).",
+            value=s.refused_queue_full,
+        )
+        dead_letter_failures = CounterMetricFamily(
+            "hlb_dead_letter_failures",
+            "Refused records whose copy could not be published to the dead-letter topic (the record is skipped).",
+            value=s.dead_letter_failures,
+        )
         rejected = CounterMetricFamily(
             "hlb_events_rejected", "Events refused (sent to the dead-letter topic), by reason.", labels=["reason"]
         )
@@ -233,7 +247,7 @@ class _StateCollector(Collector):
         )
         for (topic, partition), behind in sorted(s.consumer_lag.items()):
             lag.add_metric([topic, str(partition)], behind)
-        return [*metrics, info, degraded, provider, applied, forgotten, rejected, lag]
+        return [*metrics, info, degraded, provider, applied, forgotten, queue_full, dead_letter_failures, rejected, lag]
 
 
 class RpcMetricsInterceptor(HandlerWrapper):

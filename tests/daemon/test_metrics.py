@@ -157,3 +157,19 @@ def test_metrics_are_off_unless_listen_is_set() -> None:
     assert settings.metrics.listen == ""
     with BackgroundDaemon(settings) as running:
         assert running.daemon.metrics_port == 0
+
+
+def test_a_full_queue_shows_its_bound_and_counts_its_refusals(running: BackgroundDaemon) -> None:
+    port = running.daemon.metrics_port
+    assert value(scrape(port), "hlb_queue_limit") == 1_000_000.0  # the default bound
+    assert value(scrape(port), "hlb_dead_letter_failures_total") == 0.0
+    running.daemon.scheduler.max_pending = 1
+    with grpc.insecure_channel(running.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="q1", num_devices=1000, memory_per_device_gb=1)), timeout=5)
+        for task_id in ("q2", "q3"):
+            with pytest.raises(grpc.RpcError):
+                stub.Place(api.PlaceRequest(task=ev.TaskSpec(id=task_id, memory_per_device_gb=1)), timeout=5)
+    full = wait_for(port, lambda s: value(s, "hlb_tasks_refused_queue_full_total") == 2.0)
+    assert value(full, "hlb_queue_limit") == 1.0
+    assert value(full, "hlb_rpc_requests_total", rpc="Place", code="RESOURCE_EXHAUSTED") == 2.0
