@@ -84,6 +84,9 @@ class Scheduler:
         self.clock = clock
         self.queue = PendingQueue()
         self.max_pending = max_pending  # queued tasks at most (0: no bound); more are refused
+        # True while decisions cannot be made durable (a full disk): passes wait, so that what they
+        # would decide is not decided, withdrawn and decided again every retry.
+        self.passes_held = False
         self.refused_queue_full = 0
         # Queued since the last pass. A pass after arrivals alone tries only these (and the tasks
         # waiting for a busy device): nothing was freed, so what did not fit before still does not.
@@ -202,7 +205,10 @@ class Scheduler:
     # -- decisions -------------------------------------------------------------------------
 
     def schedule_pending(self) -> list[ev.Placement]:
-        """Place every queued task that fits now, in queue order. A no-op when nothing changed."""
+        """Place every queued task that fits now, in queue order. A no-op when nothing changed, and
+        while ``passes_held`` (what changed meanwhile is looked at by the first pass after)."""
+        if self.passes_held:
+            return []
         seen = (self.graph.version, self.graph.metrics_version)
         full = self._dirty or seen != self._seen
         if not full and not self._arrived:

@@ -335,6 +335,8 @@ class Daemon:
         again, and undo every decision it has not committed."""
         self.metrics.journal_sync_failures.inc()
         self.journal_writable = False  # at once: handlers that run while this waits are refused
+        with self.lock:
+            self.scheduler.passes_held = True  # ingest's passes would only decide what is undone
         if self._journal_trouble.failed(exc, path=str(self.journal.path) if self.journal else None):
             self.notifier.status(f"not serving: the decision journal cannot be written ({self._journal_trouble.error})")
             await self._publish_health()
@@ -364,6 +366,7 @@ class Daemon:
             await self._journal_failed(exc)  # counted, not logged again; what ingest decided is undone
             return
         with self.lock:
+            self.scheduler.passes_held = False
             self.scheduler.reconsider()  # the tasks queued again are decided now
         self.journal_writable = True
         self._journal_trouble.ended()

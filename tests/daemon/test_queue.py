@@ -93,3 +93,14 @@ def test_a_full_queue_refuses_new_tasks_whole_and_takes_them_again_once_it_drain
     assert scheduler.refused_queue_full == 3
     scheduler.apply_task_event(ev.TaskEvent(cell="c", cancelled=ev.EntityRef(id="big0")))
     assert scheduler.place(fits).placement is not None
+
+
+def test_held_passes_decide_nothing_until_released() -> None:
+    scheduler = Scheduler(cluster(), make_policy("rules"), PlacementLedger(), "c", clock=lambda: 1000.0)
+    scheduler.passes_held = True  # decisions cannot be made durable now
+    scheduler.submit(ev.TaskSpec(id="t", work_ref_s=60.0, memory_per_device_gb=1.0), "c")
+    assert scheduler.schedule_pending() == []
+    assert scheduler.pending_count == 1
+    scheduler.passes_held = False
+    scheduler.reconsider()
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["t"]
