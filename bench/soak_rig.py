@@ -32,6 +32,19 @@ from hlb.sim.kafka_local import LocalBroker
 CELL = "soak"
 
 
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The samples of ``/metrics`` on loopback ``port``, named with their labels
+    (``hlb_rpc_requests_total{code="OK",...}``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
 class BrokerRestart(threading.Thread):
     """Stops the broker, waits, starts it again on its data (same port, topics and offsets)."""
 
@@ -174,16 +187,8 @@ class ServeProcess:
         return 0
 
     def scrape(self) -> dict[str, float]:
-        """The samples of ``/metrics`` named with their labels (``hlb_rpc_requests_total{code="OK",...}``)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        """The samples of the daemon's ``/metrics`` (:func:`scrape_metrics`)."""
+        return scrape_metrics(self.metrics_port)
 
     def log_errors(self) -> Counter[str]:
         """The daemon's log lines at error level or above, by event."""

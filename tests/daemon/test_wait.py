@@ -18,17 +18,9 @@ from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
 from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
+from tests.daemon.clock import T0, Clock
 
 FAST, SLOW = "A100-SXM4-80GB", "V100-SXM2-32GB"
-T0 = 1_000_000.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def gnn(

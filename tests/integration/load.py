@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +22,8 @@ from typing import Any
 import grpc
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
 
+from hlb.bench.soak_rig import scrape_metrics
 from hlb.daemon.config import Topics
 from hlb.daemon.record.statedump import DUMP_NAME
 from hlb.sim.agent import inventory_events
@@ -87,14 +86,7 @@ class Daemon:
 
     def metrics(self) -> dict[str, float]:
         """The Prometheus samples on ``/metrics``, by name with labels (``hlb_consumer_lag{partition="0",...}``)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return scrape_metrics(self.metrics_port)
 
     def rss_bytes(self) -> int:
         """Resident memory of the process, from /proc."""
