@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from hlb.daemon.record import answers as answers_module
 from hlb.daemon.record import journal as journal_module
 from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
 from hlb.daemon.record.journal import (
@@ -169,7 +170,7 @@ def test_a_failed_fsync_off_the_request_path_is_counted_logged_once_and_retried_
     journal = JournalFile.open(tmp_path)
     failures: list[tuple[int, int | None]] = []
     gate = AnswerGate(journal, "write", on_failure=lambda exc: failures.append((journal.durable, exc.errno)))
-    monkeypatch.setattr(journal_module, "FAILED_SYNC_RETRY_S", 0.05)
+    monkeypatch.setattr(answers_module, "FAILED_SYNC_RETRY_S", 0.05)
 
     def broken(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
