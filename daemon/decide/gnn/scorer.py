@@ -239,15 +239,21 @@ class GnnScorer(Policy):
     ) -> Scores | None:
         """The scorer's scores of ``rows`` (cache ``positions``), under ``occupancy`` when given;
         None when it failed (the model is then out of use). [C] -> [C]."""
+        profiles = self.fallback.profiles
+        return self._run_scorer(
+            cache, spec, positions, lambda: feat.pair_features(spec, graph, rows, profiles, occupancy)
+        )
+
+    def _run_scorer(
+        self, cache: EmbeddingCache, spec: ev.TaskSpec, positions: NDArray[np.int64], pair: Callable[[], feat.Matrix]
+    ) -> Scores | None:
+        """The scorer over the cached embeddings at ``positions`` and the pair features ``pair()``
+        gives; None when it failed (the model is then out of use). [C] -> [C]."""
         try:
             scores = cache.model.score(
-                self._task_features(spec),
-                cache.device_emb[positions],
-                feat.pair_features(spec, graph, rows, self.fallback.profiles, occupancy),
-                cache.context,
-                self._weights,
+                self._task_features(spec), cache.device_emb[positions], pair(), cache.context, self._weights
             )
-            if scores.shape != (len(rows),) or not np.isfinite(scores).all():
+            if scores.shape != (len(positions),) or not np.isfinite(scores).all():
                 raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
         except Exception as error:  # onnxruntime raises its own untyped errors
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
@@ -281,16 +287,7 @@ class GnnScorer(Policy):
         if positions is None:
             return None
         pair = feat.pair_features(spec, graph, waits.rows, self.fallback.profiles, wait_s=waits.wait_s)
-        try:
-            scores = cache.model.score(
-                self._task_features(spec), cache.device_emb[positions], pair, cache.context, self._weights
-            )
-            if scores.shape != (len(waits.rows),) or not np.isfinite(scores).all():
-                raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
-        except Exception as error:  # onnxruntime raises its own untyped errors
-            self._model_failed(cache, "inference_error", f"scorer failed: {error}")
-            return None
-        return scores.astype(np.float64)
+        return self._run_scorer(cache, spec, positions, lambda: pair)
 
     def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
         """Task features besides the shape: priority, waiting time and deadline, latency SLO, and a
