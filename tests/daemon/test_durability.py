@@ -3,7 +3,6 @@ and a corrupt journal record costs that record only, never a sequence number giv
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,12 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets, RawEvent
 from hlb.daemon.config import Settings
-from hlb.daemon.record.journal import FILE_HEADER, JOURNAL_NAME, RECORD_HEADER_BYTES
+from hlb.daemon.record.journal import JOURNAL_NAME, RECORD_HEADER_BYTES
 from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.journal_layout import record_starts
 
 CELL = "default"
 SPEC = ev.TaskSpec(id="answered", memory_per_device_gb=4.0, workload_class="resnet50", work_ref_s=60.0)
@@ -175,16 +175,6 @@ def test_a_place_answer_whose_records_never_reached_the_bus_is_kept_after_a_rest
         assert other.placement.sequence == answered.sequence + 1
 
 
-def _record_starts(data: bytes) -> list[int]:
-    """Where each record of a journal file starts (the documented layout of version 2)."""
-    starts, at = [], len(FILE_HEADER)
-    while at < len(data):
-        starts.append(at)
-        (length,) = struct.unpack_from("<I", data, at + 4)
-        at += RECORD_HEADER_BYTES + length
-    return starts
-
-
 @pytest.mark.parametrize(
     ("record", "where"),
     [(3, "payload"), (3, "header"), (11, "payload")],
@@ -208,7 +198,7 @@ def test_a_flipped_bit_in_one_journal_record_loses_that_record_only_and_no_seque
     # Twelve records: each Place's placement, then its submission. Flip one bit of one of them.
     path = settings.state_dir / JOURNAL_NAME
     data = bytearray(path.read_bytes())
-    starts = _record_starts(bytes(data))
+    starts = record_starts(bytes(data))
     assert len(starts) == 12
     at = starts[record - 1] + (RECORD_HEADER_BYTES + 9 if where == "payload" else 6)
     data[at] ^= 0x10

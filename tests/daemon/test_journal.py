@@ -33,6 +33,7 @@ from hlb.daemon.record.journal import (
     read_journal,
 )
 from tests.daemon.diskfull import DiskFull
+from tests.daemon.journal_layout import record_starts
 
 
 def record(i: int, topic: str = "placements", sequence: int = 0) -> JournalRecord:
@@ -348,16 +349,6 @@ def test_a_journal_of_an_unknown_version_is_refused_and_left_alone(tmp_path: Pat
     assert (tmp_path / JOURNAL_NAME).read_bytes() == data
 
 
-def _offsets(data: bytes) -> list[int]:
-    """Where each record of a version 2 journal file starts."""
-    starts, at = [], len(FILE_HEADER)
-    while at < len(data):
-        starts.append(at)
-        (length,) = struct.unpack_from("<I", data, at + 4)
-        at += RECORD_HEADER_BYTES + length
-    return starts
-
-
 def test_one_flipped_bit_anywhere_in_a_record_skips_that_record_and_no_other(tmp_path: Path) -> None:
     journal = JournalFile.open(tmp_path)
     records = [record(i, sequence=i + 1) for i in range(12)]
@@ -366,7 +357,7 @@ def test_one_flipped_bit_anywhere_in_a_record_skips_that_record_and_no_other(tmp
     journal.close()
     path = tmp_path / JOURNAL_NAME
     whole = path.read_bytes()
-    starts = _offsets(whole)
+    starts = record_starts(whole)
     third, fourth = starts[2], starts[3]
     for offset in range(third, fourth):  # every byte of record 3: marker, header fields, payload
         for bit in (0, 7):
