@@ -178,6 +178,11 @@ class LimitsSettings(_Section):
     # Telemetry dated further ahead of the daemon's clock is refused (reason clock_skew), as is a
     # negative time; older telemetry is applied (it cannot move the newest time seen).
     clock_skew_s: float = Field(3600.0, gt=0, le=365 * 86400)
+    # Pending tasks one tenant may have queued (the tenant: the part of a task id before "/").
+    # A new task past it is refused: RESOURCE_EXHAUSTED over gRPC naming the tenant and the limit,
+    # the dead-letter topic on Kafka (reason tenant_queue_full). 0: no bound per tenant
+    # (scheduler.max_pending still bounds them all together).
+    max_pending_per_tenant: int = Field(0, ge=0, le=100_000_000)
 
 
 class TlsSettings(_Section):

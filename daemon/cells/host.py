@@ -13,6 +13,11 @@ one gRPC server (``CellRouter``) that answers for every cell:
   replaying), ``UNAVAILABLE`` says so, and the client retries;
 - ``GetClusterState`` lists every partition's owner (``shards``) as announced on the cells topic.
 
+Every request passes the access policy (``auth``; ``hlb.daemon.serve.auth``) as on a single
+daemon: a shard's own service checks what it answers, and ``GetClusterState`` without a cell, which
+the router answers itself, checks the caller may read the cell such a request names (the config's
+``cell``) and adds up, and lists the owners of, only the cells the caller may read.
+
 A partition given to this instance is rebuilt from this instance's newest snapshot of it (if it
 owned it before), the ledger read back ``read_committed``, and the replayed inputs; one taken away
 is handed over (snapshot written, decisions committed) before the group may give it to another.
@@ -41,8 +46,10 @@ from hlb.daemon.cells.bus import (
 from hlb.daemon.cells.plan import shard_of
 from hlb.daemon.cells.shard import Shard
 from hlb.daemon.config import Settings
+from hlb.daemon.errors import AccessDeniedError
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, cluster_state
+from hlb.daemon.serve.auth import Access
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -89,6 +96,7 @@ class CellHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._announcer: KafkaPublisher | None = None
         self._stopping = False
+        self.access = Access.from_settings(settings)  # a policy file that does not load: ConfigError
 
     # -- the partitions the group gives and takes ----------------------------------------------
 
@@ -306,9 +314,19 @@ class CellRouter(api_grpc.SchedulerServicer):
         if request.cell:  # that cell's summary, with the owners as its shard's instance sees them
             state: api.ClusterState = await self._unary("GetClusterState", request, context)
             return state
-        state = await self._local_summary()
+        access = self.host.access
+        caller = access.caller(context)
+        try:
+            access.check_cell(caller, self.host.settings.cell)
+        except AccessDeniedError as exc:
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, str(exc))
+
+        def readable(cell: str) -> bool:
+            return access.may_read_cell(caller, cell)
+
+        state = await self._local_summary(readable)
         state.instance = self.host.instance
-        state.shards.extend(self.host.owners())
+        state.shards.extend(owner for owner in self.host.owners() if not owner.cell or readable(owner.cell))
         return state
 
     async def WatchPlacements(
@@ -418,12 +436,13 @@ class CellRouter(api_grpc.SchedulerServicer):
             self._channels[address] = channel
         return channel
 
-    async def _local_summary(self) -> api.ClusterState:
-        """The cells served here, added up (one cell's own summary: ``GetClusterState`` with ``cell``)."""
+    async def _local_summary(self, readable: Callable[[str], bool]) -> api.ClusterState:
+        """The cells served here that are ``readable``, added up (one cell's own summary:
+        ``GetClusterState`` with ``cell``)."""
         total = api.ClusterState()
         for run in list(self.host.shards.values()):
             daemon = run.daemon
-            if daemon is None or daemon.service is None:
+            if daemon is None or daemon.service is None or not readable(daemon.scheduler.cell):
                 continue
             with daemon.lock:
                 one = cluster_state(daemon.scheduler, daemon.staleness_ms())

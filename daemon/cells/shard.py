@@ -116,8 +116,10 @@ class Shard(Daemon):
             limits=self.settings.limits,
             dead_letter_max_bytes=kafka.dead_letter_max_bytes,
             tenants=self.access.task_event_refusal,
+            backlog=self.tenant_backlog,
         )
         ingestor.admit = self._admit
+        ingestor.after_pass = self.decisions.take_back
         ingestor.pipelines[kafka.topics.tasks].insert(1, self._same_cell)
         self._ingestor = ingestor
         self.ingest = IngestThread(ingestor, kafka.batch_size, kafka.poll_timeout_s)

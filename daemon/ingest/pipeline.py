@@ -57,6 +57,7 @@ from hlb.daemon.bus.wire import IdIndex, MetricsColumns, decode_metrics
 from hlb.daemon.config import DEAD_LETTER_MAX_BYTES, LimitsSettings, Topics
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import EventError, InvalidEventError
+from hlb.daemon.ingest.backlog import TenantBacklog, noted_in_backlog, within_backlog
 from hlb.daemon.state.checks import check_bounds, check_event_time, dependency_cycle
 from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
@@ -204,7 +205,9 @@ class Ingestor:
     ``clock`` a telemetry time may be. ``dead_letter_max_bytes``: a dead letter's copy of a
     bigger value is cut to this. ``monotonic`` times the folding of repeated failures to publish
     a dead letter in the log. ``tenants``: which tenants' task events each topic may carry (None:
-    any).
+    any). ``backlog``: pending tasks per tenant, bounded by ``limits.max_pending_per_tenant``
+    (None: not bounded per tenant). ``after_pass``: called under ``lock`` after each scheduling
+    pass (the daemon undoes there the decisions the bus refused to record).
     """
 
     def __init__(
@@ -221,6 +224,7 @@ class Ingestor:
         dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
         monotonic: Callable[[], float] = time.monotonic,
         tenants: TenantCheck | None = None,
+        backlog: TenantBacklog | None = None,
     ) -> None:
         self.source = source
         # Where the source knows its consumer's positions, they move past transaction markers that
@@ -239,6 +243,7 @@ class Ingestor:
         self.stats = IngestStats()
         self.positions: Offsets = {}
         self.mirror_inventory = True
+        self.after_pass: Callable[[], object] = lambda: None
         self.pipelines: dict[str, list[Step]] = {
             topics.telemetry: [
                 decoder(ev.TelemetryEvent, max_event_bytes),
@@ -253,7 +258,9 @@ class Ingestor:
                 bounded(self.limits),
                 *([allowed_tenant(tenants)] if tenants is not None else []),
                 no_dependency_cycle(lambda: scheduler.graph.tasks),
+                *([within_backlog(backlog, lambda: self.limits.max_pending_per_tenant)] if backlog else []),
                 applier(scheduler.apply_task_event),
+                *([noted_in_backlog(backlog)] if backlog is not None else []),
             ],
         }
         self.max_event_bytes = max_event_bytes
@@ -275,6 +282,7 @@ class Ingestor:
         with self.lock:
             self.apply_batch(batch)
             placed = self.scheduler.schedule_pending()
+            self.after_pass()
             if self._positioned is not None:
                 self._advance_past_markers(self._positioned)
         self.source.commit(batch)

@@ -139,6 +139,13 @@ class JournaledPublisher:
     with no lock held, when a record starts waiting for the journal with none before it (the daemon
     wakes its upkeep, which writes what ingest decided). Hand-overs run on whatever thread
     committed the records (``JournalFile.on_progress``).
+
+    A record ``inner`` refuses (it raises: librdkafka refusing a record at once, a producer in a
+    fatal state) is a decision the journal holds: it stays waiting, with every record after it,
+    and stays in the journal (``acknowledge`` drops only what was handed over), so neither the
+    decision nor its sequence number is lost; a start publishes it again if it is still there.
+    ``stalled`` says so until a later ``hand_over`` (the daemon's upkeep tries every second)
+    hands it over; the first refusal of a run is logged, each one passed to ``on_refused``.
     """
 
     def __init__(
@@ -156,6 +163,8 @@ class JournaledPublisher:
         self.journal = journal
         self.commit = commit
         self.on_waiting = on_waiting
+        self.on_refused: Callable[[Exception], None] = lambda _: None
+        self.stalled: Exception | None = None  # the refusal that holds the records back, while it does
         self._sequence_of = sequence_of
         self._lock = threading.Lock()  # appends and the records waiting
         self._hand_over = threading.Lock()  # one hand-over at a time, in order
@@ -188,8 +197,8 @@ class JournaledPublisher:
 
     def hand_over(self) -> None:
         """Publish every committed record to ``inner``, in order. When ``inner`` raises, the
-        record that made it is dropped, the later ones wait for the next hand-over, and the error
-        goes to the caller (as it went to the publisher's caller before the journal)."""
+        record that made it and the later ones wait for the next hand-over (``stalled``); the
+        error never reaches the caller, whose decisions the journal holds."""
         with self._hand_over:
             with self._lock:
                 committed = self.committed()  # read under the lock: no withdrawal in between
@@ -199,12 +208,25 @@ class JournaledPublisher:
             for i, (position, topic, key, value, headers) in enumerate(ready):
                 try:
                     self.inner.publish(topic, key, value, headers)
-                except BaseException:
-                    with self._lock:
-                        self._waiting.extendleft(reversed(ready[i + 1 :]))
-                    self._handed = position
-                    raise
+                except Exception as exc:
+                    with self._lock:  # committed records: a withdrawal never takes them
+                        self._waiting.extendleft(reversed(ready[i:]))
+                    self._refused(exc)
+                    return
                 self._handed = position
+            if self.stalled is not None and ready:
+                log.info("journaled decisions handed to the producer again", error=str(self.stalled))
+                self.stalled = None
+
+    def _refused(self, exc: Exception) -> None:
+        if self.stalled is None:
+            log.error(
+                "the producer refused a journaled decision; it stays in the journal and is handed over again "
+                "every second, logged again once it goes",
+                error=str(exc),
+            )
+        self.stalled = exc
+        self.on_refused(exc)
 
     def withdraw(self) -> list[JournalRecord]:
         """Cut every record not committed yet off the journal (``JournalFile.withdraw``); none of

@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
 from hlb.daemon.config import Settings
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import ConfigError
+from hlb.daemon.ingest.backlog import TenantBacklog
 from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
 from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
@@ -164,6 +165,7 @@ class Daemon:
         self.decisions = DecisionPublisher(
             self.raw_publisher, settings.kafka.topics, self.scheduler, clock, self.metrics.placements
         )
+        self.decisions.unpublished = self.metrics.decisions_unpublished
         # The journal: on by default with Kafka (a memory bus ends with the process anyway).
         self.journal_enabled = settings.bus == "kafka"
         self.journal: JournalFile | None = None
@@ -190,6 +192,8 @@ class Daemon:
         self.rate_limit = RateLimitInterceptor(token_bucket(settings, monotonic), self.metrics.count_rate_limited)
         reload_rate_limit = rate_limit_reloader(self.rate_limit, monotonic)
         self.access = Access.from_settings(settings)  # a policy file that does not load: ConfigError
+        self.tenant_backlog = TenantBacklog(self.scheduler, self.access.tenant_of)
+        self.tenant_backlog.on_refused = self.metrics.tenant_pending_refused.inc
         self.reloaders: dict[str, Reloader] = {
             "log.": reload_logging,
             "scheduler.": scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback),
@@ -239,6 +243,7 @@ class Daemon:
         self._journaled = JournaledPublisher(
             self.raw_publisher, journal, sync, sequence_of=self._sequence_of, on_waiting=self._wake_upkeep
         )
+        self._journaled.on_refused = lambda _: self.metrics.handover_failures.inc()
         self.publisher = self._journaled
         if journal.skipped:
             self.metrics.journal_records_skipped.inc(len(journal.skipped))
@@ -505,7 +510,9 @@ class Daemon:
             limits=self.settings.limits,
             dead_letter_max_bytes=kafka.dead_letter_max_bytes,
             tenants=self.access.task_event_refusal,
+            backlog=self.tenant_backlog,
         )
+        self._ingestor.after_pass = self.decisions.take_back
         ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
         self.ingest = ingest
         if self.snapshots is not None:
@@ -546,7 +553,15 @@ class Daemon:
         service.durable = self.durable
         service.limits = self.settings.limits
         service.access = self.access
+        service.tenant_backlog = self.tenant_backlog
+        service.take_back = self._take_back
         return service
+
+    def _take_back(self, submitted: Collection[str]) -> str | None:
+        """Undo the decisions of a request whose records the bus refused (``DecisionPublisher.take_back``);
+        the refusal its caller gets (UNAVAILABLE), or None when everything was published."""
+        taken = self.decisions.take_back(submitted)
+        return taken.refusal() if taken else None
 
     async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:
         return await wait_for_replay(self.replay_left, stop, ingest, self.notifier, self._monotonic)
@@ -559,6 +574,7 @@ class Daemon:
         journal = journaled.journal
         wake = self._upkeep_wake or asyncio.Event()
         next_ack = self._monotonic() + JOURNAL_ACK_S
+        next_hand_over = self._monotonic()
         while True:
             if not self.journal_writable:
                 await asyncio.sleep(JOURNAL_PROBE_S)
@@ -567,6 +583,9 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), JOURNAL_SYNC_S)
             wake.clear()
+            if journaled.stalled is not None and self._monotonic() >= next_hand_over:
+                next_hand_over = self._monotonic() + JOURNAL_PROBE_S  # the producer refused a record
+                await asyncio.to_thread(journaled.hand_over)
             try:
                 if journal.durable < journal.appended:
                     await gate()

@@ -146,6 +146,22 @@ class DaemonMetrics:
             ["kind"],
             registry=r,
         )
+        self.decisions_unpublished = Counter(
+            "hlb_decisions_unpublished",
+            "Decisions undone because the bus refused their record, by kind (placement, submission).",
+            ["kind"],
+            registry=r,
+        )
+        self.handover_failures = Counter(
+            "hlb_journal_handover_failures",
+            "Journaled decisions the producer refused when handed over (kept in the journal, retried).",
+            registry=r,
+        )
+        self.tenant_pending_refused = Counter(
+            "hlb_tenant_pending_refused",
+            "New tasks refused because their tenant holds limits.max_pending_per_tenant pending tasks.",
+            registry=r,
+        )
         self.journal_records_skipped = Counter(
             "hlb_journal_records_skipped",
             "Corrupt decision journal records skipped when the journal was read at start.",

@@ -13,7 +13,13 @@ leaves out the placements of tenants the caller may not read. While the daemon c
 soundly (``SchedulerService.refusal``: a restart still replaying its inputs, or a shutdown), the
 RPCs about placements answer ``UNAVAILABLE`` saying why. A handler that decided
 (or answers with a placement) waits for ``SchedulerService.durable`` before it answers, and
-answers ``UNAVAILABLE`` when its decisions could not be made durable (undone by then).
+answers ``UNAVAILABLE`` when its decisions could not be made durable (undone by then), or when
+the bus refused their records (``SchedulerService.take_back``: undone under the same hold of
+the lock, before anyone else sees them). A ``Place`` or ``PlaceBatch`` whose deadline passes
+while it waits for the daemon's lock is abandoned there (``DEADLINE_EXCEEDED``), before it
+decides anything. A new task whose tenant already has ``limits.max_pending_per_tenant`` tasks
+pending is refused ``RESOURCE_EXHAUSTED`` naming the tenant and the limit
+(``SchedulerService.tenant_backlog``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -38,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 from hlb.daemon.config import LimitsSettings, TlsSettings
 from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
 from hlb.daemon.errors import AccessDeniedError, InvalidEventError, QueueFullError, UnknownTaskError
+from hlb.daemon.ingest.backlog import TenantBacklog
 from hlb.daemon.serve.auth import Access
 from hlb.daemon.serve.interceptors import HandlerWrapper
 from hlb.daemon.serve.tls import server_credentials
@@ -53,16 +60,36 @@ SERVICE_NAME = api.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 MAX_TOP_K = 1_000
 MAX_EXCLUDED = 100
+_ABANDONED = "deadline passed while the request waited for its turn; nothing was decided"
 
 # Called with each task that Place accepted, so that it is also recorded on the tasks topic.
 OnSubmitted = Callable[[ev.TaskSpec], None]
 # Returns once the decisions made so far are durable (the daemon's journal); awaited before
 # answering. Raises OSError when they cannot be, having undone them.
 Durable = Callable[[], Awaitable[None]]
+# Called under the daemon's lock after each decision, with the ids of the tasks the request
+# submitted: undoes what the bus refused to record and says why (the UNAVAILABLE answer), or None.
+TakeBack = Callable[[Collection[str]], str | None]
 
 
 async def _nothing_to_wait_for() -> None:
     return None
+
+
+def _nothing_to_take_back(_: Collection[str]) -> str | None:
+    return None
+
+
+class _DeadlinePassedError(Exception):
+    """The caller's deadline passed while the request waited for the daemon's lock."""
+
+
+def _still_wanted(context: grpc.aio.ServicerContext[object, object]) -> None:
+    """Raise ``_DeadlinePassedError`` when the caller has given up; called holding the lock, where the
+    handler cannot await the abort."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise _DeadlinePassedError
 
 
 def _refusal_code(error: InvalidEventError) -> grpc.StatusCode:
@@ -96,6 +123,12 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self.limits = LimitsSettings()
         # Who may do what (the settings' ``auth``); without a policy, everyone everything.
         self.access = Access()
+        self.take_back: TakeBack = _nothing_to_take_back
+        # Pending tasks per tenant, bounded by ``limits.max_pending_per_tenant`` (0: no bound).
+        self.tenant_backlog = TenantBacklog(scheduler, self._tenant_of)
+
+    def _tenant_of(self, task_id: str) -> str:
+        return self.access.tenant_of(task_id)  # the access in force: the daemon sets it after construction
 
     async def _check_bounds(self, request: Message, context: grpc.aio.ServicerContext[object, object]) -> None:
         """INVALID_ARGUMENT naming the first string, list or map of ``request`` over its limit."""
@@ -135,15 +168,27 @@ class SchedulerService(api_grpc.SchedulerServicer):
         )
         await self._check_serving(context)
         await _check_deadline(context)
+        spec, dry_run = request.task, request.dry_run
+        taken_back: str | None = None
         try:
             with self.lock:
-                is_new = request.task.id not in self.scheduler.graph.tasks
-                decision = self.scheduler.place(request.task, dry_run=request.dry_run)
+                _still_wanted(context)
+                is_new = spec.id not in self.scheduler.graph.tasks
+                if is_new and not dry_run:
+                    self.tenant_backlog.admit([spec], self.limits.max_pending_per_tenant)
+                decision = self.scheduler.place(spec, dry_run=dry_run)
+                if is_new and not dry_run:
+                    self.on_submitted(spec)
+                    self.tenant_backlog.added(spec.id)
+                if not dry_run:
+                    taken_back = self.take_back((spec.id,) if is_new else ())
+        except _DeadlinePassedError:
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _ABANDONED)
         except InvalidEventError as exc:
             await _abort(context, _refusal_code(exc), str(exc))
-        if is_new and not request.dry_run:
-            self.on_submitted(request.task)
-        if not request.dry_run:
+        if taken_back is not None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, taken_back)
+        if not dry_run:
             await self._durable(context)  # the answer may be acted on: it must survive a crash
         return _place_response(decision)
 
@@ -215,16 +260,28 @@ class SchedulerService(api_grpc.SchedulerServicer):
         await self._permitted(context, lambda: self._check_batch(request, context))
         await self._check_serving(context)
         await _check_deadline(context)
+        dry_run = request.dry_run
+        taken_back: str | None = None
         try:
             with self.lock:
+                _still_wanted(context)
                 tasks = self.scheduler.graph.tasks
                 new = [spec for spec in request.tasks if spec.id not in tasks]
-                decisions = self.scheduler.place_batch(request.tasks, dry_run=request.dry_run)
+                if new and not dry_run:
+                    self.tenant_backlog.admit(new, self.limits.max_pending_per_tenant)
+                decisions = self.scheduler.place_batch(request.tasks, dry_run=dry_run)
+                if not dry_run:
+                    for spec in new:
+                        self.on_submitted(spec)
+                        self.tenant_backlog.added(spec.id)
+                    taken_back = self.take_back([spec.id for spec in new])
+        except _DeadlinePassedError:
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _ABANDONED)
         except InvalidEventError as exc:  # names the task's index: "tasks[3]: ..."
             await _abort(context, _refusal_code(exc), str(exc))
-        if not request.dry_run:
-            for spec in new:
-                self.on_submitted(spec)
+        if taken_back is not None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, taken_back)
+        if not dry_run:
             await self._durable(context)  # one fsync for the whole batch
         reply = api.PlaceBatchResponse()
         for decision in decisions:

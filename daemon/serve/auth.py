@@ -183,6 +183,8 @@ def _line_of(node: yaml.Node, loc: tuple[int | str, ...]) -> int:
 
 # -- the running daemon's access control --------------------------------------------------------
 
+_NO_POLICY = AccessPolicy()  # names tenants where no policy file does
+
 
 @dataclass(frozen=True)
 class _InForce:
@@ -248,6 +250,11 @@ class Access:
             trust_header=state.trust_header,
         )
 
+    def tenant_of(self, task_id: str) -> str:
+        """The tenant of ``task_id`` under the policy in force (without one: ``default`` for an id
+        without ``/``)."""
+        return (self._in_force.policy or _NO_POLICY).tenant_of(task_id)
+
     # -- callers -------------------------------------------------------------------------------
 
     def caller(self, context: Context) -> str:
@@ -294,6 +301,11 @@ class Access:
         policy = self._in_force.policy
         if policy is not None and not policy.reads_in(caller, cell):
             raise AccessDeniedError(f"identity {_shown(caller)} may not read any tenant's tasks in cell {cell!r}")
+
+    def may_read_cell(self, caller: str, cell: str) -> bool:
+        """Whether ``check_cell`` lets ``caller`` read ``cell``'s summary."""
+        policy = self._in_force.policy
+        return policy is None or policy.reads_in(caller, cell)
 
     def may_read(self, caller: str, task_id: str, cell: str) -> bool:
         policy = self._in_force.policy
