@@ -52,13 +52,16 @@ test: install-export kafka lint
 demo: install kafka
 	$(PY) -m hlb.cli demo --duration $(DURATION)
 
-# The shipped GNN: the default training recipe (about an hour on 2 cores), then hlb export into the
-# package. CI never runs this; it trains a tiny model in the tests instead.
-TRAIN_OUT ?= .cache/train/default
+# The shipped GNN and its no-graph ablation: the default training recipe (logged simulations, then
+# about half an hour of fitting per model on 2 cores), the second model on the first one's data,
+# then hlb export into the package. CI never runs this; it trains a tiny model in the tests instead.
+TRAIN_OUT ?= .cache/train
 model: install-export
 	rm -rf $(TRAIN_OUT)
-	$(PY) -m hlb.cli train --out $(TRAIN_OUT)
-	$(PY) -m hlb.cli export --checkpoint $(TRAIN_OUT)/best.pt --out daemon/data/model
+	$(PY) -m hlb.cli train --out $(TRAIN_OUT)/default --no-progress
+	$(PY) -m hlb.cli train --out $(TRAIN_OUT)/no-graph --no-graph --data $(TRAIN_OUT)/default/data.pt --no-progress
+	$(PY) -m hlb.cli export --checkpoint $(TRAIN_OUT)/default/best.pt --out daemon/data/model
+	$(PY) -m hlb.cli export --checkpoint $(TRAIN_OUT)/no-graph/best.pt --out daemon/data/model-no-graph
 
 proto: install
 	$(PY) proto/generate.py

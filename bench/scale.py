@@ -93,6 +93,7 @@ def _policy(model: Path, threads: int) -> Any:
 
 def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict[str, Any]:
     from hlb.daemon.decide.gnn import features as feat
+    from hlb.v1 import events_pb2 as ev
 
     start = time.perf_counter()
     graph = build_graph(devices)
@@ -104,7 +105,8 @@ def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict
     if policy.cache is None:
         raise RuntimeError(f"the model did not load: {policy.degraded}")
     row = graph.devices.live_rows()[:1]
-    refresh_ms, inputs_ms = [], []
+    every = graph.devices.live_rows()
+    refresh_ms, inputs_ms, shape_ms = [], [], []
     for i in range(repeats):
         graph.apply_metrics_arrays(
             row, np.array([i % 2 * 0.5]), np.zeros(1), np.zeros(1), np.zeros(1), np.ones(1, dtype=np.int64), ["d0"]
@@ -115,6 +117,11 @@ def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict
         start = time.perf_counter()
         feat.encoder_inputs(graph)
         inputs_ms.append((time.perf_counter() - start) * 1000)
+        # The first decision of a task shape after a refresh runs the speed head over every device.
+        spec = ev.TaskSpec(id="shape", workload_class="resnet50-bs64", work_ref_s=600.0)
+        start = time.perf_counter()
+        assert policy.log_ratios(spec, graph, every, 1, True) is not None
+        shape_ms.append((time.perf_counter() - start) * 1000)
     return {
         "devices": len(graph.devices),
         "hosts": len(graph.hosts),
@@ -123,6 +130,7 @@ def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict
         "model_load_and_warm_up_s": round(load_s, 3),
         "refresh_ms": {"p50": round(float(np.median(refresh_ms)), 1), "max": round(max(refresh_ms), 1)},
         "of_which_inputs_ms": {"p50": round(float(np.median(inputs_ms)), 1)},
+        "first_prediction_of_a_shape_ms": {"p50": round(float(np.median(shape_ms)), 1), "max": round(max(shape_ms), 1)},
     }
 
 

@@ -313,14 +313,16 @@ class ModelSettings(_Section):
     providers: tuple[str, ...] = ("CUDAExecutionProvider", "CPUExecutionProvider")
     # Reload the model when its files change (checked by the refresh thread), besides on SIGHUP.
     watch: bool = True
-    # Two-stage ranking: the scorer ranks the best `shortlist` feasible devices by hetero-greedy's
-    # estimated finish (its physical prior), more for a gang; 0: every feasible device.
-    shortlist: int = Field(64, ge=0, le=1_000_000)
     refresh: ModelRefreshSettings = ModelRefreshSettings()
 
     @model_validator(mode="before")
     @classmethod
     def _rules_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "shortlist" in data:
+            raise ValueError(
+                "model.shortlist is gone: the GNN predicts the speed of every device once per task shape, "
+                "and no decision ranks a shortlist any more; remove the key"
+            )
         moved = sorted(set(data) & set(RulesSettings.model_fields)) if isinstance(data, dict) else []
         if moved:
             keys = ", ".join(f"model.{k} -> scheduler.rules.{k}" for k in moved)
@@ -362,9 +364,10 @@ class SchedulerSettings(_Section):
     # Queued tasks at most; a new task beyond is refused (gRPC RESOURCE_EXHAUSTED, dead-letter reason
     # queue_full). About 2 KB of memory each (hlb bench queue). 0: no bound.
     max_pending: int = Field(1_000_000, ge=0, le=100_000_000)
-    # What the policies are told of device speeds: exact (per workload class, gang and placement: the
-    # shipped profiles, measured), coarse (one speed per model) or nameplate (peak TFLOPS alone).
-    profiles: Literal["exact", "coarse", "nameplate"] = "exact"
+    # What the policies are told of device speeds: nameplate (peak TFLOPS alone: what a datasheet
+    # says, the prior the shipped GNN corrects), coarse (one speed per model) or exact (per workload
+    # class, gang and placement: the shipped profiles, measured, an upper bound no real scheduler has).
+    profiles: Literal["exact", "coarse", "nameplate"] = "nameplate"
 
     @field_validator("keep_ended_s")
     @classmethod

@@ -4,8 +4,9 @@
 
 Exports a randomly initialised model of the default size, builds mixed clusters from the
 simulator's catalogue (with 20% of devices running a task and 200 pending tasks), and reports
-per size: feature building (numpy), encoder run and scorer run over ``--candidates`` devices
-(pair features included), as p50 and p99 in milliseconds.
+per size: feature building (numpy), the encoder run, and the speed head over ``--candidates``
+devices and over every device (what one new task shape costs; prior features included), as p50 and
+p99 in milliseconds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import GnnModel, load_model
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import default_profiles
 from hlb.export.model import HlbGnn
 from hlb.export.onnx_export import ExportInfo, export_model
 from hlb.sim.catalogue import load_catalogue
@@ -64,14 +66,18 @@ def measure(model: GnnModel, devices: int, candidates: int, repeats: int) -> dic
     graph = cluster(devices)
     inputs = feat.encoder_inputs(graph)
     emb, context = model.encode(inputs)
-    spec = ev.TaskSpec(id="new", num_devices=2, memory_per_device_gb=8, work_ref_s=600)
+    spec = ev.TaskSpec(id="new", num_devices=2, memory_per_device_gb=8, work_ref_s=600, workload_class="lm-bs20")
     rows = graph.feasible_rows(spec)[:candidates]
-    weights = np.array([1.0, 0.2, 0.2], dtype=np.float32)
-    task_x = feat.task_features(spec)
+    shape_x = feat.shape_features(spec)
+    profiles = default_profiles()
 
-    def score() -> object:
-        pair = feat.pair_features(spec, graph, rows)
-        return model.score(task_x, emb[inputs.device_positions(rows)], pair, context, weights)
+    def predict() -> object:
+        prior = feat.prior_features(spec, graph, rows, profiles)
+        return model.predict(shape_x, emb[inputs.device_positions(rows)], prior, context)
+
+    def predict_all() -> object:
+        every = inputs.device_rows
+        return model.predict(shape_x, emb, feat.prior_features(spec, graph, every, profiles), context)
 
     return {
         "devices": len(graph.devices),
@@ -80,7 +86,8 @@ def measure(model: GnnModel, devices: int, candidates: int, repeats: int) -> dic
         "widest_list": max(n.index.shape[1] for n in inputs.lists.values()),
         "features": timed(lambda: feat.encoder_inputs(graph), repeats),
         "encoder": timed(lambda: model.encode(inputs), repeats),
-        "scorer_with_pair_features": timed(score, repeats * 10),
+        "scorer_with_prior_features": timed(predict, repeats * 10),
+        "scorer_every_device": timed(predict_all, repeats),
     }
 
 

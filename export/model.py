@@ -7,19 +7,19 @@ scatter, no index_put, no index_add, because onnxruntime runs ScatterElements(ad
 and ScatterND(add) gives wrong sums with more than one intra-op thread when indices repeat
 (docs/design.md §4). ``tests/export`` checks the exported op inventory.
 
-The model is two graphs so that a decision does not pay for a full pass:
+The model predicts run time, not decisions: for a task on a device, the log of the ratio of the
+rate it will run at to the rate the device profiles (the prior) give, and how sure it is. The
+``gnn`` preset's rules and hetero-greedy's earliest-finish score then decide with the corrected
+run times (``hlb.daemon.decide.gnn.speeds``), so comparing it with ``rules`` measures the
+prediction alone. Two graphs, so that a decision does not pay for a full pass:
 
 - :class:`Encoder`: whole graph -> device embeddings [D, E] and a global context [G], refreshed
   off the request path;
-- :class:`Scorer`: one task's features, its candidates' embeddings [C, E], pair features [C, P],
-  the context and the objective weights [3] -> scores [C] (higher is better).
+- :class:`Scorer` (the speed head): one task shape, its candidates' embeddings [C, E], their prior
+  features [C, 2] and the context -> [C, 2] (log speed ratio, log standard deviation).
 
-The scorer predicts one score per objective (completion time, utilization, energy) and returns
-their weighted sum, so operators change the trade-off at run time without retraining; the weights
-are also inputs of its hidden layer. Each objective's score is a learned correction on top of a
-physical prior, ``-prior_o * pair_x[:, PRIOR_FEATURES[o]]`` (estimated finish, load, energy; the
-coefficients are learned too). The correction's output layer starts at zero, so an untrained
-scorer ranks single devices as hetero-greedy does, and training learns where to depart from it.
+Trained supervised (``hlb.export.train``): Gaussian negative log-likelihood of the log ratio of
+observed to prior rate of tasks that ran in simulations with hidden truth.
 """
 
 from __future__ import annotations
@@ -32,13 +32,12 @@ from torch import Tensor, nn
 
 from hlb.daemon.decide.gnn import features as feat
 
-N_OBJECTIVES = 3
-CHECKPOINT_FORMAT = "hlb-gnn-checkpoint/2"
-# The scorer's physical prior: per objective, the pair feature whose increase makes a device worse
-# (completion time: estimated finish, hetero-greedy's estimate; utilization: the device's load;
-# energy: estimated energy).
-PRIOR_FEATURES = ("finish_s", "load", "energy_kj")
-PRIOR_INIT = 10.0
+CHECKPOINT_FORMAT = "hlb-gnn-checkpoint/3"
+# The head's outputs are clipped: a speed ratio within e**±4 (about 55x) of the prior's, and a
+# standard deviation of its log between e**-4 and e**2.
+MAX_LOG_RATIO = 4.0
+MIN_LOG_SIGMA = -4.0
+MAX_LOG_SIGMA = 2.0
 _TYPE_DIMS: dict[str, int] = {
     "device": len(feat.DEVICE_FEATURES),
     "host": len(feat.HOST_FEATURES),
@@ -55,13 +54,14 @@ class ModelConfig:
     hidden: int = 32
     rounds: int = 2
     scorer_hidden: int = 64
+    message_passing: bool = True  # False: every neighbour list empty, in training and in the daemon
 
     @property
     def context_dim(self) -> int:
         """G: mean device embedding, mean pending-task embedding, log device and pending counts."""
         return 2 * self.hidden + 2
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
 
 
@@ -212,11 +212,13 @@ class Encoder(nn.Module):
 
 
 class Scorer(nn.Module):
-    """One task, C candidates -> scores [C].
+    """The speed head: one task shape, C candidate devices -> [C, 2], per device the predicted log
+    of (observed rate / the prior's rate) and the log of its standard deviation.
 
-    Shapes: task_x [len(TASK_FEATURES)], device_emb [C, E], pair_x [C, len(PAIR_FEATURES)],
-    context [G], weights [3] (completion time, utilization, energy; non-negative, any scale)
-    -> [C]. Per-candidate terms are broadcast against the task-wide ones; no Expand of C.
+    Shapes: shape_x [len(SHAPE_FEATURES)], device_emb [C, E], prior_x [C, len(PRIOR_FEATURES)],
+    context [G] -> [C, 2]. Per-candidate terms are broadcast against the task-wide ones; no Expand
+    of C. The output layer starts at zero: an untrained head predicts the prior (ratio 1) with a
+    standard deviation of 1.
     """
 
     def __init__(self, config: ModelConfig | None = None) -> None:
@@ -224,35 +226,26 @@ class Scorer(nn.Module):
         self.config = config or ModelConfig()
         hidden = self.config.scorer_hidden
         self.device_in = nn.Linear(self.config.hidden, hidden)
-        self.pair_in = nn.Linear(len(feat.PAIR_FEATURES), hidden, bias=False)
-        self.task_in = nn.Linear(len(feat.TASK_FEATURES), hidden, bias=False)
+        self.prior_in = nn.Linear(len(feat.PRIOR_FEATURES), hidden, bias=False)
+        self.shape_in = nn.Linear(len(feat.SHAPE_FEATURES), hidden, bias=False)
         self.context_in = nn.Linear(self.config.context_dim, hidden, bias=False)
-        self.weights_in = nn.Linear(N_OBJECTIVES, hidden, bias=False)
-        self.body = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
-        self.heads = nn.Linear(hidden, N_OBJECTIVES)
+        self.body = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.heads = nn.Linear(hidden, 2)
         nn.init.zeros_(self.heads.weight)
         nn.init.zeros_(self.heads.bias)
-        pair_names = feat.names(feat.PAIR_FEATURES)
-        select = torch.zeros(len(pair_names), N_OBJECTIVES)
-        for objective, name in enumerate(PRIOR_FEATURES):
-            select[pair_names.index(name), objective] = 1.0
-        self.register_buffer("prior_select", select)  # [PAIR, 3], a MatMul in the exported graph
-        self.prior = nn.Parameter(torch.full((N_OBJECTIVES,), PRIOR_INIT))
 
-    def forward(self, task_x: Tensor, device_emb: Tensor, pair_x: Tensor, context: Tensor, weights: Tensor) -> Tensor:
-        w = torch.clamp(weights, min=0.0)
-        w = w / torch.clamp(w.sum(), min=1e-6)
-        shared = self.task_in(task_x) + self.context_in(context) + self.weights_in(w)  # [H]
-        h = self.body(self.device_in(device_emb) + self.pair_in(pair_x) + shared)  # [C, H]
-        select: Tensor = self.get_buffer("prior_select")
-        prior = torch.matmul(pair_x, select) * self.prior  # [C, 3]
-        per_objective = self.heads(h) - prior  # [C, 3]
-        scores: Tensor = (per_objective * w).sum(dim=1)
-        return scores
+    def forward(self, shape_x: Tensor, device_emb: Tensor, prior_x: Tensor, context: Tensor) -> Tensor:
+        shared = self.shape_in(shape_x) + self.context_in(context)  # [H]
+        h = self.body(self.device_in(device_emb) + self.prior_in(prior_x) + shared)  # [C, H]
+        out = self.heads(h)  # [C, 2]
+        mean = torch.clamp(out[:, :1], min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO)
+        log_sigma = torch.clamp(out[:, 1:], min=MIN_LOG_SIGMA, max=MAX_LOG_SIGMA)
+        return torch.cat([mean, log_sigma], dim=1)
 
 
 class HlbGnn(nn.Module):
-    """Encoder and scorer together, for training: scores of every device for one task."""
+    """Encoder and speed head together. ``message_passing`` False: trained and run with every
+    neighbour list empty (the ``gnn-no-graph`` ablation); recorded in the checkpoint and the export."""
 
     def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
@@ -262,8 +255,8 @@ class HlbGnn(nn.Module):
 
     @classmethod
     def random(cls, config: ModelConfig | None = None) -> HlbGnn:
-        """An untrained model whose correction heads are random too (a fresh one starts them at zero),
-        so every input moves the scores: for tests and benchmarks. Seed torch first."""
+        """An untrained model whose output layer is random too (a fresh one starts it at zero), so
+        every input moves the predictions: for tests and benchmarks. Seed torch first."""
         model = cls(config)
         nn.init.normal_(model.scorer.heads.weight, std=0.5)
         nn.init.normal_(model.scorer.heads.bias, std=0.5)

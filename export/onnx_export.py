@@ -29,13 +29,13 @@ import torch
 from numpy.typing import NDArray
 
 from hlb.daemon.decide.gnn import features as feat
-from hlb.export.model import N_OBJECTIVES, Encoder, HlbGnn, Scorer
+from hlb.export.model import Encoder, HlbGnn, Scorer
 
 OPSET = 18
 ENCODER_FILE = "encoder.onnx"
 SCORER_FILE = "scorer.onnx"
 ENCODER_OUTPUTS = ("device_emb", "context")
-SCORER_OUTPUTS = ("scores",)
+SCORER_OUTPUTS = ("speed",)
 
 # Example sizes for tracing: all distinct and above 1, so the exporter keeps every size symbolic.
 _EXAMPLE_COUNTS = {"device": 11, "host": 5, "switch": 3, "task": 7}
@@ -70,11 +70,10 @@ def example_scorer_feeds(
 ) -> dict[str, NDArray[np.float32]]:
     rng = np.random.default_rng(seed)
     return {
-        "task_x": rng.normal(size=len(feat.TASK_FEATURES)).astype(np.float32),
+        "shape_x": rng.normal(size=len(feat.SHAPE_FEATURES)).astype(np.float32),
         "device_emb": rng.normal(size=(candidates, config_hidden)).astype(np.float32),
-        "pair_x": rng.normal(size=(candidates, len(feat.PAIR_FEATURES))).astype(np.float32),
+        "prior_x": rng.normal(size=(candidates, len(feat.PRIOR_FEATURES))).astype(np.float32),
         "context": rng.normal(size=context_dim).astype(np.float32),
-        "weights": np.array([1.0, 0.5, 0.25], dtype=np.float32)[:N_OBJECTIVES],
     }
 
 
@@ -140,13 +139,7 @@ def export_scorer(scorer: Scorer, model: HlbGnn, path: Path, info: ExportInfo) -
     feeds = example_scorer_feeds(model.config.hidden, model.config.context_dim)
     args = tuple(torch.from_numpy(feeds[name]) for name in names)
     candidates = torch.export.Dim("n_candidates", min=0)
-    shapes = {
-        "task_x": None,
-        "device_emb": {0: candidates},
-        "pair_x": {0: candidates},
-        "context": None,
-        "weights": None,
-    }
+    shapes = {"shape_x": None, "device_emb": {0: candidates}, "prior_x": {0: candidates}, "context": None}
     scorer.eval()
     program = torch.onnx.export(
         scorer,

@@ -1,10 +1,10 @@
-"""What a training run is: the curriculum, the seeds and every setting, as :class:`TrainConfig`.
+"""What a training run is: the logged simulations, the seeds and every setting, as :class:`TrainConfig`.
 
-Training uses the training workload families and seeds only (:data:`TRAIN_FAMILIES`, seeds from
-:data:`TRAIN_SEED_BASE`); ``hlb eval`` reports on seeds 0.. and on other families, and validation
-runs on seeds of their own (:data:`VALIDATION_SEED_BASE`). A curriculum (:data:`DEFAULT_STAGES`)
-grows cluster size, job count and load stage by stage. :data:`PRESETS` are the recipes that
-``hlb train --preset`` names; :func:`parse_stage` and :func:`check_stages` check ``--stage``.
+Training data come from the training workload families and seeds only (:data:`TRAIN_FAMILIES`,
+seeds from :data:`TRAIN_SEED_BASE`); validation examples from seeds of their own
+(:data:`VALIDATION_SEED_BASE`); ``hlb eval`` reports on seeds 0.. and on other families.
+:data:`PRESETS` are the recipes ``hlb train --preset`` names; :func:`parse_stage` and
+:func:`check_stages` check ``--stage``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ VALIDATION_SEED_BASE = 900  # validation seeds: neither training nor evaluation
 
 @dataclass(frozen=True)
 class Stage:
-    """One curriculum step: a cluster, a workload family, a load and a job count."""
+    """Logged simulations of one kind: a cluster, a workload family, a load and a job count."""
 
     cluster: str
     workload: str
@@ -34,9 +34,10 @@ class Stage:
 
 
 DEFAULT_STAGES: tuple[Stage, ...] = (
-    Stage("mixed:32", "gavel", 0.8, 120),
-    Stage("mixed:64", "pipelines", 0.8, 80),
     Stage("mixed:64", "gavel", 0.8, 200),
+    Stage("mixed:64", "gavel", 1.0, 200),
+    Stage("mixed:128", "pipelines", 0.9, 100),
+    Stage("gavel:48", "gavel", 0.9, 200),
 )
 TINY_STAGES: tuple[Stage, ...] = (Stage("mixed:8", "gavel", 0.8, 12),)
 
@@ -46,70 +47,34 @@ class TrainConfig:
     """Everything that decides a training run (written into the checkpoint's description)."""
 
     stages: tuple[Stage, ...] = DEFAULT_STAGES
-    dagger_iterations: int = 3
-    dagger_episodes: int = 2  # per stage and iteration
-    imitation_epochs: int = 3  # passes over the aggregated data per DAgger iteration
-    rl_iterations: int = 2
-    rl_workloads: int = 2  # workloads per RL iteration (the last stages of the curriculum)
-    rl_episodes: int = 3  # episodes per workload (the baseline's sample)
-    temperature: float = 0.5  # of the sampled policy during RL
-    learning_rate: float = 1e-3
-    rl_learning_rate: float = 2e-4
-    # PPO's clip of the probability ratio against the sampling model in REINFORCE's updates (0: plain
-    # REINFORCE). Unclipped, 24 iterations from the untrained model (0.696 of hetero-greedy's
-    # validation JCT) swung between 0.709 and 2.467, an iteration's hundreds of optimizer steps
-    # pushing the sampled decisions far from the probabilities they were drawn with; clipped at 0.2
-    # the same run stayed within about 1% of epoch 0 (docs/train/reinforce24-rules.jsonl, -ppo.jsonl).
-    rl_clip: float = 0.2
-    batch_decisions: int = 16  # decisions per optimizer step
-    max_samples: int = 20_000  # the DAgger data set keeps at most this many (the newest)
-    validation_seeds: int = 1  # per stage
-    # A later epoch replaces best.pt only when its validation ratio is at least this share below the
-    # best so far. The validation runs are few, and a smaller lead is their noise: an epoch 0.02%
-    # ahead of epoch 0 on its three runs was 0.9% and 6.2% behind it on ten validation seeds per stage.
-    min_improvement: float = 0.02
-    teacher_k: int = 3
-    teacher_horizon_s: float = 6 * 3600.0
+    episodes: int = 24  # logged simulations per stage, on training seeds
+    validation_episodes: int = 3  # per stage, on validation seeds
+    explore: float = 0.2  # share of decisions that perturb the estimates (hlb.export.dataset)
+    explore_sigma: float = 0.7
+    epochs: int = 6
+    batch_snapshots: int = 8  # graph snapshots per optimizer step
+    learning_rate: float = 2e-3
+    weight_decay: float = 1e-5
     hidden: int = 32
     rounds: int = 2
+    message_passing: bool = True
     seed: int = 0
-    # The daemon's rules the student decides by in REINFORCE and validation (scheduler.rules:
-    # wait_for_faster, gang_wait_factor, queue_order, fit_services); DAgger follows the teacher,
-    # which neither waits nor reorders.
-    wait_for_faster: bool = True
-    gang_wait_factor: float = 0.5
-    queue_order: str = "shortest-first"
-    fit_services: bool = True
 
     def describe(self) -> str:
         stages = "; ".join(s.label() for s in self.stages)
-        rules = (
-            f"wait_for_faster {str(self.wait_for_faster).lower()}, gang_wait_factor {self.gang_wait_factor:g}, "
-            f"queue_order {self.queue_order}, fit_services {str(self.fit_services).lower()}"
-        )
-        clip = f" (PPO clip {self.rl_clip:g})" if self.rl_clip > 0 else ""
+        graph = "with message passing" if self.message_passing else "without message passing (gnn-no-graph)"
         return (
-            f"hlb train: DAgger x{self.dagger_iterations} from lookahead(k={self.teacher_k}, "
-            f"{self.teacher_horizon_s / 3600:g} h), then REINFORCE x{self.rl_iterations}{clip}; families "
-            f"{', '.join(TRAIN_FAMILIES)}; seeds >= {TRAIN_SEED_BASE}; curriculum: {stages}; {rules}; seed {self.seed}"
+            f"speed ratios of executions logged with hidden truth, Gaussian NLL, {graph}; "
+            f"{self.episodes} episodes per stage (families {', '.join(TRAIN_FAMILIES)}, seeds >= "
+            f"{TRAIN_SEED_BASE}, exploration {self.explore:g} at sigma {self.explore_sigma:g}); {stages}; "
+            f"{self.epochs} epochs; seed {self.seed}"
         )
 
 
 PRESETS: dict[str, TrainConfig] = {
     "default": TrainConfig(),
     "tiny": TrainConfig(
-        stages=TINY_STAGES,
-        dagger_iterations=1,
-        dagger_episodes=1,
-        imitation_epochs=1,
-        rl_iterations=1,
-        rl_workloads=1,
-        rl_episodes=2,
-        validation_seeds=1,
-        teacher_k=2,
-        teacher_horizon_s=1800.0,
-        hidden=8,
-        rounds=1,
+        stages=TINY_STAGES, episodes=2, validation_episodes=1, epochs=2, batch_snapshots=4, hidden=8, rounds=1
     ),
 }
 
@@ -135,7 +100,7 @@ def parse_stage(text: str) -> Stage:
 def check_stages(stages: Sequence[Stage]) -> None:
     """ValueError unless every stage is a training family on a cluster that can be built."""
     if not stages:
-        raise ValueError("no curriculum stages")
+        raise ValueError("no stages")
     catalogue = load_catalogue()
     for stage in stages:
         if stage.workload not in TRAIN_FAMILIES:

@@ -1,21 +1,18 @@
-"""``hlb train``: teach the GNN to place in the simulator, then improve it on the long-run objective.
+"""``hlb train``: teach the GNN to predict how fast a task will run on a device, supervised.
 
-Two phases, both on the training workload families and seeds only (:mod:`hlb.export.recipe`):
-
-1. **Imitation with DAgger** of the lookahead oracle (:mod:`hlb.export.imitation`);
-2. **REINFORCE** with an input-dependent baseline and PPO's clipped surrogate
-   (:mod:`hlb.export.reinforce`).
-
-The student is the torch model deciding as a daemon policy (:mod:`hlb.export.student`). A
-curriculum (:data:`hlb.export.recipe.DEFAULT_STAGES`) grows cluster size, job count and load stage
-by stage. After each epoch (one DAgger iteration or one RL iteration) the student runs
-deterministically on the validation seeds and its mean JCT is compared with hetero-greedy's on the
-same seeds; the checkpoint with the best ratio is kept as ``best.pt``, a later one only when its
-ratio is ``min_improvement`` (2%) below the best so far. Every epoch's summary goes to
-``train.jsonl`` and the terminal.
+1. **Data** (:mod:`hlb.export.dataset`): logged simulations of the training stages, with the
+   hidden truth on, on training seeds (and a few validation seeds); every finished task is an
+   example: the graph when it was placed, its shape, the prior's speed on its device, and the
+   log of its observed rate over the prior's. Written to ``data.pt`` (``--data`` reuses one).
+2. **Fit**: Adam on the Gaussian negative log-likelihood of the label under the head's mean and
+   standard deviation, one encoder pass per snapshot shared by its examples. After each epoch the
+   validation examples give the NLL, the median absolute error of the log ratio (the model's and
+   the prior's, which predicts 0) and the share of labels within one and two predicted standard
+   deviations; the checkpoint with the best validation NLL is ``best.pt``. Every epoch's summary
+   goes to ``train.jsonl`` and the terminal.
 
     hlb train --out runs/default                # the shipped model's recipe (make model)
-    hlb train --out /tmp/tiny --preset tiny     # a few steps, for CI
+    hlb train --out /tmp/tiny --preset tiny     # a few simulations, for CI
 
 Needs the ``export`` extra (torch, tqdm).
 """
@@ -24,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,245 +30,259 @@ from typing import Any
 
 import numpy as np
 import torch
-from numpy.typing import NDArray
 from torch import Tensor
 
-from hlb.daemon.decide.framework import Policy
-from hlb.daemon.decide.presets import make_policy
-from hlb.export.imitation import DaggerPolicy, imitation_loss
+from hlb.daemon.decide.gnn import features as feat
+from hlb.export.dataset import Episode, simulate
 from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
-from hlb.export.recipe import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, Stage, TrainConfig
-from hlb.export.reinforce import baseline_advantages, clipped_surrogate, plackett_luce_log_prob
-from hlb.export.student import Decision, TorchGnnPolicy, decision_scores
-from hlb.sim.catalogue import Catalogue, load_catalogue
-from hlb.sim.lookahead import LookaheadPolicy
-from hlb.sim.metrics import compute_metrics
-from hlb.sim.result import SimResult
-from hlb.sim.scenarios import build_cluster, build_workload
-from hlb.sim.simulator import SimConfig, Simulation
+from hlb.export.recipe import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, TrainConfig
+from hlb.sim.catalogue import load_catalogue
+
+DATA_FORMAT = "hlb-speed-data/1"
 
 
 @dataclass
 class EpochSummary:
     epoch: int
-    phase: str
     samples: int
     loss: float
-    val_jct_s: float
-    baseline_jct_s: float
-    val_ratio: float
+    val_nll: float
+    val_error: float  # median |predicted - observed| of the log speed ratio
+    prior_error: float  # the same for the prior (which predicts 0)
+    within_1sd: float
+    within_2sd: float
     wall_s: float
     extra: dict[str, float] = field(default_factory=dict)
 
 
-class Trainer:
-    """Runs :class:`TrainConfig` end to end into ``out`` (checkpoints, train.jsonl, best.pt)."""
+@dataclass
+class Batch:
+    """One snapshot's tensors and its examples' head inputs and labels."""
 
-    def __init__(self, config: TrainConfig, out: Path, say: Callable[[str], None], progress: bool = True) -> None:
+    feeds: list[Tensor]
+    positions: Tensor  # [B] int64
+    shape_x: Tensor  # [B, S]
+    prior_x: Tensor  # [B, P]
+    labels: Tensor  # [B]
+
+
+def to_batches(episodes: Sequence[Episode], message_passing: bool) -> list[Batch]:
+    """Group every episode's examples by snapshot into tensors."""
+    names = feat.encoder_feed_names()
+    out: list[Batch] = []
+    for episode in episodes:
+        by_snapshot: dict[int, list[int]] = {}
+        for i, example in enumerate(episode.examples):
+            by_snapshot.setdefault(example.snapshot, []).append(i)
+        for snapshot, members in by_snapshot.items():
+            inputs = episode.snapshots[snapshot]
+            feeds = (inputs if message_passing else inputs.without_edges()).feeds()
+            examples = [episode.examples[i] for i in members]
+            out.append(
+                Batch(
+                    feeds=[torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in names],
+                    positions=torch.tensor([e.position for e in examples], dtype=torch.int64),
+                    shape_x=torch.from_numpy(np.stack([e.shape_x for e in examples])),
+                    prior_x=torch.from_numpy(np.stack([e.prior_x for e in examples])),
+                    labels=torch.tensor([e.label for e in examples], dtype=torch.float32),
+                )
+            )
+    return out
+
+
+def predict(model: HlbGnn, batch: Batch) -> Tensor:
+    """The head's [B, 2] for a batch's examples (the head broadcasts a [B, S] shape input)."""
+    device_emb, context = model.encoder(*batch.feeds)
+    out: Tensor = model.scorer(batch.shape_x, device_emb[batch.positions], batch.prior_x, context)
+    return out
+
+
+def gaussian_nll(out: Tensor, labels: Tensor) -> Tensor:
+    """Mean negative log-likelihood (without the constant) of ``labels`` [B] under [B, 2] = (mean, log sd)."""
+    mean, log_sigma = out[:, 0], out[:, 1]
+    return (log_sigma + 0.5 * ((labels - mean) * torch.exp(-log_sigma)) ** 2).mean()
+
+
+class Trainer:
+    """Runs :class:`TrainConfig` end to end into ``out`` (data.pt, train.jsonl, best.pt, final.pt)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        out: Path,
+        say: Callable[[str], None],
+        progress: bool = True,
+        data: Path | None = None,
+    ) -> None:
         self.config = config
         self.out = out
         self.say = say
         self.progress = progress
+        self.data = data
         torch.manual_seed(config.seed)
-        self.model = HlbGnn(ModelConfig(hidden=config.hidden, rounds=config.rounds))
-        self.catalogue: Catalogue = load_catalogue()
-        self.weights = torch.tensor([1.0, 0.0, 0.0])
-        self.epoch = 0
-        self.best_ratio = math.inf
+        model_config = ModelConfig(hidden=config.hidden, rounds=config.rounds, message_passing=config.message_passing)
+        self.model = HlbGnn(model_config)
+        self.best_nll = math.inf
         self.history: list[EpochSummary] = []
-        self._baselines: dict[tuple[Stage, int], float] = {}
-
-    # simulation helpers
-
-    def simulate(self, stage: Stage, seed: int, policy: Policy) -> SimResult:
-        inventory = build_cluster(stage.cluster, self.catalogue)
-        tasks = build_workload(stage.workload, seed, stage.jobs, self.catalogue, inventory, stage.load)
-        return Simulation(self.catalogue, inventory, tasks, policy, seed, SimConfig()).run()
-
-    def student(self, temperature: float = 0.0, seed: int = 0) -> TorchGnnPolicy:
-        self.model.eval()
-        return TorchGnnPolicy(
-            self.model,
-            temperature=temperature,
-            rng=np.random.default_rng(seed),
-            wait_for_faster=self.config.wait_for_faster,
-            queue_order=self.config.queue_order,
-            fit_services=self.config.fit_services,
-            gang_wait_factor=self.config.gang_wait_factor,
-        )
-
-    # phases
+        self.data_description: str | None = None
 
     def run(self) -> Path:
         if (self.out / "train.jsonl").exists():
             raise FileExistsError(f"{self.out} holds an earlier run (train.jsonl); choose another --out or remove it")
+        train_episodes, validation_episodes = self.episodes()
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(_plain(asdict(self.config)), indent=1) + "\n")
-        self.say(f"hlb train: {self.config.describe()}")
-        # Epoch 0: the untrained model, which ranks as its physical prior does (hetero-greedy's order).
-        self.finish_epoch("init", 0, math.nan, time.perf_counter(), {})
-        data: list[Decision] = []
-        optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
-        for iteration in range(self.config.dagger_iterations):
-            started = time.perf_counter()
-            beta = 0.5**iteration
-            new = self.collect(iteration, beta)
-            data = (data + new)[-self.config.max_samples :]
-            loss = self.fit(data, optimizer)
-            self.finish_epoch("dagger", len(data), loss, started, {"beta": beta, "new_samples": len(new)})
-        optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.rl_learning_rate)
-        for iteration in range(self.config.rl_iterations):
-            started = time.perf_counter()
-            loss, samples, mean_return = self.reinforce(iteration, optimizer)
-            self.finish_epoch("reinforce", samples, loss, started, {"mean_return_h": mean_return / 3600.0})
-        final = self.out / "final.pt"
-        save_checkpoint(self.model, final, f"hlb-gnn-{time.strftime('%Y%m%d')}-final", self.config.describe())
+        self.say(f"hlb train: {self.describe()}")
+        train = to_batches(train_episodes, self.config.message_passing)
+        validation = to_batches(validation_episodes, self.config.message_passing)
+        n_train = sum(len(b.labels) for b in train)
+        self.say(f"data: {n_train} training and {sum(len(b.labels) for b in validation)} validation examples")
+        optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=self.config.learning_rate, weight_decay=self.config.weight_decay
+        )
+        epochs = max(1, self.config.epochs)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+        rng = np.random.default_rng(self.config.seed)
+        self.finish_epoch(0, 0, math.nan, time.perf_counter(), validation)
         best = self.out / "best.pt"
+        for epoch in range(1, epochs + 1):
+            started = time.perf_counter()
+            loss = self.fit(train, optimizer, rng)
+            scheduler.step()
+            summary = self.finish_epoch(epoch, n_train, loss, started, validation)
+            if summary.val_nll < self.best_nll:
+                self.best_nll = summary.val_nll
+                save_checkpoint(self.model, best, self.version(f"epoch{epoch}"), self.describe())
+        final = self.out / "final.pt"
+        save_checkpoint(self.model, final, self.version("final"), self.describe())
         if not best.exists():
             best.write_bytes(final.read_bytes())
         return best
 
-    def collect(self, iteration: int, beta: float) -> list[Decision]:
-        """Teacher-labelled decisions from the episodes of one DAgger iteration."""
-        runs = [
-            (stage, TRAIN_SEED_BASE + 100 * iteration + episode)
-            for stage in self.config.stages
-            for episode in range(self.config.dagger_episodes)
-        ]
-        data: list[Decision] = []
-        for stage, seed in self._bar(runs, f"dagger {iteration + 1}/{self.config.dagger_iterations} collect"):
-            teacher = LookaheadPolicy(k=self.config.teacher_k, horizon_s=self.config.teacher_horizon_s)
-            policy = DaggerPolicy(self.student(), teacher, beta, seed)
-            self.simulate(stage, seed, policy)
-            data += policy.data
-        return data
-
-    def fit(self, data: list[Decision], optimizer: torch.optim.Optimizer) -> float:
-        """``imitation_epochs`` passes of cross-entropy over ``data``; the mean loss of the last."""
-        rng = np.random.default_rng(self.config.seed + self.epoch)
-
-        def loss_of(decision: Decision, cache: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
-            return imitation_loss(decision_scores(self.model, decision, self.weights, cache), decision.chosen)
-
-        mean = math.nan
-        for _ in range(self.config.imitation_epochs):
-            mean = self.descend(data, rng.permutation(len(data)), loss_of, optimizer, f"fit {len(data)} decisions")
-        return mean
-
-    def descend(
-        self,
-        decisions: Sequence[Decision],
-        order: NDArray[np.int64],
-        loss_of: Callable[[Decision, dict[int, tuple[Tensor, Tensor]]], Tensor],
-        optimizer: torch.optim.Optimizer,
-        label: str,
-    ) -> float:
-        """One pass over ``decisions`` in ``order``, an optimizer step per ``batch_decisions`` of them
-        (decisions of one graph state share an encoder pass); the mean batch loss (nan: none)."""
-        self.model.train()
-        losses = []
-        for batch in self._bar(_batches(order, self.config.batch_decisions), label):
-            cache: dict[int, tuple[Tensor, Tensor]] = {}
-            loss = torch.stack([loss_of(decisions[i], cache) for i in batch]).mean()
-            optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
-        self.model.eval()
-        return float(np.mean(losses)) if losses else math.nan
-
-    def reinforce(self, iteration: int, optimizer: torch.optim.Optimizer) -> tuple[float, int, float]:
-        """One REINFORCE iteration; returns the mean loss, decisions used and mean episode return (s)."""
-        stages = list(self.config.stages[-self.config.rl_workloads :])
-        decisions: list[Decision] = []
-        returns: list[float] = []
-        jobs = [(stage, e) for stage in stages for e in range(self.config.rl_episodes)]
-        per_stage: dict[Stage, list[tuple[list[Decision], SimResult]]] = {s: [] for s in stages}
-        label = f"reinforce {iteration + 1}/{self.config.rl_iterations} episodes"
-        for stage, episode in self._bar(jobs, label):
-            seed = TRAIN_SEED_BASE + 5000 + 10 * iteration + stages.index(stage)
-            student = self.student(self.config.temperature, seed=seed * 100 + episode)
-            recorded: list[Decision] = []
-            student.record = recorded.append
-            result = self.simulate(stage, seed, student)
-            per_stage[stage].append((recorded, result))
-        for episodes in per_stage.values():
-            used, episode_returns = baseline_advantages(episodes)
-            decisions += used
-            returns += episode_returns
-        temperature, clip = self.config.temperature, self.config.rl_clip
-        if clip > 0:
-            with torch.no_grad():  # the model has not moved since it sampled these episodes
-                sampled: dict[int, tuple[Tensor, Tensor]] = {}
-                for decision in decisions:
-                    scores = decision_scores(self.model, decision, self.weights, sampled)
-                    decision.log_prob = float(plackett_luce_log_prob(scores, decision.chosen, temperature))
-
-        def loss_of(decision: Decision, cache: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
-            scores = decision_scores(self.model, decision, self.weights, cache)
-            log_prob = plackett_luce_log_prob(scores, decision.chosen, temperature)
-            if clip > 0:
-                return clipped_surrogate(log_prob, decision.log_prob, decision.advantage, clip)
-            return -decision.advantage * log_prob
-
-        order = np.random.default_rng(iteration).permutation(len(decisions))
-        mean_loss = self.descend(decisions, order, loss_of, optimizer, f"reinforce {len(decisions)} decisions")
-        return mean_loss, len(decisions), float(np.mean(returns)) if returns else 0.0
-
-    # validation and bookkeeping
-
-    def validate(self) -> tuple[float, float]:
-        """Mean JCT (s) of the student and of hetero-greedy over the validation runs."""
-        ours, theirs = [], []
-        for stage in self.config.stages:
-            for k in range(self.config.validation_seeds):
-                seed = VALIDATION_SEED_BASE + k
-                key = (stage, seed)
-                if key not in self._baselines:
-                    baseline = self.simulate(stage, seed, make_policy("hetero-greedy"))
-                    self._baselines[key] = compute_metrics(baseline)["jct_mean_s"]
-                theirs.append(self._baselines[key])
-                ours.append(compute_metrics(self.simulate(stage, seed, self.student()))["jct_mean_s"])
-        return float(np.nanmean(ours)), float(np.nanmean(theirs))
-
-    def finish_epoch(self, phase: str, samples: int, loss: float, started: float, extra: dict[str, float]) -> None:
-        val, base = self.validate()
-        ratio = val / base if base > 0 else math.nan
-        summary = EpochSummary(self.epoch, phase, samples, loss, val, base, ratio, time.perf_counter() - started, extra)
-        self.history.append(summary)
-        version = f"hlb-gnn-{time.strftime('%Y%m%d')}-e{self.epoch}"
-        path = self.out / "checkpoints" / f"epoch-{self.epoch:03d}.pt"
-        save_checkpoint(self.model, path, version, self.config.describe())
-        improved = ratio < self.best_ratio * (1.0 - self.config.min_improvement)
-        if improved:
-            self.best_ratio = ratio
-            save_checkpoint(self.model, self.out / "best.pt", version, self.config.describe())
-        with (self.out / "train.jsonl").open("a") as log:
-            log.write(json.dumps(_plain(asdict(summary))) + "\n")
-        self.epoch += 1
-        self.say(
-            f"epoch {summary.epoch:>2} {phase:<9} samples {samples:>6}  loss {loss:8.4f}  "
-            f"val JCT {val / 3600:7.2f} h  hetero-greedy {base / 3600:7.2f} h  ratio {ratio:.3f}"
-            + ("  (best)" if improved else "")
-            + f"  {summary.wall_s:.0f} s"
+    def describe(self) -> str:
+        """The training description recorded in the checkpoints: the recipe's, or with ``data``, the
+        data's own (the recipe that logged it) and the fitting settings."""
+        if self.data_description is None:
+            return self.config.describe()
+        graph = "with message passing" if self.config.message_passing else "without message passing (gnn-no-graph)"
+        return (
+            f"fitted {graph}, {self.config.epochs} epochs, seed {self.config.seed}, on data of: {self.data_description}"
         )
+
+    def version(self, tag: str) -> str:
+        graph = "" if self.config.message_passing else "-no-graph"
+        return f"hlb-gnn{graph}-{time.strftime('%Y%m%d')}-{tag}"
+
+    def episodes(self) -> tuple[list[Episode], list[Episode]]:
+        """The logged simulations: loaded from ``data`` when given, else run and saved to data.pt."""
+        if self.data is not None:
+            try:
+                document = torch.load(self.data, weights_only=False)
+                if not isinstance(document, dict) or document.get("format") != DATA_FORMAT:
+                    raise ValueError("another format")
+                self.data_description = str(document["description"])
+                loaded = list(document["train"]), list(document["validation"])
+            except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, OSError, TypeError, ValueError):
+                raise ValueError(f"{self.data}: not hlb training data ({DATA_FORMAT})") from None
+            self.say(f"data: read {self.data} ({self.data_description})")
+            return loaded
+        catalogue = load_catalogue()
+        c = self.config
+        runs = [
+            (stage, base + stage_index * 1000 + i, is_train)
+            for stage_index, stage in enumerate(c.stages)
+            for base, count, is_train in (
+                (TRAIN_SEED_BASE, c.episodes, True),
+                (VALIDATION_SEED_BASE, c.validation_episodes, False),
+            )
+            for i in range(count)
+        ]
+        train: list[Episode] = []
+        validation: list[Episode] = []
+        for stage, seed, is_train in self._bar(runs, "logging simulations"):
+            episode = simulate(
+                catalogue, stage.cluster, stage.workload, stage.load, stage.jobs, seed, c.explore, c.explore_sigma
+            )
+            (train if is_train else validation).append(episode)
+        document = {"format": DATA_FORMAT, "description": c.describe(), "train": train, "validation": validation}
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(document, self.out / "data.pt")
+        return train, validation
+
+    def fit(self, batches: list[Batch], optimizer: torch.optim.Optimizer, rng: np.random.Generator) -> float:
+        """One epoch over ``batches`` in a random order; returns the mean training NLL."""
+        self.model.train()
+        order = rng.permutation(len(batches))
+        step = max(1, self.config.batch_snapshots)
+        total, count = 0.0, 0
+        for start in self._bar(range(0, len(order), step), "fit"):
+            group = [batches[i] for i in order[start : start + step].tolist()]
+            optimizer.zero_grad()
+            n = sum(len(b.labels) for b in group)
+            loss = sum((gaussian_nll(predict(self.model, b), b.labels) * len(b.labels) for b in group), torch.zeros(()))
+            (loss / n).backward()  # type: ignore[no-untyped-call]
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 5.0)
+            optimizer.step()
+            total += float(loss.detach())
+            count += n
+        return total / max(count, 1)
+
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        """Validation figures (see the module docstring)."""
+        self.model.eval()
+        with torch.no_grad():
+            outs = [predict(self.model, b) for b in batches]
+        if not outs:
+            nan = math.nan
+            return {"nll": nan, "error": nan, "prior_error": nan, "within_1sd": nan, "within_2sd": nan}
+        out = torch.cat(outs)
+        labels = torch.cat([b.labels for b in batches])
+        z = ((labels - out[:, 0]) * torch.exp(-out[:, 1])).abs()
+        return {
+            "nll": float(gaussian_nll(out, labels)),
+            "error": float((labels - out[:, 0]).abs().median()),
+            "prior_error": float(labels.abs().median()),
+            "within_1sd": float((z <= 1.0).float().mean()),
+            "within_2sd": float((z <= 2.0).float().mean()),
+        }
+
+    def finish_epoch(
+        self, epoch: int, samples: int, loss: float, started: float, validation: list[Batch]
+    ) -> EpochSummary:
+        v = self.evaluate(validation)
+        summary = EpochSummary(
+            epoch=epoch,
+            samples=samples,
+            loss=loss,
+            val_nll=v["nll"],
+            val_error=v["error"],
+            prior_error=v["prior_error"],
+            within_1sd=v["within_1sd"],
+            within_2sd=v["within_2sd"],
+            wall_s=time.perf_counter() - started,
+        )
+        self.history.append(summary)
+        with (self.out / "train.jsonl").open("a") as handle:
+            handle.write(json.dumps(_plain(asdict(summary))) + "\n")
+        self.say(
+            f"epoch {epoch}: train NLL {loss:.3f}, validation NLL {summary.val_nll:.3f}, median |log error| "
+            f"{summary.val_error:.3f} (prior {summary.prior_error:.3f}), within 1/2 sd "
+            f"{summary.within_1sd:.2f}/{summary.within_2sd:.2f} ({summary.wall_s:.0f} s)"
+        )
+        return summary
 
     def _bar(self, items: Sequence[Any], label: str) -> Any:
         if not self.progress:
             return items
         from tqdm import tqdm
 
-        return tqdm(items, desc=label, leave=False, file=sys.stderr, dynamic_ncols=True)
-
-
-def _batches(order: NDArray[np.int64], size: int) -> list[NDArray[np.int64]]:
-    return [order[i : i + size] for i in range(0, len(order), size)]
+        return tqdm(items, desc=label, leave=False)
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else str(value)
+    """JSON-safe: NaN and infinities as null, tuples as lists, dataclasses as dicts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

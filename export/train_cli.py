@@ -1,7 +1,8 @@
 """``hlb train``: the command line of :mod:`hlb.export.train` (imports torch only when it runs).
 
-hlb train --out runs/default                 # the shipped model's recipe (make model)
-hlb train --out /tmp/tiny --preset tiny      # a few steps on a tiny cluster (CI)
+hlb train --out runs/default                           # the shipped model's recipe (make model)
+hlb train --out runs/no-graph --no-graph --data runs/default/data.pt   # the ablation, same data
+hlb train --out /tmp/tiny --preset tiny                # a few simulations on a tiny cluster (CI)
 hlb train --out runs/x --stage mixed:64/gavel/0.8/200 --stage mixed:128/pipelines/0.9/100
 """
 
@@ -18,50 +19,27 @@ MISSING_EXTRA = "hlb train: install the export extra: pip install 'hlb[export]'"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Train the GNN in the simulator: imitation of the lookahead teacher (DAgger), then REINFORCE, "
-        "over a curriculum of training workloads; writes checkpoints, train.jsonl and best.pt."
+        "Train the GNN to predict run times: log simulations with hidden truth, then fit the speed ratio "
+        "of every finished task (Gaussian NLL); writes data.pt, train.jsonl, best.pt and final.pt."
     )
-    parser.add_argument("--out", type=Path, required=True, help="folder for checkpoints, train.jsonl and best.pt")
+    parser.add_argument("--out", type=Path, required=True, help="folder for data.pt, train.jsonl and checkpoints")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="default", help="a training recipe")
     parser.add_argument(
         "--stage",
         action="append",
         default=[],
-        help="a curriculum stage CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200 "
+        help="simulations to log, CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200 "
         "(repeat the option; replaces the preset's stages)",
     )
-    parser.add_argument("--dagger-iterations", type=int, help="DAgger iterations (the preset's by default)")
-    parser.add_argument("--rl-iterations", type=int, help="REINFORCE iterations (the preset's by default)")
-    parser.add_argument("--seed", type=int, help="seed of the initialisation and the sampling")
-    parser.add_argument("--validation-seeds", type=int, help="validation runs per stage after each epoch")
-    parser.add_argument("--temperature", type=float, help="of the sampled gangs during REINFORCE")
+    parser.add_argument("--episodes", type=int, help="logged simulations per stage (the preset's by default)")
+    parser.add_argument("--epochs", type=int, help="passes over the data (the preset's by default)")
+    parser.add_argument("--seed", type=int, help="seed of the initialisation and the order of the data")
     parser.add_argument(
-        "--min-improvement",
-        type=float,
-        help="share by which a later epoch's validation ratio must beat the best so far to replace best.pt "
-        "(the preset's by default: 0.02)",
-    )
-    parser.add_argument(
-        "--rl-clip",
-        type=float,
-        help="PPO's clip of the probability ratio in REINFORCE's updates, in [0, 1) (the preset's by default: "
-        "0.2); 0 is plain REINFORCE",
-    )
-    parser.add_argument(
-        "--no-wait",
+        "--no-graph",
         action="store_true",
-        help="the student never waits for a faster busy device (as scheduler.rules.wait_for_faster: false)",
+        help="train without message passing (every neighbour list empty): the gnn-no-graph ablation",
     )
-    parser.add_argument(
-        "--queue-order",
-        choices=("shortest-first", "arrival"),
-        help="the student's queue order (as scheduler.rules.queue_order; default shortest-first)",
-    )
-    parser.add_argument(
-        "--no-fit-services",
-        action="store_true",
-        help="the student places services as any task (as scheduler.rules.fit_services: false)",
-    )
+    parser.add_argument("--data", type=Path, help="train on the data.pt of an earlier run instead of logging anew")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
 
@@ -83,46 +61,29 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as error:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2
-    names = (
-        "dagger_iterations",
-        "rl_iterations",
-        "seed",
-        "validation_seeds",
-        "temperature",
-        "min_improvement",
-        "rl_clip",
-    )
-    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    if any(v < 0 for v in overrides.values()):
+    overrides = {k: getattr(args, k) for k in ("episodes", "epochs", "seed") if getattr(args, k) is not None}
+    if any(v < 0 for v in overrides.values()) or overrides.get("epochs") == 0:
+        print("hlb train: --episodes and --seed must be >= 0, --epochs >= 1", file=sys.stderr)
+        return 2
+    if args.data is not None and not args.data.is_file():
+        print(f"hlb train: --data {args.data}: no such file", file=sys.stderr)
+        return 2
+    if args.data is not None and (args.stage or args.episodes is not None):
         print(
-            "hlb train: iterations, seeds, the temperature, --min-improvement and --rl-clip must be >= 0",
+            "hlb train: --stage and --episodes choose the simulations to log; --data brings logged ones",
             file=sys.stderr,
         )
         return 2
-    if overrides.get("validation_seeds") == 0 or overrides.get("temperature") == 0:
-        print("hlb train: --validation-seeds and --temperature must be > 0", file=sys.stderr)
-        return 2
-    if not 0.0 <= overrides.get("min_improvement", 0.0) < 1.0:  # NaN fails too
-        print("hlb train: --min-improvement must be in [0, 1)", file=sys.stderr)
-        return 2
-    if not 0.0 <= overrides.get("rl_clip", 0.0) < 1.0:
-        print("hlb train: --rl-clip must be in [0, 1)", file=sys.stderr)
-        return 2
-    config = replace(config, **overrides)
-    if args.no_wait:
-        config = replace(config, wait_for_faster=False)
-    if args.queue_order:
-        config = replace(config, queue_order=args.queue_order)
-    if args.no_fit_services:
-        config = replace(config, fit_services=False)
+    config = replace(config, **overrides, message_passing=not args.no_graph)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    trainer = train.Trainer(config, args.out, lambda line: print(line, flush=True), progress=not args.no_progress)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    trainer = train.Trainer(config, args.out, say, progress=not args.no_progress, data=args.data)
     try:
         best = trainer.run()
-    except FileExistsError as error:
+    except (FileExistsError, ValueError) as error:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2
     _, version, _ = load_checkpoint(best)
-    print(f"wrote {best} (model version {version}; best validation JCT ratio {trainer.best_ratio:.3f})")
+    print(f"wrote {best} (model version {version}; best validation NLL {trainer.best_nll:.3f})")
     return 0

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cells": ("hlb.daemon.cells.plan", "which partition each cell lands on with several instances (cells plan)"),
     "bench": ("hlb.bench.cli", "benchmarks that print JSON (latency, ...)"),
     "eval": ("hlb.sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),
-    "train": ("hlb.export.train_cli", "train the GNN in the simulator: imitation, then RL (needs the export extra)"),
+    "train": ("hlb.export.train_cli", "train the GNN to predict run times in the simulator (needs the export extra)"),
     "export": ("hlb.export.cli", "write the GNN's encoder and scorer ONNX files (needs the export extra)"),
 }
 

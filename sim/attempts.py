@@ -193,6 +193,10 @@ class Attempts:
 
     # -- placement -------------------------------------------------------------------------
 
+    def record_of(self, attempt_id: str) -> TaskRecord:
+        """The record of the task an attempt (a scheduler task id, ``<task>#<n>`` for a retry) is of."""
+        return self._attempts[attempt_id].record
+
     def place(self, placement: ev.Placement) -> None:
         """Carry out a placement the scheduler recorded: reserve, then transfer inputs or start."""
         attempt = self._attempts[placement.task_id]

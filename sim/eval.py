@@ -33,7 +33,7 @@ from hlb.daemon.state.profiles import PROFILE_KINDS
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, HiddenConfig
 from hlb.sim.metrics import compute_metrics, job_outcomes
-from hlb.sim.policies import GNN_VARIANTS, check_gnn_model, make_sim_policy
+from hlb.sim.policies import GNN_VARIANTS, NO_GRAPH, NO_GRAPH_MODEL_DIR, check_gnn_model, make_sim_policy
 from hlb.sim.report import load_label, rewrite_tables, summarize, write_plots, write_tables
 from hlb.sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
 from hlb.sim.simulator import FailureConfig, SimConfig, Simulation
@@ -145,6 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=Path, help="the GNN's folder (encoder.onnx, scorer.onnx) for policy gnn; default: shipped"
     )
     parser.add_argument(
+        "--model-no-graph",
+        type=Path,
+        help="the folder of the model trained without message passing, for policy gnn-no-graph; default: shipped",
+    )
+    parser.add_argument(
         "--refresh-rows",
         type=int,
         default=1,
@@ -154,10 +159,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profiles",
         choices=PROFILE_KINDS,
-        default="exact",
+        default="nameplate",
         help="what the policies are told of device speeds, as scheduler.profiles: exact (the simulator's own"
-        " per-workload speeds, an upper bound), coarse (one speed per model) or nameplate (peak TFLOPS);"
-        " oracle-speeds is always told exact ones (default: %(default)s)",
+        " per-workload speeds, an upper bound), coarse (one speed per model) or nameplate (peak TFLOPS, what a"
+        " real scheduler is told, and the prior the shipped GNN corrects); oracle-speeds is always told exact"
+        " ones (default: %(default)s)",
     )
     parser.add_argument(
         "--weights",
@@ -212,13 +218,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hidden = parser.add_argument_group(
         "hidden truth",
-        "what the simulator knows and the scheduler is not told (docs/simulator.md); all off by default. "
-        "--hidden turns every part on at its default strength; each flag below sets its part, --hidden or not.",
+        "what the simulator knows and the scheduler is not told (docs/simulator.md); all on by default. "
+        "--no-hidden turns every part off; each flag below sets its part, --hidden or not.",
     )
     hidden.add_argument(
         "--hidden",
-        action="store_true",
-        help=f"every part on: --job-speed-sigma {HIDDEN_DEFAULTS.job_speed_sigma} "
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every part on (the default; --no-hidden: all off, the catalogue's speeds exactly): "
+        f"--job-speed-sigma {HIDDEN_DEFAULTS.job_speed_sigma} "
         f"--slow-devices {HIDDEN_DEFAULTS.slow_device_share} "
         f"--throttle-every-h {HIDDEN_DEFAULTS.throttle_every_s / 3600.0:g} --link-sharing "
         "(devices stay exclusive: --share-devices changes what the scheduler may do, not what it is told)",
@@ -247,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hidden.add_argument(
         "--link-sharing",
         action=argparse.BooleanOptionalAction,
-        help="concurrent transfers and spread gangs share their links' bandwidth (default: off)",
+        help="concurrent transfers and spread gangs share their links' bandwidth (default: on with --hidden)",
     )
     hidden.add_argument(
         "--share-devices",
@@ -383,6 +391,9 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         make_sim_policy(policy, model=model)
     if any(p in GNN_VARIANTS for p in policies):
         check_gnn_model(model)
+    no_graph = str(args.model_no_graph) if args.model_no_graph else None
+    if NO_GRAPH in policies:
+        check_gnn_model(no_graph or str(NO_GRAPH_MODEL_DIR))
     seeds = _seeds(args.seeds)
     if args.refresh_rows < 1:
         raise ValueError("--refresh-rows needs at least 1")
@@ -419,7 +430,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
             policy,
             seed,
             config,
-            model if policy in GNN_VARIANTS else None,
+            model if policy in GNN_VARIANTS else no_graph if policy == NO_GRAPH else None,
             args.refresh_rows,
             args.weights,
             args.profiles,

@@ -1,11 +1,11 @@
 """The lookahead oracle: tries the best few gangs for a task in the future, keeps the best.
 
-An expensive policy, used as a teacher for the GNN and as an upper reference in evaluation. It is
-an ordinary daemon policy (``score(task, graph, rows)``), so it decides through the same
-scheduler, graph and ledger as every other policy. For each decision it:
+An expensive policy, used as an upper reference in evaluation. It is an ordinary daemon policy
+(``score(task, graph, rows)``), so it decides through the same scheduler, graph and ledger as
+every other policy. For each decision it:
 
-1. ranks the base policy's shortlist of the feasible rows with the base policy and forms up to
-   ``k`` candidate gangs: the base policy's own choice, then the best ``gang`` rows of each device
+1. ranks the feasible rows (the base policy's shortlist of them, if it narrows them) with the base
+   policy and forms up to ``k`` candidate gangs: the base policy's own choice, then the best ``gang`` rows of each device
    model, best first;
 2. for each candidate, forks the whole simulation (scheduler included), pins this task to the
    candidate, and rolls the fork forward ``horizon_s`` with the base policy deciding;
@@ -36,6 +36,7 @@ from numpy.typing import NDArray
 from hlb.daemon.decide.framework import Policy, Scores, Wait
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
 from hlb.sim.simulator import Simulation, SimulationAware
@@ -60,6 +61,10 @@ class PinnedPolicy(Policy):
     @property
     def waits(self) -> bool:
         return self.base.waits
+
+    @property
+    def estimates(self) -> DeviceProfiles | None:
+        return self.base.estimates  # the base's run-time estimates date its placed tasks' ends
 
     def attach(self, sim: Simulation) -> None:
         if isinstance(self.base, SimulationAware):
@@ -94,6 +99,9 @@ class PinnedPolicy(Policy):
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.base.placed(spec, graph, rows)
 
+    def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        self.base.finished(spec, graph, rows, ran_s)
+
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         return self.base.rank(graph, tasks)
 
@@ -118,6 +126,10 @@ class LookaheadPolicy(Policy):
     @property
     def waits(self) -> bool:
         return self.base.waits
+
+    @property
+    def estimates(self) -> DeviceProfiles | None:
+        return self.base.estimates  # the base's run-time estimates date its placed tasks' ends
 
     def attach(self, sim: Simulation) -> None:
         self._sim = sim
@@ -174,6 +186,9 @@ class LookaheadPolicy(Policy):
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.base.placed(spec, graph, rows)
+
+    def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
+        self.base.finished(spec, graph, rows, ran_s)
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         return self.base.rank(graph, tasks)

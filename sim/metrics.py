@@ -16,7 +16,7 @@ Lower bounds (no policy can beat them on this cluster and workload):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +49,7 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("makespan_gap", "makespan / lower bound", "x", "lower"),
     MetricInfo("jct_lb_mean_s", "JCT lower bound mean", "s", ""),
     MetricInfo("makespan_lb_s", "makespan lower bound", "s", ""),
+    MetricInfo("runtime_error", "run-time error (median abs. log of estimated over observed)", "", "lower"),
     MetricInfo("jobs_finished", "jobs finished", "", ""),
     MetricInfo("tasks_unfinished", "tasks not finished", "", ""),
     MetricInfo("task_failures", "task attempts failed", "", ""),
@@ -146,6 +147,17 @@ def slo_attainment(tasks: Iterable[TaskRecord]) -> float:
     return met / total if total else math.nan
 
 
+def runtime_error(tasks: Sequence[TaskRecord]) -> float:
+    """Median of ``|log(estimated / observed run time)|`` over the finished tasks the policy estimated
+    (start to finish of the final attempt, input transfers excluded); nan when none."""
+    errors = [
+        abs(math.log(t.estimated_s / (t.finish_s - t.start_s)))
+        for t in tasks
+        if t.state == "finished" and t.estimated_s > 0 and t.finish_s > t.start_s
+    ]
+    return float(np.median(errors)) if errors else math.nan
+
+
 def compute_metrics(result: SimResult) -> dict[str, float]:
     """Every metric of :data:`METRICS` for one run (nan where undefined, e.g. no job finished)."""
     jobs = job_outcomes(result)
@@ -177,6 +189,7 @@ def compute_metrics(result: SimResult) -> dict[str, float]:
         "makespan_gap": makespan / makespan_lb if makespan_lb > 0 else nan,
         "jct_lb_mean_s": jct_lb,
         "makespan_lb_s": makespan_lb,
+        "runtime_error": runtime_error(result.tasks),
         "jobs": float(len(jobs)),
         "jobs_finished": float(len(done)),
         "tasks_unfinished": float(sum(t.state != "finished" for t in result.tasks)),

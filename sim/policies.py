@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
+from hlb.daemon.config import DEFAULT_MODEL_DIR, ModelRefreshSettings, ModelSettings, RulesSettings
 from hlb.daemon.decide.framework import ObjectiveWeights, Policy
 from hlb.daemon.decide.presets import POLICY_NAMES, make_policy
 from hlb.daemon.state.profiles import profiles_of
@@ -34,7 +34,11 @@ RULE_VARIANTS: dict[str, dict[str, Any]] = {
 }
 GNN_VARIANTS = tuple(f"gnn{suffix}" for suffix in RULE_VARIANTS)
 RULES_VARIANTS = tuple(f"rules{suffix}" for suffix in RULE_VARIANTS if suffix != "-no-rules")
-LEARNED_POLICIES = GNN_VARIANTS
+# The GNN trained and run without message passing (every neighbour list empty), with the rules:
+# what the graph adds to the learned prediction. Its model ships beside the GNN's.
+NO_GRAPH = "gnn-no-graph"
+NO_GRAPH_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "model-no-graph"
+LEARNED_POLICIES = (*GNN_VARIANTS, NO_GRAPH)
 
 
 def make_sim_policy(
@@ -53,7 +57,8 @@ def make_sim_policy(
     times are told of device speeds (``scheduler.profiles``: exact, coarse or nameplate).
 
     ``gnn`` is the daemon's :class:`hlb.daemon.decide.gnn.scorer.GnnScorer` over the ONNX files in ``model``
-    (the shipped model when None; ``GNN_VARIANTS`` the same with other settings), re-encoding
+    (the shipped model when None; ``GNN_VARIANTS`` the same with other settings; ``gnn-no-graph``
+    the model trained without message passing, shipped in :data:`NO_GRAPH_MODEL_DIR`), re-encoding
     whenever the graph changed; it loads them on its
     first decision, and a decision it would leave to hetero-greedy's fallback is a RuntimeError
     (:func:`_refuse_fallback`), so an evaluation never reports the fallback as the GNN.
@@ -68,7 +73,9 @@ def make_sim_policy(
         return make_policy("rules", weights, profiles=profiles_of("exact"))
     if name == "rules-table":
         return make_policy("rules-table", weights, profiles=told)
-    if name in GNN_VARIANTS:
+    if name in LEARNED_POLICIES:
+        if name == NO_GRAPH and model is None:
+            model = str(NO_GRAPH_MODEL_DIR)
         settings = _gnn_settings(model, refresh_rows)
         return make_policy(
             "gnn", weights, model=settings, rules=_rules(name), on_fallback=_refuse_fallback, profiles=told
@@ -83,6 +90,8 @@ def make_sim_policy(
 
 def _rules(name: str) -> RulesSettings:
     """The rules of variant ``name`` (``gnn`` or ``rules`` with a :data:`RULE_VARIANTS` suffix)."""
+    if name == NO_GRAPH:
+        return RulesSettings()
     return RulesSettings(**RULE_VARIANTS[name.removeprefix("gnn").removeprefix("rules")])
 
 

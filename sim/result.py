@@ -34,6 +34,9 @@ class TaskRecord:
     finish_s: float = math.nan
     queue_s: float = 0.0  # waiting while ready (dependencies done), summed over attempts
     transfer_s: float = 0.0  # final attempt
+    # The policy's estimate of the final attempt's run time when it was placed (its estimates:
+    # profiles, learned corrections included); 0 for a policy without estimates or a service.
+    estimated_s: float = 0.0
     device_ids: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     slo_violated: bool = False

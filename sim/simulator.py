@@ -370,7 +370,21 @@ class Simulation:
         ledger = self.scheduler.ledger
         for placement in ledger.since(self._applied_sequence + 1):
             self._applied_sequence = placement.sequence
+            estimated_s = self._estimated_s(placement.task_id)
             self.attempts.place(placement)
+            self.attempts.record_of(placement.task_id).estimated_s = estimated_s
+
+    def _estimated_s(self, task_id: str) -> float:
+        """The policy's estimate of a task's run time on the devices it was just bound to (the
+        slowest of its gang); 0 for a service or a policy without estimates."""
+        estimates = self.policy.estimates
+        graph = self.scheduler.graph
+        task = graph.tasks.get(task_id)
+        if estimates is None or task is None or not task.device_rows or task.spec.latency_slo_ms > 0:
+            return 0.0
+        rows = np.asarray(task.device_rows, dtype=np.int64)
+        one_host = len(np.unique(graph.devices.host[rows])) == 1
+        return float(estimates.runtime_s(graph, rows, task.spec, len(rows), one_host).max())
 
     # -- failures --------------------------------------------------------------------------
 

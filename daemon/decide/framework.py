@@ -6,7 +6,7 @@ A decision runs through extension points, in the spirit of kube-scheduler's fram
 - **filter**: the graph's hard constraints (``InfraGraph.feasible_rows``: health, kind, model, free
   memory) and then each :class:`Filter` plugin, which may narrow what is left for a task;
 - **shortlist** and **score**: the scorer (:class:`Policy`: hetero-greedy, the GNN, ...) ranks the
-  candidates, higher is better; a scorer may narrow them cheaply first (the GNN's two stages);
+  candidates, higher is better; a scorer may narrow them cheaply first (no preset does now);
 - **permit** (:class:`Permit`): the first plugin that applies to the task may leave it queued for a
   busy device where it would do better (:class:`Wait`) instead of the best free gang;
 - **reserve**: the scheduler binds the gang and tells the scorer (``Policy.placed``).
@@ -175,7 +175,7 @@ class Policy:
 
     def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
         """The feasible rows this policy ranks for ``spec`` (ascending): all of them, unless the
-        policy narrows them cheaply first (the GNN's two-stage ranking). Explain shows these."""
+        policy narrows them cheaply first (an extension point; no preset does now). Explain shows these."""
         return feasible
 
     def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
@@ -222,7 +222,7 @@ class Policy:
         ``feasible``, a batch's), among ``feasible``; else among :meth:`shortlist` of them, after
         :meth:`prepare`."""
         if scores is None and len(feasible) >= max(1, spec.num_devices):  # else nothing to score
-            self.prepare(graph)  # the GNN loads its model on first use: its shortlist applies from then
+            self.prepare(graph)  # the GNN loads its model on first use
             feasible = self.shortlist(spec, graph, feasible)
             scores = self.score(spec, graph, feasible)
         return choose_gang(self, spec, graph, feasible, scores)

@@ -19,15 +19,15 @@ def test_the_shipped_config_yaml_loads_with_its_documented_defaults() -> None:
     assert settings.bus == "kafka"
     assert settings.kafka.topics.placements == "hlb.placements"
     assert settings.grpc.listen == "127.0.0.1:50051"
-    assert settings.model.shortlist == 64
+    assert settings.scheduler.profiles == "nameplate"
     assert settings.scheduler.policy == "gnn"
     assert load_settings(None).scheduler.policy == "gnn"  # the same without a file
 
 
-def test_a_negative_gnn_shortlist_names_its_key(tmp_path: Path) -> None:
+def test_the_removed_gnn_shortlist_is_refused_saying_why(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text("model:\n  shortlist: -1\n")
-    with pytest.raises(ConfigError, match=r"model\.shortlist"):
+    config.write_text("model:\n  shortlist: 64\n")
+    with pytest.raises(ConfigError, match=r"model\.shortlist is gone"):
         load_settings(config)
 
 

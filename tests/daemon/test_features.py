@@ -1,4 +1,5 @@
-"""The GNN's inputs: padded neighbour lists, scaled physical features and (task, device) pair features."""
+"""The GNN's inputs: padded neighbour lists, scaled physical features, and the speed head's task
+shape and prior features."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import default_profiles
 from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
@@ -195,13 +197,14 @@ def test_features_stay_finite_and_clipped_for_extreme_and_empty_values() -> None
     for matrix in (
         inputs.device_x,
         inputs.host_x,
-        feat.pair_features(spec, graph, rows),
-        feat.task_features(spec, now_ms=10**13)[None],
+        feat.prior_features(spec, graph, rows, default_profiles()),
+        feat.shape_features(spec)[None],
+        feat.task_matrix([spec], [TaskState.PENDING], now_ms=10**13),
     ):
         assert np.isfinite(matrix).all()
         assert np.abs(matrix).max() <= feat.CLIP
     slack = feat.names(feat.TASK_FEATURES).index("deadline_slack_s")
-    assert feat.task_features(spec, now_ms=10**13)[slack] < 0  # the deadline has passed
+    assert feat.task_matrix([spec], [TaskState.PENDING], now_ms=10**13)[0, slack] < 0  # the deadline has passed
 
 
 def test_normalize_refuses_a_column_count_that_does_not_match() -> None:
@@ -212,63 +215,72 @@ def test_normalize_refuses_a_column_count_that_does_not_match() -> None:
 def test_waiting_time_and_deadline_slack_come_from_the_given_clock() -> None:
     spec = ev.TaskSpec(id="t", submit_time_ms=1_000, deadline_ms=601_000)
     names = feat.names(feat.TASK_FEATURES)
-    x = feat.task_features(spec, now_ms=61_000)
+    x = feat.task_matrix([spec], [TaskState.PENDING], now_ms=61_000)[0]
     assert x[names.index("waiting_s")] == pytest.approx(math.log1p(60.0 / 60.0), rel=1e-6)
     assert x[names.index("deadline_slack_s")] == pytest.approx(math.log1p(540.0 / 600.0), rel=1e-6)
-    unknown_clock = feat.task_features(spec)
+    unknown_clock = feat.task_matrix([spec], [TaskState.PENDING])[0]
     assert unknown_clock[names.index("waiting_s")] == 0.0
 
 
-def pair_column(matrix: np.ndarray, name: str) -> np.ndarray:
-    return matrix[:, feat.names(feat.PAIR_FEATURES).index(name)]
+def shape_of(spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True) -> dict[str, float]:
+    return dict(
+        zip(feat.names(feat.SHAPE_FEATURES), feat.shape_features(spec, gang, consolidated).tolist(), strict=True)
+    )
 
 
-def test_speed_uses_peak_throughput_unless_a_profile_is_given() -> None:
+def test_the_shape_names_the_declared_family_and_nothing_for_an_unknown_or_missing_one() -> None:
+    known = shape_of(ev.TaskSpec(id="t", workload_class="resnet50-bs64", kind=ev.TASK_KIND_TRAINING))
+    assert known["family_resnet50"] == 1.0
+    assert known["family_unknown"] == 0.0
+    assert sum(v for k, v in known.items() if k.startswith("family_")) == 1.0
+    assert known["kind_training"] == 1.0
+    assert known["gang"] == pytest.approx(math.log1p(1.0))
+    for workload_class in ("", "some-new-model-bs8"):
+        unknown = shape_of(ev.TaskSpec(id="t", workload_class=workload_class))
+        assert unknown["family_unknown"] == 1.0
+        assert sum(v for k, v in unknown.items() if k.startswith("family_") and k != "family_unknown") == 0.0
+
+
+def test_a_gang_spread_across_hosts_is_marked_but_a_single_device_never_is() -> None:
+    spec = ev.TaskSpec(id="t", workload_class="lm-bs20", num_devices=4)
+    assert shape_of(spec)["gang"] == pytest.approx(math.log1p(4.0))
+    assert shape_of(spec, consolidated=False)["spread"] == 1.0
+    assert shape_of(spec, gang=1, consolidated=False)["spread"] == 0.0
+
+
+def test_the_shapes_families_are_those_of_the_shipped_profiles() -> None:
+    profiles = default_profiles()
+    assert set(feat.WORKLOAD_FAMILIES) == set(profiles.class_family.values())
+
+
+def test_prior_features_are_the_log_of_the_profiles_speed_and_whether_the_model_is_listed() -> None:
     graph = InfraGraph()
-    add_device(graph, "fast", "h0", model="X", peak_tflops=250.0)
-    add_device(graph, "slow", "h0", model="Y", peak_tflops=62.5)
-    spec = ev.TaskSpec(id="t", workload_class="lm", work_ref_s=100.0)
-    rows = graph.device_rows(["fast", "slow"])
-    speed, profiled = feat.estimated_speed(spec, graph, rows)
-    np.testing.assert_allclose(speed, [2.0, 0.5])
-    assert not profiled.any()
-    speed, profiled = feat.estimated_speed(spec, graph, rows, profile={("lm", "Y"): 3.0, ("other", "X"): 9.0})
-    np.testing.assert_allclose(speed, [2.0, 3.0])
-    assert list(profiled) == [False, True]
-    x = feat.pair_features(spec, graph, rows)
-    np.testing.assert_allclose(pair_column(x, "runtime_s"), np.log1p(np.array([50.0, 200.0]) / 3600.0), rtol=1e-6)
+    add_device(graph, "listed", "h0", model="V100-SXM2-16GB", peak_tflops=125.0)
+    add_device(graph, "unlisted", "h0", model="never-seen-chip", peak_tflops=250.0)
+    spec = ev.TaskSpec(id="t", workload_class="resnet50-bs64", work_ref_s=100.0)
+    rows = graph.device_rows(["listed", "unlisted"])
+    profiles = default_profiles()
+    x = feat.prior_features(spec, graph, rows, profiles)
+    expected = np.log(profiles.device_speedups(graph, rows, spec))
+    np.testing.assert_allclose(x[:, 0], expected, rtol=1e-6)
+    assert x[1, 0] == pytest.approx(math.log(2.0), rel=1e-6)  # unlisted: peak TFLOPS over the reference's
+    np.testing.assert_array_equal(x[:, 1], [1.0, 0.0])
 
 
-def test_dependency_outputs_count_as_local_on_the_host_where_the_parent_ran() -> None:
+def test_without_edges_every_list_is_empty_and_the_nodes_stay() -> None:
     graph = small_graph()
-    submit(graph, "parent")
-    graph.bind(graph.tasks["parent"], [graph.devices.index["d0"]])
-    graph.release(graph.tasks["parent"], TaskState.FINISHED)  # finished: its output stays on h0
-    spec = ev.TaskSpec(id="child", dependencies=[ev.Dependency(task_id="parent", transfer_gb=3.0)])
-    rows = graph.device_rows(["d0", "d1", "d2", "d3"])
-    np.testing.assert_array_equal(feat.local_input_gb(spec, graph, rows), [3.0, 3.0, 0.0, 0.0])
-    x = feat.pair_features(spec, graph, rows)
-    np.testing.assert_allclose(pair_column(x, "local_input_share"), [1.0, 1.0, 0.0, 0.0])
-
-
-def test_same_host_share_counts_candidates_on_the_host_against_the_gang() -> None:
-    graph = small_graph()
-    spec = ev.TaskSpec(id="t", num_devices=4)
-    rows = graph.device_rows(["d0", "d1", "d2"])
-    np.testing.assert_allclose(pair_column(feat.pair_features(spec, graph, rows), "same_host_share"), [0.5, 0.5, 0.25])
-
-
-def test_colocation_memory_fit_and_preference_are_visible_per_candidate() -> None:
-    graph = small_graph()
-    submit(graph, "busy")
-    graph.bind(graph.tasks["busy"], [graph.devices.index["d0"]])  # 4 GB reserved of 32
-    spec = ev.TaskSpec(id="t", memory_per_device_gb=8.0, preferred_models=["m", "unknown"])
-    rows = graph.device_rows(["d0", "d1"])
-    x = feat.pair_features(spec, graph, rows)
-    np.testing.assert_allclose(pair_column(x, "colocated_tasks"), [math.log1p(1.0), 0.0], rtol=1e-6)
-    np.testing.assert_allclose(pair_column(x, "memory_fit"), [8.0 / 28.0, 8.0 / 32.0], rtol=1e-6)
-    np.testing.assert_allclose(pair_column(x, "reserved_share_after"), [12.0 / 32.0, 8.0 / 32.0], rtol=1e-6)
-    np.testing.assert_array_equal(pair_column(x, "preferred"), [1.0, 1.0])
+    submit(graph, "t0")
+    graph.bind(graph.tasks["t0"], [graph.devices.index["d0"]])
+    inputs = feat.encoder_inputs(graph)
+    bare = feat.encoder_inputs(graph, message_passing=False)
+    np.testing.assert_array_equal(bare.device_x, inputs.device_x)
+    np.testing.assert_array_equal(bare.task_x, inputs.task_x)
+    assert sum(float(n.mask.sum()) for n in inputs.lists.values()) > 0
+    for name, _, _ in feat.NEIGHBOUR_LISTS:
+        lists = bare.lists[name]
+        assert lists.mask.sum() == 0
+        assert (lists.index == lists.n_src).all()
+    assert bare.lists.keys() == inputs.without_edges().lists.keys()
 
 
 def test_the_schema_lists_every_feature_in_input_order() -> None:

@@ -1,5 +1,6 @@
-"""The GNN policy: scores from cached embeddings, fallbacks on every kind of model problem, validated
-hot reload, and one consistent cache per request while a refresh runs."""
+"""The GNN policy: hetero-greedy's scores with the speeds the model predicts over cached embeddings,
+fallbacks on every kind of model problem, validated hot reload, and one consistent cache per
+request while a refresh runs."""
 
 from __future__ import annotations
 
@@ -24,15 +25,14 @@ from hlb.daemon.decide.gnn.scorer import EmbeddingCache, GnnScorer
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import HeteroGreedy
-from hlb.daemon.decide.shortlist import ShortlistBatch
 from hlb.daemon.decide.waiting import request_latency_ms
+from hlb.daemon.state.feasibility import Occupancy
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
 from hlb.v1 import events_pb2 as ev
 
 SPEC = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4.0)
-WEIGHTS = np.array([1.0, 0.0, 0.0], dtype=np.float32)
 
 
 def cluster(devices: int = 48, max_tasks_per_device: int = 0, one_model: bool = False) -> InfraGraph:
@@ -47,13 +47,9 @@ def cluster(devices: int = 48, max_tasks_per_device: int = 0, one_model: bool = 
     return graph
 
 
-def settings(path: Path, watch: bool = False, shortlist: int = 64, **refresh: Any) -> ModelSettings:
+def settings(path: Path, watch: bool = False, **refresh: Any) -> ModelSettings:
     return ModelSettings(
-        path=path,
-        providers=("CPUExecutionProvider",),
-        watch=watch,
-        shortlist=shortlist,
-        refresh=ModelRefreshSettings(**refresh),
+        path=path, providers=("CPUExecutionProvider",), watch=watch, refresh=ModelRefreshSettings(**refresh)
     )
 
 
@@ -63,11 +59,16 @@ def model_dir(gnn_model_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(gnn_model_dir, tmp_path / "model"))
 
 
-def expected_scores(cache: EmbeddingCache, graph: InfraGraph, rows: NDArray[np.int64]) -> NDArray[np.float32]:
-    """What the scorer gives with ``cache``'s embeddings and the graph's pair features now."""
-    positions = cache.positions[rows]
-    pair = feat.pair_features(SPEC, graph, rows, default_profiles())  # speeds as hetero-greedy estimates them
-    return cache.model.score(feat.task_features(SPEC), cache.device_emb[positions], pair, cache.context, WEIGHTS)
+def predicted(cache: EmbeddingCache, graph: InfraGraph, rows: NDArray[np.int64]) -> NDArray[np.float32]:
+    """The head's [C, 2] over ``cache``'s embeddings of ``rows`` for SPEC (the profiles' prior)."""
+    prior = feat.prior_features(SPEC, graph, rows, default_profiles())
+    return cache.model.predict(feat.shape_features(SPEC), cache.device_emb[cache.positions[rows]], prior, cache.context)
+
+
+def expected_scores(cache: EmbeddingCache, graph: InfraGraph, rows: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Hetero-greedy's scores with the profiles' run times divided by the predicted speed ratios."""
+    runtime = default_profiles().runtime_s(graph, rows, SPEC) / np.exp(predicted(cache, graph, rows)[:, 0])
+    return HeteroGreedy().score_with(SPEC, graph, rows, runtime, Occupancy.of(graph, rows))
 
 
 def set_metadata(path: Path, **values: str) -> None:
@@ -111,6 +112,38 @@ def test_scores_come_from_the_scorer_over_cached_embeddings(model_dir: Path) -> 
     np.testing.assert_allclose(cache.context, context, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(scores, expected_scores(cache, graph, rows), rtol=1e-5, atol=1e-6)
     assert not np.allclose(scores, HeteroGreedy().score(SPEC, graph, rows))
+    # Its estimates (what its rules and the expected ends read) are the corrected speeds.
+    ratio = np.exp(predicted(cache, graph, rows)[:, 0].astype(np.float64))
+    base = default_profiles().device_speedups(graph, rows, SPEC)
+    np.testing.assert_allclose(policy.estimates.device_speedups(graph, rows, SPEC), base * ratio, rtol=1e-5)
+
+
+def test_one_head_run_per_task_shape_serves_every_later_estimate(model_dir: Path) -> None:
+    graph = cluster()
+    policy = GnnScorer(settings(model_dir), mode="sync")
+    rows = graph.feasible_rows(SPEC)
+    policy.score(SPEC, graph, rows)
+    cache = policy.cache
+    assert cache is not None
+    calls: list[int] = []
+    run = cache.model.predict
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return run(*args)
+
+    cache.model.predict = counted  # type: ignore[method-assign,assignment]
+    other = ev.TaskSpec(id="u", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0, priority=5)
+    policy.score(other, graph, rows[:3])  # same shape (class, gang, kind): no new head run
+    policy.estimates.runtime_s(graph, rows, other)
+    assert calls == []
+    policy.score(ev.TaskSpec(id="v", workload_class="lm-bs20", work_ref_s=60.0), graph, rows)
+    assert calls == [1]
+    # A row the cache has no embedding of keeps its profiled speed.
+    unknown = np.array([graph.devices.capacity + 5], dtype=np.int64)
+    out = policy.log_ratios(SPEC, graph, unknown, 1, True)
+    assert out is not None
+    assert np.isnan(out).all()
 
 
 def test_make_policy_gnn_re_encodes_after_every_change_in_sync_mode(model_dir: Path) -> None:
@@ -237,7 +270,7 @@ def test_an_inference_error_at_request_time_falls_back(model_dir: Path) -> None:
     def broken(*args: object) -> object:
         raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code")
 
-    cache.model.score = broken  # type: ignore[method-assign,assignment]
+    cache.model.predict = broken  # type: ignore[method-assign,assignment]
     check_falls_back(policy, seen, "inference_error")
     assert "RUNTIME_EXCEPTION" in policy.degraded
 
@@ -249,7 +282,7 @@ def test_scores_that_are_not_finite_count_as_an_inference_error(model_dir: Path)
     policy = GnnScorer(settings(model_dir), mode="sync", on_fallback=count)
     policy.score(SPEC, graph, rows)
     assert policy.cache is not None
-    policy.cache.model.score = lambda *a: np.full(len(rows), np.nan, dtype=np.float32)  # type: ignore[method-assign]
+    policy.cache.model.predict = lambda s, e, p, c: np.full((len(e), 2), np.nan, dtype=np.float32)  # type: ignore[method-assign,assignment]
     check_falls_back(policy, seen, "inference_error")
 
 
@@ -441,7 +474,7 @@ def test_background_refresh_follows_changed_rows_and_the_staleness_budget(model_
         policy.stop()
 
 
-def test_weights_reach_the_scorer(model_dir: Path) -> None:
+def test_weights_reach_the_score(model_dir: Path) -> None:
     graph = cluster()
     rows = graph.feasible_rows(SPEC)
     energy = GnnScorer(settings(model_dir), ObjectiveWeights(completion_time=0.0, energy=1.0), mode="sync")
@@ -449,17 +482,15 @@ def test_weights_reach_the_scorer(model_dir: Path) -> None:
     assert not np.allclose(energy.score(SPEC, graph, rows), speed.score(SPEC, graph, rows))
 
 
-# -- two-stage ranking -----------------------------------------------------------------------
+# -- decisions through the scheduler ------------------------------------------------------
 
 
-def serving_scheduler(
-    model_dir: Path, devices: int, shortlist: int, graph: InfraGraph | None = None
-) -> tuple[Scheduler, GnnScorer]:
+def serving_scheduler(model_dir: Path, devices: int, graph: InfraGraph | None = None) -> tuple[Scheduler, GnnScorer]:
     """A scheduler deciding with the ``gnn`` preset as the daemon runs it (background mode, its thread
-    idle), task features dated by a fixed clock; on ``graph``, else on a cluster of ``devices``
-    shared ones. Returns the scheduler and the preset's GNN scorer."""
+    idle), tasks dated by a fixed clock; on ``graph``, else on a cluster of ``devices`` shared ones.
+    Returns the scheduler and the preset's GNN scorer."""
     graph = graph if graph is not None else cluster(devices)
-    preset = make_policy("gnn", model=settings(model_dir, shortlist=shortlist, poll_s=60.0), mode="background")
+    preset = make_policy("gnn", model=settings(model_dir, poll_s=60.0), mode="background")
     policy = gnn_scorer(preset)
     assert policy is not None
     policy.clock_ms = lambda: 1_000_000.0
@@ -474,78 +505,31 @@ def one_device_tasks(n: int, prefix: str = "t") -> list[ev.TaskSpec]:
     ]
 
 
-def test_the_shortlist_is_the_best_feasible_rows_by_estimated_finish(model_dir: Path) -> None:
-    scheduler, policy = serving_scheduler(model_dir, 96, shortlist=8)
-    try:
-        graph = scheduler.graph
-        restricted = ev.TaskSpec(id="r", work_ref_s=600.0, memory_per_device_gb=1.0, allowed_kinds=[ev.DEVICE_KIND_GPU])
-        feasible = graph.feasible_rows(restricted)
-        rows = policy.shortlist(restricted, graph, feasible)
-        assert len(rows) == 8
-        assert set(rows.tolist()) <= set(feasible.tolist())  # never an infeasible device
-        assert (graph.devices.kind[rows] == ev.DEVICE_KIND_GPU).all()
-        prior = HeteroGreedy().score(restricted, graph, feasible)
-        assert prior[np.isin(feasible, rows)].min() >= prior[~np.isin(feasible, rows)].max()
-        decision = scheduler.place(restricted, dry_run=True)
-        assert decision.placement is not None
-        assert graph.devices.index[decision.placement.device_ids[0]] in rows
-        # A gang of 4: its pool, and every feasible device of the hosts those are on.
-        gang = ev.TaskSpec(id="g", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=4)
-        feasible = graph.feasible_rows(gang)
-        rows = policy.shortlist(gang, graph, feasible)
-        hosts = np.unique(graph.devices.host[rows])
-        assert len(rows) >= 16
-        np.testing.assert_array_equal(rows, feasible[np.isin(graph.devices.host[feasible], hosts)])
-        placed = scheduler.place(gang).placement
-        assert placed is not None
-        assert len({d.rsplit("/", 1)[0] for d in placed.device_ids}) == 1  # one host
-    finally:
-        policy.stop()
-
-
-@pytest.mark.parametrize("shortlist", [48, 1000])
-def test_a_shortlist_of_every_feasible_device_decides_as_scoring_them_all(model_dir: Path, shortlist: int) -> None:
-    short, short_policy = serving_scheduler(model_dir, 48, shortlist=shortlist)
-    full, full_policy = serving_scheduler(model_dir, 48, shortlist=0)  # 0: score every feasible device
-    try:
-        for spec in one_device_tasks(30):
-            expected = full_policy.score(spec, full.graph, full.graph.feasible_rows(spec))
-            best = full.graph.feasible_rows(spec)[int(np.argmax(expected))]
-            a, b = short.place(spec).placement, full.place(spec).placement
-            assert a is not None
-            assert b is not None
-            assert (a.device_ids, a.score) == (b.device_ids, b.score)
-            assert b.device_ids == full.graph.device_ids_of([best])
-            assert a.policy == "gnn"
-    finally:
-        short_policy.stop()
-        full_policy.stop()
-
-
-def test_a_small_shortlist_still_lets_the_model_choose(model_dir: Path) -> None:
-    """With 8 of 96 candidates the model decides among those 8, not as hetero-greedy would."""
-    scheduler, policy = serving_scheduler(model_dir, 96, shortlist=8)
+def test_a_placement_takes_the_device_with_the_best_score_under_the_predicted_speeds(model_dir: Path) -> None:
+    scheduler, policy = serving_scheduler(model_dir, 96)
     try:
         spec = one_device_tasks(1)[0]
-        rows = policy.shortlist(spec, scheduler.graph, scheduler.graph.feasible_rows(spec))
-        scores = policy.score(spec, scheduler.graph, rows)
+        graph = scheduler.graph
+        rows = graph.feasible_rows(spec)
+        scores = policy.score(spec, graph, rows)
         explained = scheduler.explain(spec, top_k=3)
-        assert [c.device_id for c in explained.candidates] == scheduler.graph.device_ids_of(
+        assert [c.device_id for c in explained.candidates] == graph.device_ids_of(
             rows[np.argsort(-scores, kind="stable")[:3]]
         )
         placed = scheduler.place(spec).placement
         assert placed is not None
-        assert placed.device_ids == scheduler.graph.device_ids_of(rows[[int(np.argmax(scores))]])
+        assert placed.policy == "gnn"
+        assert placed.device_ids == graph.device_ids_of(rows[[int(np.argmax(scores))]])
+        assert placed.device_ids != graph.device_ids_of(rows[[int(np.argmax(HeteroGreedy().score(spec, graph, rows)))]])
     finally:
         policy.stop()
 
 
-@pytest.mark.parametrize("shortlist", [4, 16, 0])
-def test_a_batch_decides_as_one_place_after_another(model_dir: Path, shortlist: int) -> None:
-    """PlaceBatch scores ahead and rescoring nothing per placement, yet decides exactly as Place
+def test_a_batch_decides_as_one_place_after_another(model_dir: Path) -> None:
+    """PlaceBatch scores ahead and rescores only what placements change, yet decides exactly as Place
     calls in the same order would, with other shapes and a gang binding rows in between."""
-    batch, batch_policy = serving_scheduler(model_dir, 64, shortlist=shortlist)
-    one, one_policy = serving_scheduler(model_dir, 64, shortlist=shortlist)
+    batch, batch_policy = serving_scheduler(model_dir, 64)
+    one, one_policy = serving_scheduler(model_dir, 64)
     try:
         specs = one_device_tasks(70)
         specs[10] = ev.TaskSpec(id="big", workload_class="bert", work_ref_s=60.0, memory_per_device_gb=30.0)
@@ -568,8 +552,8 @@ def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_d
     """Each binding takes a device out; with more tasks than devices some wait for a faster busy
     device and the last find none free, alike in the batch and one call after another. Services
     that declare their load take the slowest devices that meet their SLOs, alike too."""
-    batch, batch_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster(40, max_tasks_per_device=1))
-    one, one_policy = serving_scheduler(model_dir, 0, shortlist=4, graph=cluster(40, max_tasks_per_device=1))
+    batch, batch_policy = serving_scheduler(model_dir, 0, graph=cluster(40, max_tasks_per_device=1))
+    one, one_policy = serving_scheduler(model_dir, 0, graph=cluster(40, max_tasks_per_device=1))
     try:
         specs = one_device_tasks(48)
         load = {"request_rate_per_s": "40", "request_work_ref_ms": "10"}  # 40% of a V100: 16.7 ms there
@@ -607,35 +591,3 @@ def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_d
     finally:
         batch_policy.stop()
         one_policy.stop()
-
-
-@pytest.mark.parametrize("max_tasks_per_device", [0, 1])
-def test_a_batch_over_equal_devices_draws_its_window_a_few_times(model_dir: Path, max_tasks_per_device: int) -> None:
-    """On 256 devices with equal priors every binding moves one device below the rest: the batch
-    chooser widens its window (and scores a busy row deeper) instead of drawing it again and again,
-    and still decides each task as the two-stage ranking would alone."""
-    graph = cluster(256, max_tasks_per_device, one_model=True)
-    _, policy = serving_scheduler(model_dir, 0, shortlist=4, graph=graph)
-    try:
-        spec = one_device_tasks(1)[0]
-        chooser = policy.batch_chooser(spec, graph)
-        assert isinstance(chooser, ShortlistBatch)
-        for i in range(300):
-            answer = chooser.choose(spec)
-            assert answer is not None
-            _, gang, score = answer
-            expected, expected_score = policy.choose_gang(spec, graph, graph.feasible_rows(spec))
-            assert gang.tolist() == expected.tolist(), i
-            assert score == pytest.approx(expected_score, rel=1e-6, abs=1e-9)
-            if not len(gang):
-                break
-            task = graph.add_task(ev.TaskSpec(id=f"b{i}", work_ref_s=600.0, memory_per_device_gb=9.0), "c")
-            graph.bind(task, gang.tolist())
-            chooser.bound(task.device_rows, own=True)
-        placed = sum(1 for t in graph.tasks.values() if t.device_rows)
-        assert placed == (256 if max_tasks_per_device == 1 else 300)
-        # Windows of 8, 16, ..., 256 rows and a few deeper scorings (drawn afresh every few tasks, it
-        # would take about 50).
-        assert chooser.draws <= 14
-    finally:
-        policy.stop()

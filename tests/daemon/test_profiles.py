@@ -1,4 +1,5 @@
-"""The daemon's device profiles agree with the simulator's catalogue and degrade gracefully."""
+"""The daemon's device profiles: the opt-in exact ones are the simulator's measured truth (what
+``oracle-speeds`` is told, an upper bound), every kind degrades gracefully."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from hlb.v1 import events_pb2 as ev
 V100, A100, K80, FPGA = "V100-SXM2-16GB", "A100-SXM4-80GB", "K80-GK210", "Alveo-U280"
 
 
-def test_shipped_file_is_what_the_catalogue_generates() -> None:
+def test_the_exact_profiles_are_what_the_catalogue_generates() -> None:
+    """``scheduler.profiles: exact`` is opt-in (nameplate is the default): it tells a scheduler the
+    simulator's own truth, which is what the ``oracle-speeds`` upper bound needs it to be."""
     expected = render_document(profiles_document(load_catalogue()))
     assert DEFAULT_PROFILES_PATH.read_text() == expected, "run: python -m hlb.sim.catalogue profiles"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
+from hlb.daemon.config import RulesSettings
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
@@ -23,22 +23,18 @@ from tests.daemon.clock import T0, Clock
 FAST, SLOW = "A100-SXM4-80GB", "V100-SXM2-32GB"
 
 
-def gnn(
+def ruled(
     wait_for_faster: bool = True, queue_order: str = "shortest-first", fit_services: bool = True, gang_wait: float = 0.5
 ) -> Policy:
-    """The ``gnn`` preset on the shipped model, re-encoding before each decision (as in a simulation)."""
-    settings = ModelSettings(
-        providers=("CPUExecutionProvider",),
-        watch=False,
-        refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1),
-    )
+    """The ``rules`` preset with these rules, its run times from the shipped (exact) profiles: the
+    rules are plugins of any scorer, and these tests follow them, not a model's predictions."""
     rules = RulesSettings(
         wait_for_faster=wait_for_faster,
         queue_order=queue_order,
         fit_services=fit_services,
         gang_wait_factor=gang_wait,
     )
-    return make_policy("gnn", model=settings, rules=rules)
+    return make_policy("rules", rules=rules)
 
 
 def runtime_s(model: str, work_ref_s: float) -> float:
@@ -88,7 +84,7 @@ def busy_fast_device(scheduler: Scheduler, ends_in_s: float) -> None:
 
 def test_a_task_waits_for_the_faster_busy_device_and_takes_it_once_free() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     submit(scheduler, "x", work_ref_s=3600.0)  # 1,000 + 1,470 s on the fast one against 3,600 s on the free one
     assert scheduler.schedule_pending() == []
@@ -106,7 +102,7 @@ def test_a_task_waits_for_the_faster_busy_device_and_takes_it_once_free() -> Non
 
 def test_tasks_waiting_for_one_device_queue_behind_each_other() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     submit(scheduler, "x", work_ref_s=3600.0)
     submit(scheduler, "y", work_ref_s=3600.0)  # behind x: 1,000 + 2 x 1,470 s > 3,600 s on the free one
@@ -121,7 +117,7 @@ def test_tasks_waiting_for_one_device_queue_behind_each_other() -> None:
 
 def test_a_device_overdue_by_longer_than_the_gain_is_not_waited_for() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     clock.t += 1000.0 + 2200.0  # overdue by 2,200 s: counted as 2,200 s more, 3,670 s > 3,600 s
     submit(scheduler, "x", work_ref_s=3600.0)
@@ -130,10 +126,10 @@ def test_a_device_overdue_by_longer_than_the_gain_is_not_waited_for() -> None:
     assert device_of(scheduler, "x") == SLOW
 
 
-@pytest.mark.parametrize("policy", ["hetero-greedy", "heft", "least-loaded", "gnn-no-wait"])
-def test_the_baselines_and_the_gnn_without_waiting_take_the_free_device(policy: str) -> None:
+@pytest.mark.parametrize("policy", ["hetero-greedy", "heft", "least-loaded", "rules-no-wait"])
+def test_the_baselines_and_the_rules_without_waiting_take_the_free_device(policy: str) -> None:
     clock = Clock()
-    chosen = gnn(wait_for_faster=False) if policy == "gnn-no-wait" else make_policy(policy)
+    chosen = ruled(wait_for_faster=False) if policy == "rules-no-wait" else make_policy(policy)
     scheduler = make_scheduler(chosen, clock)
     submit(scheduler, "busy", work_ref_s=2448.0)
     scheduler.schedule_pending()
@@ -146,7 +142,7 @@ def test_the_baselines_and_the_gnn_without_waiting_take_the_free_device(policy: 
 
 def test_a_dry_run_tells_of_the_wait_and_holds_nothing() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     spec = ev.TaskSpec(id="x", workload_class="resnet50", work_ref_s=3600.0, memory_per_device_gb=4)
     decision = scheduler.place(spec, dry_run=True)
@@ -158,7 +154,7 @@ def test_a_dry_run_tells_of_the_wait_and_holds_nothing() -> None:
 
 def test_a_service_without_a_declared_load_never_waits() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     submit(scheduler, "svc", work_ref_s=3600.0, latency_slo_ms=50)
     placed = scheduler.schedule_pending()
@@ -170,10 +166,10 @@ def test_a_service_without_a_declared_load_never_waits() -> None:
 
 def test_queue_order_is_shortest_first_within_a_priority() -> None:
     clock = Clock()
-    policy = gnn(wait_for_faster=False)
+    policy = ruled(wait_for_faster=False)
     scheduler = make_scheduler(policy, clock)
     submit(scheduler, "warm-up", work_ref_s=1.0)
-    scheduler.schedule_pending()  # loads the model; both devices busy from here on with the next two
+    scheduler.schedule_pending()  # both devices busy from here on with the next two
     submit(scheduler, "filler", work_ref_s=99_999.0)
     scheduler.schedule_pending()
     for task_id, work, priority in [("long", 7200.0, 0), ("short", 600.0, 0), ("urgent", 99_000.0, 1)]:
@@ -184,18 +180,13 @@ def test_queue_order_is_shortest_first_within_a_priority() -> None:
     submit(scheduler, "unknown", work_ref_s=0.0)
     queue = ["urgent", "service", "unknown-pair", "unknown", "short", "long"]
     assert [t.spec.id for t in scheduler.queued()] == queue
-    arrival = gnn(wait_for_faster=False, queue_order="arrival")
-    scorer, loaded = gnn_scorer(arrival), gnn_scorer(policy)
-    assert scorer is not None
-    assert loaded is not None
-    scorer._cache = loaded.cache
-    scheduler.policy = arrival
+    scheduler.policy = ruled(wait_for_faster=False, queue_order="arrival")
     assert [t.spec.id for t in scheduler.queued()] == ["urgent", "long", "short", "service", "unknown-pair", "unknown"]
 
 
 def test_a_finished_task_clears_the_expected_end_of_its_device() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     finish(scheduler, "busy")
     assert scheduler.graph.tasks["busy"].state == TaskState.FINISHED
@@ -235,7 +226,7 @@ def test_the_test_service_is_faster_on_the_fast_device() -> None:
 )
 def test_a_service_takes_the_slowest_free_device_that_meets_its_slo(slo_of: object, fit: bool, device: str) -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(fit_services=fit), clock)
+    scheduler = make_scheduler(ruled(fit_services=fit), clock)
     submit_service(scheduler, "svc", slo_ms=slo_of())  # type: ignore[operator]
     assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
     assert device_of(scheduler, "svc") == device
@@ -246,7 +237,7 @@ def test_a_service_takes_the_slowest_free_device_that_meets_its_slo(slo_of: obje
 
 def test_a_service_waits_for_a_busy_device_that_meets_its_slo_ahead_of_batch_work() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     submit(scheduler, "x", work_ref_s=3600.0)  # batch work waiting for the fast device too
     slo_ms = (latency_ms(FAST) + latency_ms(SLOW)) / 2
@@ -270,7 +261,7 @@ def test_a_service_waits_for_a_busy_device_that_meets_its_slo_ahead_of_batch_wor
 
 def test_a_service_no_device_could_serve_within_its_slo_does_not_wait() -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     busy_fast_device(scheduler, ends_in_s=1000.0)
     submit_service(scheduler, "svc", slo_ms=latency_ms(FAST) * 0.5)
     assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
@@ -281,7 +272,7 @@ def test_a_service_no_device_could_serve_within_its_slo_does_not_wait() -> None:
 @pytest.mark.parametrize("label", ["request_rate_per_s", "request_work_ref_ms"])
 def test_a_bad_declared_load_is_refused_naming_the_label(label: str, value: str) -> None:
     clock = Clock()
-    scheduler = make_scheduler(gnn(), clock)
+    scheduler = make_scheduler(ruled(), clock)
     labels = {"request_rate_per_s": "40", "request_work_ref_ms": "10", label: value}
     spec = ev.TaskSpec(id="svc", workload_class="resnet50", work_ref_s=10.0, latency_slo_ms=50, labels=labels)
     message = f"label {label}={value!r} is not a number"
@@ -335,7 +326,7 @@ def test_a_gang_waits_for_a_faster_host_only_when_it_finishes_under_the_factor(s
     the run on the fast one): under it the gang waits and then takes the fast host, over it it takes
     the slow host now."""
     clock = Clock()
-    scheduler = two_hosts(gnn(), clock)
+    scheduler = two_hosts(ruled(), clock)
     fast_s, slow_s = gang_runtimes_s(scheduler, 36_000.0)
     room_s = 0.5 * slow_s - fast_s
     assert room_s > 0  # the fast model is more than twice as fast: a gang may wait for it
@@ -358,12 +349,13 @@ def test_a_gang_waits_for_a_faster_host_only_when_it_finishes_under_the_factor(s
     assert scheduler.waiting_count == 0
 
 
-@pytest.mark.parametrize("policy", ["gnn-factor-0", "gnn-no-wait", "hetero-greedy"])
+@pytest.mark.parametrize("policy", ["rules-factor-0", "rules-no-wait", "hetero-greedy"])
 def test_a_gang_never_waits_with_the_factor_at_0_without_waiting_or_with_a_baseline(policy: str) -> None:
     clock = Clock()
-    chosen = {"gnn-factor-0": lambda: gnn(gang_wait=0.0), "gnn-no-wait": lambda: gnn(wait_for_faster=False)}.get(
-        policy, lambda: make_policy(policy)
-    )()
+    chosen = {
+        "rules-factor-0": lambda: ruled(gang_wait=0.0),
+        "rules-no-wait": lambda: ruled(wait_for_faster=False),
+    }.get(policy, lambda: make_policy(policy))()
     scheduler = two_hosts(chosen, clock)
     fast_s, slow_s = gang_runtimes_s(scheduler, 36_000.0)
     busy_fast_host(scheduler, ends_in_s=0.1 * (0.5 * slow_s - fast_s))
@@ -374,7 +366,7 @@ def test_a_gang_never_waits_with_the_factor_at_0_without_waiting_or_with_a_basel
 
 def test_a_gang_waiting_for_a_host_holds_nothing_on_a_dry_run() -> None:
     clock = Clock()
-    scheduler = two_hosts(gnn(), clock)
+    scheduler = two_hosts(ruled(), clock)
     fast_s, slow_s = gang_runtimes_s(scheduler, 36_000.0)
     busy_fast_host(scheduler, ends_in_s=0.1 * (0.5 * slow_s - fast_s))
     spec = ev.TaskSpec(id="g", workload_class="resnet50", work_ref_s=36_000.0, num_devices=2, memory_per_device_gb=4)

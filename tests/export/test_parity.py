@@ -1,4 +1,5 @@
-"""torch and onnxruntime agree on the exported GNN, on tricky graphs and at 1, 2 and 4 threads.
+"""torch and onnxruntime agree on the exported GNN (encoder and speed head), on tricky graphs, with
+and without message passing, and at 1, 2 and 4 threads.
 
 The exported graphs gather over padded neighbour lists; a scatter-based aggregation
 (ScatterND with reduction) gives wrong sums with more than one intra-op thread when indices
@@ -19,6 +20,7 @@ from numpy.typing import NDArray
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import GnnModel, load_model
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.profiles import default_profiles
 from hlb.v1 import events_pb2 as ev
 from tests.export.conftest import Exported
 from tests.export.graphs import TRICKY
@@ -28,7 +30,6 @@ onnx = pytest.importorskip("onnx", reason="parity tests need the export extra: p
 
 TOLERANCE = 1e-4
 THREADS = (1, 2, 4)
-WEIGHTS = np.array([1.0, 0.3, 0.2], dtype=np.float32)
 # Every op the exported graphs may contain: gathers, reductions and dense maths; no Scatter*.
 ALLOWED_OPS = {
     "Add",
@@ -70,10 +71,10 @@ def torch_encode(exported: Exported, feeds: dict[str, Any]) -> tuple[NDArray[np.
     return emb.numpy(), context.numpy()
 
 
-def torch_score(exported: Exported, feeds: dict[str, NDArray[np.float32]]) -> NDArray[np.float32]:
+def torch_predict(exported: Exported, feeds: dict[str, NDArray[np.float32]]) -> NDArray[np.float32]:
     with torch.no_grad():
-        scores = exported.model.scorer(*(torch.from_numpy(feeds[n]) for n in feat.SCORER_FEED_NAMES))
-    out: NDArray[np.float32] = scores.numpy()
+        speed = exported.model.scorer(*(torch.from_numpy(feeds[n]) for n in feat.SCORER_FEED_NAMES))
+    out: NDArray[np.float32] = speed.numpy()
     return out
 
 
@@ -85,24 +86,26 @@ def max_diff(a: NDArray[np.float32], b: NDArray[np.float32]) -> float:
 def scorer_feeds(
     graph: InfraGraph, inputs: feat.EncoderInputs, device_emb: NDArray[np.float32], context: NDArray[np.float32]
 ) -> dict[str, NDArray[np.float32]]:
-    """Feeds for the first pending task (or a fresh one) over every live device as candidates."""
+    """Speed-head feeds for the first pending task (or a fresh one) over every live device."""
     pending = [t.spec for t in graph.tasks.values() if t.row >= 0 and not t.state.holds_devices]
     spec = pending[0] if pending else ev.TaskSpec(id="new", num_devices=2, memory_per_device_gb=1, work_ref_s=60)
     rows = inputs.device_rows
     return {
-        "task_x": feat.task_features(spec),
+        "shape_x": feat.shape_features(spec),
         "device_emb": device_emb[inputs.device_positions(rows)],
-        "pair_x": feat.pair_features(spec, graph, rows),
+        "prior_x": feat.prior_features(spec, graph, rows, default_profiles()),
         "context": context,
-        "weights": WEIGHTS,
     }
 
 
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("name", sorted(TRICKY))
-def test_encoder_and_scorer_match_torch_on_tricky_graphs(exported: Exported, name: str, threads: int) -> None:
+@pytest.mark.parametrize("message_passing", [True, False], ids=["graph", "no-graph"])
+def test_encoder_and_speed_head_match_torch_on_tricky_graphs(
+    exported: Exported, name: str, threads: int, message_passing: bool
+) -> None:
     graph = TRICKY[name]()
-    inputs = feat.encoder_inputs(graph, now_ms=5_000)
+    inputs = feat.encoder_inputs(graph, now_ms=5_000, message_passing=message_passing)
     model = onnx_model(exported, threads)
     device_emb, context = model.encode(inputs)
     want_emb, want_context = torch_encode(exported, inputs.feeds())
@@ -113,9 +116,9 @@ def test_encoder_and_scorer_match_torch_on_tricky_graphs(exported: Exported, nam
     assert np.isfinite(context).all()
 
     feeds = scorer_feeds(graph, inputs, device_emb, context)
-    scores = model.score(**feeds)
-    assert scores.shape == (len(graph.devices),)
-    assert max_diff(scores, torch_score(exported, feeds)) <= TOLERANCE
+    speed = model.predict(**feeds)
+    assert speed.shape == (len(graph.devices), 2)
+    assert max_diff(speed, torch_predict(exported, feeds)) <= TOLERANCE
 
 
 def repeated_index_feeds(seed: int = 0) -> dict[str, Any]:
@@ -170,15 +173,27 @@ def test_exported_graphs_use_only_gathers_and_dense_ops(exported: Exported, role
     assert ops <= ALLOWED_OPS, f"unexpected ops {sorted(ops - ALLOWED_OPS)}: check their speed and thread safety"
 
 
-def test_scores_follow_the_objective_weights(exported: Exported) -> None:
-    """The weights are live inputs: one objective alone ranks differently from another, and only the
-    weights' proportions matter."""
+def test_predictions_depend_on_the_task_shape_and_the_device(exported: Exported) -> None:
+    """The exported head reads its inputs: another family or gang changes the prediction, and so
+    does the device: devices of one model (one prior) differ through their embeddings alone."""
     graph = TRICKY["mixed"]()
     inputs = feat.encoder_inputs(graph)
     model = onnx_model(exported, 1)
     device_emb, context = model.encode(inputs)
-    feeds = scorer_feeds(graph, inputs, device_emb, context)
-    by_objective = [model.score(**{**feeds, "weights": np.eye(3, dtype=np.float32)[i]}) for i in range(3)]
-    assert max_diff(by_objective[0], by_objective[2]) > 1e-3
-    scaled = model.score(**{**feeds, "weights": 5 * feeds["weights"]})
-    np.testing.assert_allclose(scaled, model.score(**feeds), atol=TOLERANCE)
+    rows = inputs.device_rows
+    prior = default_profiles()
+
+    def predict(spec: ev.TaskSpec) -> NDArray[np.float32]:
+        shape = feat.shape_features(spec)
+        return model.predict(shape, device_emb, feat.prior_features(spec, graph, rows, prior), context)
+
+    lm = predict(ev.TaskSpec(id="x", kind=ev.TASK_KIND_TRAINING, num_devices=1, workload_class="lm-bs20"))
+    resnet = predict(ev.TaskSpec(id="x", kind=ev.TASK_KIND_TRAINING, num_devices=1, workload_class="resnet50-bs64"))
+    gang = predict(ev.TaskSpec(id="x", kind=ev.TASK_KIND_TRAINING, num_devices=4, workload_class="lm-bs20"))
+    assert max_diff(lm, resnet) > 1e-3
+    assert max_diff(lm, gang) > 1e-3
+    one_model = graph.devices.model[rows] == graph.devices.model[rows[0]]
+    assert one_model.sum() > 1
+    assert len(np.unique(feat.prior_features(ev.TaskSpec(id="x"), graph, rows[one_model], prior), axis=0)) == 1
+    assert np.ptp(lm[one_model, 0]) > 1e-3
+    assert np.isfinite(lm).all()

@@ -1,75 +1,53 @@
-"""hlb train: its pieces (losses, returns, DAgger labels) and a tiny run end to end through export.
+"""hlb train: the logged examples, the loss, learning a speed that depends on the device, and a tiny
+run end to end through ``hlb export`` into the daemon's GNN policy.
 
-The end-to-end test is what CI trains: the ``tiny`` preset for a few steps, exported with
-``hlb export``, then the ONNX model in the daemon's GNN policy must make the very decisions the
-torch model made in the same simulation (so ``hlb eval`` measures what training produced).
+Every test runs torch on one thread: the test machine's cores are few and shared, and torch's
+threads then wait on each other (an epoch of the synthetic data takes seconds instead of 0.1 s).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from hlb.daemon.decide.gnn import features as feat
+from hlb.v1 import events_pb2 as ev
+from tests.export import graphs
+
 torch = pytest.importorskip("torch", reason="training needs the export extra: pip install 'hlb[export]'")
 pytest.importorskip("tqdm", reason="training needs the export extra: pip install 'hlb[export]'")
 
 from hlb.cli import main  # noqa: E402
-from hlb.export import imitation, recipe, reinforce, train  # noqa: E402
-from hlb.export.model import HlbGnn, ModelConfig, load_checkpoint  # noqa: E402
-from hlb.export.student import TorchGnnPolicy, decision_scores  # noqa: E402
+from hlb.daemon.decide.gnn.inference import load_model  # noqa: E402
+from hlb.export import dataset, recipe, train  # noqa: E402
+from hlb.export.dataset import Episode, Example  # noqa: E402
+from hlb.export.model import load_checkpoint  # noqa: E402
 from hlb.export.train_cli import PRESET_NAMES  # noqa: E402
 from hlb.sim.catalogue import load_catalogue  # noqa: E402
-from hlb.sim.lookahead import LookaheadPolicy  # noqa: E402
-from hlb.sim.metrics import compute_metrics  # noqa: E402
 from hlb.sim.policies import make_sim_policy  # noqa: E402
-from hlb.sim.result import SimResult, TaskRecord  # noqa: E402
 from hlb.sim.scenarios import build_cluster, build_workload  # noqa: E402
 from hlb.sim.simulator import SimConfig, Simulation  # noqa: E402
 
-STAGE = recipe.Stage("mixed:8", "gavel", 0.8, 14)
+TINY = recipe.TINY_STAGES[0]
+REFERENCE_PEAK_TFLOPS = 125.0  # nameplate speed 1: the V100 of hlb's profiles
 
 
-def run_stage(policy: object, stage: recipe.Stage = STAGE, seed: int = 1001) -> Simulation:
-    catalogue = load_catalogue()
-    inventory = build_cluster(stage.cluster, catalogue)
-    tasks = build_workload(stage.workload, seed, stage.jobs, catalogue, inventory, stage.load)
-    sim = Simulation(catalogue, inventory, tasks, policy, seed, SimConfig())  # type: ignore[arg-type]
-    sim.run()
-    return sim
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_presets_match_the_command_line() -> None:
     assert set(PRESET_NAMES) == set(recipe.PRESETS)
-
-
-def test_plackett_luce_probabilities_of_all_orderings_sum_to_one() -> None:
-    scores = torch.tensor([0.3, -1.0, 2.0, 0.5])
-    for size in (1, 2, 3):
-        total = sum(
-            math.exp(float(reinforce.plackett_luce_log_prob(scores, np.array(p), 0.7)))
-            for p in itertools.permutations(range(4), size)
-        )
-        assert total == pytest.approx(1.0, abs=1e-5)
-    # The first draw alone is the softmax at the temperature.
-    first = float(reinforce.plackett_luce_log_prob(scores, np.array([2]), 0.7))
-    assert first == pytest.approx(float(torch.log_softmax(scores / 0.7, 0)[2]), abs=1e-6)
-
-
-def record(arrival: float, finish: float) -> TaskRecord:
-    return TaskRecord("t", "j", "training", "c", 1, arrival, (), 1.0, 1.0, state="finished", finish_s=finish)
-
-
-def test_returns_to_go_count_the_flow_time_still_to_come() -> None:
-    result = SimResult("p", 0, [record(0.0, 10.0), record(5.0, 20.0)], 1, 30.0, 0.0, 0.0, 1.0, None, 0, 0, 0)  # type: ignore[arg-type]
-    got = reinforce.returns_to_go(result, np.array([0.0, 5.0, 12.0, 25.0]))
-    # t=0: 10 + 15; t=5: 5 + 15; t=12: 0 + 8; t=25: nothing left.
-    np.testing.assert_allclose(got, [-25.0, -20.0, -8.0, 0.0])
 
 
 def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
@@ -81,158 +59,255 @@ def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
         recipe.check_stages([recipe.Stage("mixed:8", "philly", 0.8, 10)])
     with pytest.raises(ValueError, match="nosuch"):
         recipe.check_stages([recipe.Stage("nosuch:8", "gavel", 0.8, 10)])
+    with pytest.raises(ValueError, match="no stages"):
+        recipe.check_stages([])
+
+
+# -- the loss ------------------------------------------------------------------------------------
+
+
+def test_gaussian_nll_is_log_sigma_plus_half_the_squared_z_score() -> None:
+    out = torch.tensor([[0.5, math.log(2.0)], [-1.0, 0.0], [0.0, -1.0]])
+    labels = torch.tensor([1.5, -1.0, 0.5])
+    by_hand = [
+        math.log(2.0) + 0.5 * (1.0 / 2.0) ** 2,  # 1 off, sd 2
+        0.0,  # exact, sd 1
+        -1.0 + 0.5 * (0.5 / math.exp(-1.0)) ** 2,  # 0.5 off, sd 1/e
+    ]
+    assert float(train.gaussian_nll(out, labels)) == pytest.approx(sum(by_hand) / 3, rel=1e-6)
+
+
+def test_gaussian_nll_is_lowest_where_the_sd_equals_the_error() -> None:
+    log_sigma = torch.tensor([math.log(0.3)], requires_grad=True)
+    out = torch.stack([torch.zeros(1), log_sigma], dim=1)
+    train.gaussian_nll(out, torch.tensor([0.3])).backward()  # type: ignore[no-untyped-call]
+    assert log_sigma.grad is not None
+    assert float(log_sigma.grad) == pytest.approx(0.0, abs=1e-6)
+    wider, narrower = (torch.tensor([[0.0, math.log(s)]]) for s in (0.6, 0.15))
+    at_error = float(train.gaussian_nll(out.detach(), torch.tensor([0.3])))
+    assert at_error < float(train.gaussian_nll(wider, torch.tensor([0.3])))
+    assert at_error < float(train.gaussian_nll(narrower, torch.tensor([0.3])))
+
+
+# -- logged simulations --------------------------------------------------------------------------
+
+
+def logged_tiny_episode(monkeypatch: pytest.MonkeyPatch, seed: int) -> tuple[Episode, Simulation]:
+    """``simulate`` on the tiny stage, and the simulation it ran (to read what happened)."""
+    ran: list[Simulation] = []
+
+    class Kept(Simulation):
+        def run(self) -> Any:
+            ran.append(self)
+            return super().run()
+
+    monkeypatch.setattr(dataset, "Simulation", Kept)
+    episode = dataset.simulate(load_catalogue(), TINY.cluster, TINY.workload, TINY.load, TINY.jobs, seed)
+    (sim,) = ran
+    return episode, sim
+
+
+def test_labels_are_the_log_of_prior_over_observed_run_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recomputed from the simulation's records by hand: the prior run time is the work over the
+    gang's slowest device's nameplate speed (peak TFLOPS over the V100's), per device of the gang;
+    the observed one is from the task's start to its end. Examples come in the order tasks end."""
+    seed = 1001
+    episode, sim = logged_tiny_episode(monkeypatch, seed)
+    catalogue = load_catalogue()
+    inventory = build_cluster(TINY.cluster, catalogue)
+    work = {t.id: t.work_ref_s for t in build_workload(TINY.workload, seed, TINY.jobs, catalogue, inventory, TINY.load)}
+    peak = {d.id: d.peak_tflops for d in inventory.devices}
+    finished = sorted((r for r in sim.result().tasks if r.state == "finished"), key=lambda r: r.finish_s)
+    assert len(finished) == TINY.jobs  # gavel: one task per job, every one ends
+    assert any(r.num_devices > 1 for r in finished)  # a gang among them
+
+    assert len(episode.examples) == len(finished)
+    for example, record in zip(episode.examples, finished, strict=True):
+        slowest = min(peak[d] for d in record.device_ids) / REFERENCE_PEAK_TFLOPS
+        prior_s = work[record.task_id] / record.num_devices / slowest
+        observed_s = record.finish_s - record.start_s
+        assert example.label == pytest.approx(math.log(prior_s / observed_s), abs=1e-9), record.task_id
+        # The head's inputs describe that task on that device.
+        assert example.prior_x[0] == pytest.approx(math.log(slowest), abs=1e-6)
+        assert example.prior_x[1] == 1.0  # the catalogue's models are all in the profiles
+        assert example.shape_x[feat.names(feat.SHAPE_FEATURES).index("gang")] == pytest.approx(
+            math.log1p(record.num_devices)
+        )
+
+        # Its position names, in its snapshot, the gang's slowest device.
+        snapshot = episode.snapshots[example.snapshot]
+        assert 0 <= example.position < len(snapshot.device_x)
+        row = int(snapshot.device_rows[example.position])
+        device_id = sim.scheduler.graph.devices.ids[row]
+        assert device_id in record.device_ids
+        assert peak[device_id] == min(peak[d] for d in record.device_ids)
+
+
+def test_every_snapshot_is_used_and_some_decisions_explore(monkeypatch: pytest.MonkeyPatch) -> None:
+    explored = 0
+    for seed in (1000, 1001, 1002):
+        episode, _ = logged_tiny_episode(monkeypatch, seed)
+        assert sorted({e.snapshot for e in episode.examples}) == list(range(len(episode.snapshots)))
+        explored += sum(e.explored for e in episode.examples)
+        assert all(np.isfinite(e.label) for e in episode.examples)
+    assert 0 < explored < 3 * TINY.jobs  # exploration 0.2: some, not all
+
+
+def test_no_exploration_logs_none_and_full_exploration_logs_all() -> None:
+    args = (load_catalogue(), TINY.cluster, TINY.workload, TINY.load, TINY.jobs, 1001)
+    assert not any(e.explored for e in dataset.simulate(*args, explore=0.0).examples)
+    assert all(e.explored for e in dataset.simulate(*args, explore=1.0).examples)
+
+
+def test_batches_group_examples_by_snapshot_and_drop_edges_without_message_passing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    episode, _ = logged_tiny_episode(monkeypatch, 1001)
+    with_graph = train.to_batches([episode], message_passing=True)
+    without = train.to_batches([episode], message_passing=False)
+    assert len(with_graph) == len(episode.snapshots)
+    np.testing.assert_allclose(
+        sorted(float(x) for b in with_graph for x in b.labels), sorted(e.label for e in episode.examples), atol=1e-6
+    )
+    names = feat.encoder_feed_names()
+    masks = [i for i, name in enumerate(names) if name.endswith("_mask")]
+    assert any(float(with_graph[0].feeds[i].sum()) > 0 for i in masks)  # the tiny cluster has edges
+    for batch in without:
+        assert all(float(batch.feeds[i].sum()) == 0 for i in masks)
+        assert batch.shape_x.shape == (len(batch.labels), len(feat.SHAPE_FEATURES))
+        assert batch.prior_x.shape == (len(batch.labels), len(feat.PRIOR_FEATURES))
+
+
+# -- learning ------------------------------------------------------------------------------------
+
+
+def synthetic_episode(seed: int) -> Episode:
+    """One snapshot of a mixed graph (three device models, random metrics), an example per device
+    whose label is a known function of the device's peak TFLOPS plus a little noise. The prior
+    input is the same for every device, so only the device's embedding can tell them apart."""
+    rng = np.random.default_rng(100 + seed)
+    graph = graphs.mixed(seed)
+    inputs = feat.encoder_inputs(graph)
+    peak = graph.devices.peak_tflops[inputs.device_rows]
+    labels = 1.5 * np.log(peak / REFERENCE_PEAK_TFLOPS) - 0.4 + rng.normal(0.0, 0.05, len(peak))
+    spec = ev.TaskSpec(id="t", kind=ev.TASK_KIND_TRAINING, num_devices=1, workload_class="resnet50-bs64")
+    shape = feat.shape_features(spec)
+    prior = np.zeros(len(feat.PRIOR_FEATURES), dtype=np.float32)
+    examples = [Example(0, position, shape, prior, float(label), False) for position, label in enumerate(labels)]
+    return Episode([inputs], examples)
+
+
+def test_training_learns_a_speed_that_depends_on_the_device(tmp_path: Path) -> None:
+    data = tmp_path / "data.pt"
+    document = {
+        "format": train.DATA_FORMAT,
+        "description": "synthetic: 1.5 log(peak / 125) - 0.4",
+        "train": [synthetic_episode(seed) for seed in range(8)],
+        "validation": [synthetic_episode(seed) for seed in (8, 9)],
+    }
+    torch.save(document, data)
+    config = recipe.TrainConfig(epochs=16, batch_snapshots=2, learning_rate=1e-2, hidden=8, rounds=1, seed=0)
+    trainer = train.Trainer(config, tmp_path / "run", lambda _: None, progress=False, data=data)
+    best = trainer.run()
+
+    start, end = trainer.history[0], trainer.history[-1]
+    assert start.val_error == start.prior_error  # an untrained head predicts the prior
+    assert end.prior_error > 0.5  # the labels are far from the prior...
+    assert end.val_error < 0.25 * end.prior_error  # ...and the model finds them on unseen graphs
+    assert trainer.best_nll < start.val_nll - 1.0
+    assert end.within_2sd > 0.7  # its spread is about right, not merely wide
+    _, version, description = load_checkpoint(best)
+    assert version.startswith("hlb-gnn-")
+    assert "with message passing" in description
+
+
+def test_tiny_training_writes_its_files_and_a_second_run_reuses_the_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = tmp_path / "first"
+    assert main(["train", "--out", str(first), "--preset", "tiny", "--no-progress", "--threads", "1"]) == 0
+    assert {p.name for p in first.iterdir()} >= {"config.json", "data.pt", "train.jsonl", "best.pt", "final.pt"}
+    tiny = recipe.PRESETS["tiny"]
+    log = [json.loads(line) for line in (first / "train.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in log] == list(range(tiny.epochs + 1))
+    assert log[0]["samples"] == 0
+    assert log[0]["loss"] is None  # epoch 0 validates the untrained model: no loss (NaN, written as null)
+    assert log[0]["val_error"] == log[0]["prior_error"]
+    for entry in log[1:]:
+        assert entry["samples"] > 0
+        assert math.isfinite(entry["loss"])
+        assert 0.0 <= entry["within_1sd"] <= entry["within_2sd"] <= 1.0
+    best_nll = min(e["val_nll"] for e in log[1:])
+    assert f"best validation NLL {best_nll:.3f}" in capsys.readouterr().out
+
+    second = tmp_path / "second"
+    args = ["train", "--out", str(second), "--preset", "tiny", "--no-progress", "--threads", "1"]
+    assert main([*args, "--data", str(first / "data.pt"), "--no-graph"]) == 0
+    assert f"data: read {first / 'data.pt'}" in capsys.readouterr().out
+    assert not (second / "data.pt").exists()
+    reused = [json.loads(line) for line in (second / "train.jsonl").read_text().splitlines()]
+    assert [e["samples"] for e in reused] == [e["samples"] for e in log]
+    assert reused[0]["prior_error"] == log[0]["prior_error"]  # the same validation examples
+    model, version, description = load_checkpoint(second / "best.pt")
+    assert model.config.message_passing is False
+    assert "-no-graph-" in version
+    assert "without message passing" in description
+
+    # Exported, the daemon's ONNX model predicts what training's torch model predicts, one task
+    # shape per call where training batched them, and the GNN policy runs on it without falling back.
+    folder = tmp_path / "onnx"
+    assert main(["export", "--checkpoint", str(second / "best.pt"), "--out", str(folder)]) == 0
+    onnx_model = load_model(folder, providers=["CPUExecutionProvider"])
+    assert onnx_model.message_passing is False
+    document = torch.load(first / "data.pt", weights_only=False)
+    names = feat.encoder_feed_names()
+    for batch in train.to_batches(document["validation"], message_passing=False):
+        with torch.no_grad():
+            want = train.predict(model, batch).numpy()
+        emb, context = onnx_model.encoder.session.run(
+            None, {n: f.numpy() for n, f in zip(names, batch.feeds, strict=True)}
+        )
+        got = np.concatenate(
+            [
+                onnx_model.predict(
+                    batch.shape_x[i].numpy(), emb[[p]], batch.prior_x[i : i + 1].numpy(), np.asarray(context)
+                )
+                for i, p in enumerate(batch.positions.tolist())
+            ]
+        )
+        assert np.abs(got - want).max() <= 1e-4
+
+    catalogue = load_catalogue()
+    inventory = build_cluster(TINY.cluster, catalogue)
+    tasks = build_workload(TINY.workload, 3, TINY.jobs, catalogue, inventory, TINY.load)
+    policy = make_sim_policy("gnn-no-graph", model=str(folder))
+    result = Simulation(catalogue, inventory, tasks, policy, 3, SimConfig()).run()
+    assert all(r.state == "finished" for r in result.tasks)
 
 
 def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--out", str(tmp_path), "--stage", "mixed:8/philly/0.8/10"]) == 2
-    assert "held out" in capsys.readouterr().err
-    assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--rl-iterations", "-1"]) == 2
-    for bad in ("1", "-0.1", "nan"):
-        assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--min-improvement", bad]) == 2
-        assert "--min-improvement" in capsys.readouterr().err
-    for bad in ("1", "-0.1", "nan"):
-        assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--rl-clip", bad]) == 2
-        assert "--rl-clip" in capsys.readouterr().err
-    assert not (tmp_path / "best.pt").exists()
+    out = str(tmp_path / "run")
+    assert main(["train", "--out", out, "--stage", "mixed:8/philly/0.8/10"]) == 2
+    assert "held out for hlb eval" in capsys.readouterr().err
+    assert main(["train", "--out", out, "--stage", "mixed:8/gavel/0.8"]) == 2
+    assert "CLUSTER/WORKLOAD/LOAD/JOBS" in capsys.readouterr().err
+    assert main(["train", "--out", out, "--preset", "tiny", "--epochs", "0"]) == 2
+    assert "--epochs >= 1" in capsys.readouterr().err
+    assert main(["train", "--out", out, "--preset", "tiny", "--episodes", "-1"]) == 2
+    assert "--episodes" in capsys.readouterr().err
+    assert main(["train", "--out", out, "--preset", "tiny", "--data", str(tmp_path / "missing.pt")]) == 2
+    assert "missing.pt: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+    other = tmp_path / "other.pt"
+    torch.save({"format": "something else"}, other)
+    assert main(["train", "--out", out, "--preset", "tiny", "--data", str(other)]) == 2
+    assert "not hlb training data" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "train.jsonl").exists()
 
 
-def test_the_clipped_surrogate_stops_pushing_a_probability_past_the_clip() -> None:
-    def loss_and_grad(ratio: float, advantage: float) -> tuple[float, float]:
-        log_prob = torch.tensor(math.log(ratio), requires_grad=True)
-        loss = reinforce.clipped_surrogate(log_prob, 0.0, advantage, 0.2)
-        loss.backward()  # type: ignore[no-untyped-call]
-        assert log_prob.grad is not None
-        return float(loss), float(log_prob.grad)
-
-    # At the sampling model's probability it is REINFORCE's loss and gradient: -A log p has -A.
-    assert loss_and_grad(1.0, 2.0) == pytest.approx((-2.0, -2.0))
-    assert loss_and_grad(1.0, -2.0) == pytest.approx((2.0, 2.0))
-    # Past 1 + clip a good decision is pushed no further; past 1 - clip a bad one neither.
-    assert loss_and_grad(1.5, 2.0) == pytest.approx((-2.4, 0.0))
-    assert loss_and_grad(0.5, -2.0) == pytest.approx((1.6, 0.0))
-    # Moved the wrong way, the gradient still pulls it back, unclipped.
-    assert loss_and_grad(0.5, 2.0) == pytest.approx((-1.0, -1.0))
-    assert loss_and_grad(1.5, -2.0) == pytest.approx((3.0, 3.0))
-
-
-def test_a_later_epoch_replaces_the_best_only_by_the_minimum_improvement(tmp_path: Path) -> None:
-    trainer = train.Trainer(recipe.TrainConfig(min_improvement=0.02), tmp_path, lambda _: None, progress=False)
-    ratios = iter([0.650, 0.640, 0.600, 0.590, 0.585])  # against hetero-greedy's 1.0
-    trainer.validate = lambda: (next(ratios), 1.0)  # type: ignore[method-assign]
-    kept = []
-    for _ in range(5):
-        trainer.finish_epoch("test", 0, 0.0, 0.0, {})
-        _, version, _ = load_checkpoint(tmp_path / "best.pt")
-        kept.append(int(version.rsplit("-e", 1)[1]))
-    # 0.640 is 1.5% below 0.650: not enough; 0.600 is; 0.590 is 1.7% below 0.600; 0.585 is 2.5% below.
-    assert kept == [0, 0, 2, 2, 4]
-    assert trainer.best_ratio == 0.585
-
-
-def test_dagger_with_beta_one_decides_as_the_teacher_and_labels_every_choice() -> None:
-    teacher_only = run_stage(LookaheadPolicy(k=2, horizon_s=1800.0))
-    student = TorchGnnPolicy(HlbGnn(ModelConfig(hidden=8, rounds=1)))
-    dagger = imitation.DaggerPolicy(student, LookaheadPolicy(k=2, horizon_s=1800.0), beta=1.0, seed=0)
-    mixed = run_stage(dagger)
-    assert [p.device_ids for p in mixed.scheduler.ledger.since(1)] == [
-        p.device_ids for p in teacher_only.scheduler.ledger.since(1)
-    ]
-    assert dagger.data, "no decision was labelled"
-    for decision in dagger.data:
-        assert len(decision.positions) == len(decision.pair_x) >= 2
-        assert decision.chosen.min() >= 0
-        assert decision.chosen.max() < len(decision.positions)
-
-
-def test_imitation_learns_the_teachers_choices() -> None:
-    torch.manual_seed(0)
-    model = HlbGnn(ModelConfig(hidden=8, rounds=1))
-    dagger = imitation.DaggerPolicy(TorchGnnPolicy(model), LookaheadPolicy(k=2, horizon_s=1800.0), 1.0, 0)
-    run_stage(dagger)
-    data = dagger.data
-    weights = torch.tensor([1.0, 0.0, 0.0])
-
-    def loss_over_data() -> Any:
-        cache: dict[int, tuple[Any, Any]] = {}
-        terms = [imitation.imitation_loss(decision_scores(model, d, weights, cache), d.chosen) for d in data]
-        return torch.stack(terms).mean()
-
-    def mean_loss() -> float:
-        with torch.no_grad():
-            return float(loss_over_data())
-
-    before = mean_loss()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(30):
-        loss = loss_over_data()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert mean_loss() < 0.8 * before
-
-
-def test_tiny_training_exports_a_model_that_decides_as_the_torch_one(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    assert main(["train", "--out", str(out), "--preset", "tiny", "--no-progress"]) == 0
-    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    tiny = recipe.PRESETS["tiny"]
-    phases = ["init"] + ["dagger"] * tiny.dagger_iterations + ["reinforce"] * tiny.rl_iterations
-    assert [e["phase"] for e in log] == phases
-    for entry in log:
-        if entry["phase"] != "init":  # epoch 0 validates the untrained model: no samples, no loss
-            assert entry["samples"] > 0
-            assert math.isfinite(entry["loss"])
-        assert entry["val_ratio"] > 0
-    assert len(list((out / "checkpoints").glob("epoch-*.pt"))) == len(log)
-    model, version, description = load_checkpoint(out / "best.pt")
-    assert version.startswith("hlb-gnn-")
-    assert "DAgger" in description
-    assert "REINFORCE x1 (PPO clip 0.2)" in description  # the preset's clip
-
-    folder = tmp_path / "onnx"
-    assert main(["export", "--checkpoint", str(out / "best.pt"), "--out", str(folder)]) == 0
-    # Under each set of rules (waiting for a faster device, shortest-first order and services where
-    # they meet their SLO, or none), the daemon's ONNX policy decides as the torch student; the
-    # mixed workload has services that declare their load.
-    waited = 0
-    rules_of = {
-        "gnn-no-rules": {},
-        "gnn": {
-            "wait_for_faster": True,
-            "queue_order": "shortest-first",
-            "fit_services": True,
-            "gang_wait_factor": 0.5,
-        },
-    }
-    for workload in ("gavel", "mixed"):
-        busy = recipe.Stage("mixed:8", workload, 1.2, 20)  # loaded enough that tasks have devices to wait for
-        for variant, rules in rules_of.items():
-            waited += _same_decisions(model, folder, variant, rules, busy)
-    assert waited > 0  # the wait path was taken
-
-
-def test_plain_reinforce_without_the_ppo_clip_trains_and_says_so(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    args = ["train", "--out", str(out), "--preset", "tiny", "--dagger-iterations", "0", "--rl-clip", "0"]
-    assert main([*args, "--no-progress"]) == 0
-    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    assert [e["phase"] for e in log] == ["init"] + ["reinforce"] * recipe.PRESETS["tiny"].rl_iterations
-    assert all(e["samples"] > 0 and math.isfinite(e["loss"]) for e in log[1:])
-    _, _, description = load_checkpoint(out / "checkpoints" / f"epoch-{len(log) - 1:03d}.pt")
-    assert "REINFORCE x1;" in description
-
-
-def _same_decisions(model: Any, folder: Path, variant: str, rules: dict[str, Any], stage: Any) -> int:
-    """Run ``stage`` with the torch student under ``rules`` and the ONNX policy ``variant``: the
-    same placements, waits and mean JCT. Returns the waits decided."""
-    with_torch = run_stage(TorchGnnPolicy(model, **rules), stage, seed=1002)
-    with_onnx = run_stage(make_sim_policy(variant, model=str(folder)), stage, seed=1002)
-    assert [(p.task_id, p.device_ids) for p in with_onnx.scheduler.ledger.since(1)] == [
-        (p.task_id, p.device_ids) for p in with_torch.scheduler.ledger.since(1)
-    ]
-    assert with_onnx.scheduler.waits_decided == with_torch.scheduler.waits_decided
-    assert compute_metrics(with_onnx.result())["jct_mean_s"] == pytest.approx(
-        compute_metrics(with_torch.result())["jct_mean_s"]
-    )
-    waits: int = with_onnx.scheduler.waits_decided
-    return waits
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--no-progress"]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert (tmp_path / "train.jsonl").read_text() == "{}\n"

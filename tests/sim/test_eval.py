@@ -209,9 +209,27 @@ def test_paired_compares_each_gnn_variant_with_the_best_baseline_seed_by_seed() 
     assert gnn["change"]["slo_attainment"]["mean"] == pytest.approx(0.1)
     assert (no_fit["n"], no_fit["change"]["jct_mean_s"]["mean"]) == (2, pytest.approx(-0.25))
     markdown = paired_markdown([gnn, no_fit])
-    assert "### mixed, load 0.8: per seed against hetero-greedy" in markdown
-    assert f"| gnn | 3 | {100 * mean:+.1f}% [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}] |" in markdown
+    assert "### mixed, load 0.8: per seed" in markdown
+    interval = f"{100 * mean:+.1f}% [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
+    assert f"| gnn | hetero-greedy | 3 | {interval} |" in markdown
     assert "| +0.100 [" in markdown  # SLO attainment: a difference, not a ratio
-    assert "| gnn-no-fit | 2 | -25.0% [" in markdown
+    assert "| gnn-no-fit | hetero-greedy | 2 | -25.0% [" in markdown
     assert "| n/a |" in markdown  # no SLO attainment without services
     assert paired([_run("hetero-greedy", 0, 1.0)]) == []  # no GNN: nothing to compare
+
+
+def test_paired_measures_a_learned_policy_against_both_controls_and_the_oracle_gap() -> None:
+    runs = [
+        *(_run("hetero-greedy", s, jct) for s, jct in enumerate((50.0, 60.0))),  # best, but not a control
+        *(_run("rules", s, jct) for s, jct in enumerate((100.0, 200.0))),
+        *(_run("rules-table", s, jct) for s, jct in enumerate((95.0, 190.0))),
+        *(_run("oracle-speeds", s, jct) for s, jct in enumerate((80.0, 160.0))),
+        *(_run("gnn", s, jct) for s, jct in enumerate((85.0, 175.0))),
+    ]
+    against_rules, against_table = paired(runs)
+    assert (against_rules["baseline"], against_table["baseline"]) == ("rules", "rules-table")
+    assert against_rules["oracle_gap"] == pytest.approx(60.0 / 300.0)  # 1 - 240 / 300 of the mean JCTs
+    assert against_rules["gap_closed"] == pytest.approx(40.0 / 60.0)  # (300 - 260) / (300 - 240)
+    assert "oracle_gap" not in against_table
+    markdown = paired_markdown([against_rules, against_table])
+    assert "| 20.0% | 67% |" in markdown

@@ -288,9 +288,10 @@ def eval_flags(*flags: str) -> argparse.Namespace:
     return parser.parse_args(list(flags))
 
 
-def test_hlb_eval_hidden_turns_every_part_on_and_each_flag_sets_its_own() -> None:
-    assert _hidden(eval_flags()) == (HiddenConfig(), 1)
-    assert _hidden(eval_flags("--hidden")) == (HIDDEN_DEFAULTS, 1)  # the truth hidden, devices exclusive
+def test_hlb_eval_hides_the_truth_by_default_and_each_flag_sets_its_own_part() -> None:
+    assert _hidden(eval_flags()) == (HIDDEN_DEFAULTS, 1)  # the truth hidden, devices exclusive
+    assert _hidden(eval_flags("--no-hidden")) == (HiddenConfig(), 1)
+    assert _hidden(eval_flags("--hidden")) == (HIDDEN_DEFAULTS, 1)
     assert _hidden(eval_flags("--hidden", "--share-devices", str(SHARED_DEVICE_TASKS))) == (
         HIDDEN_DEFAULTS,
         SHARED_DEVICE_TASKS,
@@ -300,8 +301,9 @@ def test_hlb_eval_hidden_turns_every_part_on_and_each_flag_sets_its_own() -> Non
     )
     assert (config.job_speed_sigma, config.link_sharing, share) == (0.0, False, 1)
     assert config.slow_device_share == HIDDEN_DEFAULTS.slow_device_share
-    config, share = _hidden(eval_flags("--throttle-every-h", "6", "--slow-devices", "0.1"))
+    config, share = _hidden(eval_flags("--no-hidden", "--throttle-every-h", "6", "--slow-devices", "0.1"))
     assert (config.throttle_every_s, config.slow_device_share, config.job_speed_sigma, share) == (21600.0, 0.1, 0.0, 1)
     assert math.isinf(_hidden(eval_flags("--hidden", "--throttle-every-h", "inf"))[0].throttle_every_s)
     with pytest.raises(ValueError, match="slow_device_share"):
         _hidden(eval_flags("--slow-devices", "2"))
+    assert _hidden(eval_flags("--slow-devices", "0.1"))[0].job_speed_sigma == HIDDEN_DEFAULTS.job_speed_sigma

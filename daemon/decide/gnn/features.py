@@ -29,24 +29,20 @@ source set is empty. ``K = max(1, largest degree)``. Duplicate edges are kept (e
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
-from hlb.daemon.decide.scorers import device_share
-from hlb.daemon.state.feasibility import Occupancy
 from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.observed import workload_family
 from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import DEVICE_NODE, HOST_NODE, SWITCH_NODE, Rows, TaskTable
 from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
-FEATURE_SCHEMA_VERSION = 2  # 2: pair feature finish_s
+FEATURE_SCHEMA_VERSION = 3  # 3: the scorer predicts speed ratios from shape and prior features
 CLIP = 10.0
 
 # Peak dense throughput of the reference accelerator (V100-SXM2, FP16 tensor cores), TFLOPS.
@@ -140,20 +136,27 @@ TASK_FEATURES: tuple[Feature, ...] = (
     _f("restricted", "linear", 1.0, "flag: allowed kinds or models are listed"),
 )
 
-PAIR_FEATURES: tuple[Feature, ...] = (
-    _f("speed", "log1p", 1.0, "throughput relative to the reference device"),
-    _f("runtime_s", "log1p", 3600.0, "s: work_ref_s / speed"),
-    _f("energy_kj", "log1p", 100.0, "kJ per device: runtime_s * peak_power_w / 1000"),
-    _f("local_input_gb", "log1p", 1.0, "GB of dependency outputs already on the device's host"),
-    _f("local_input_share", "linear", 1.0, "fraction of dependency GB on the host"),
-    _f("same_host_share", "linear", 1.0, "min(candidates on the host, gang) / gang"),
-    _f("colocated_tasks", "log1p", 1.0, "tasks already on the device"),
-    _f("memory_fit", "linear", 1.0, "task memory / device free memory"),
-    _f("reserved_share_after", "linear", 1.0, "reserved share once the task is placed"),
-    _f("load", "linear", 1.0, "device load"),
-    _f("preferred", "linear", 1.0, "flag: device model is in preferred_models"),
-    _f("profiled", "linear", 1.0, "flag: speed comes from a measured profile"),
-    _f("finish_s", "log1p", 3600.0, "s: runtime_s / the share of the device the task would get"),
+# What the speed head reads of the task: its shape as it bears on speed (workload family, gang,
+# placement, kind), never its size, priority or waiting time, so one prediction serves every task
+# of a shape. A family the schema does not list (or a task that declares none) sets no family flag.
+WORKLOAD_FAMILIES: tuple[str, ...] = ("a3c", "cyclegan", "lm", "recommendation", "resnet18", "resnet50", "transformer")
+SHAPE_FEATURES: tuple[Feature, ...] = (
+    *(
+        _f(f"family_{name}", "linear", 1.0, "flag: the task declares this workload family")
+        for name in WORKLOAD_FAMILIES
+    ),
+    _f("family_unknown", "linear", 1.0, "flag: no family, or one the model was not trained on"),
+    _f("gang", "log1p", 1.0, "devices"),
+    _f("spread", "linear", 1.0, "flag: a gang across hosts"),
+    _f("kind_training", "linear", 1.0, "flag"),
+    _f("kind_inference", "linear", 1.0, "flag"),
+    _f("kind_batch_stage", "linear", 1.0, "flag"),
+)
+
+# What the speed head reads of a (task shape, device) pair: the prior's estimate it corrects.
+PRIOR_FEATURES: tuple[Feature, ...] = (
+    _f("log_prior_speed", "linear", 1.0, "log of the profiles' speed relative to the reference device"),
+    _f("profiled", "linear", 1.0, "flag: the device's model is listed in the profiles"),
 )
 
 # Edge lists of the encoder, in input order: (name, destination type, source type).
@@ -168,9 +171,6 @@ NEIGHBOUR_LISTS: tuple[tuple[str, str, str], ...] = (
     ("task_child", "task", "task"),  # live tasks that need this task's output
 )
 NODE_TYPES: tuple[str, ...] = ("device", "host", "switch", "task")
-
-SpeedProfile = Mapping[tuple[str, str], float]
-"""Measured speed of (workload class, device model) relative to the reference device, gang 1."""
 
 
 def names(features: tuple[Feature, ...]) -> list[str]:
@@ -187,9 +187,10 @@ def schema() -> dict[str, object]:
         "host": [f.as_dict() for f in HOST_FEATURES],
         "switch": [f.as_dict() for f in SWITCH_FEATURES],
         "task": [f.as_dict() for f in TASK_FEATURES],
-        "pair": [f.as_dict() for f in PAIR_FEATURES],
+        "shape": [f.as_dict() for f in SHAPE_FEATURES],
+        "prior": [f.as_dict() for f in PRIOR_FEATURES],
         "neighbours": [list(n) for n in NEIGHBOUR_LISTS],
-        "objectives": ["completion_time", "utilization", "energy"],
+        "output": ["log_speed_ratio", "log_sigma"],
     }
 
 
@@ -296,6 +297,14 @@ class EncoderInputs:
             out[f"{name}_mask"] = self.lists[name].mask
         return out
 
+    def without_edges(self) -> EncoderInputs:
+        """The same nodes with every neighbour list empty (no message passing)."""
+        sizes = {"device": len(self.device_x), "host": len(self.host_x)}
+        sizes |= {"switch": len(self.switch_x), "task": len(self.task_x)}
+        none = np.zeros(0, dtype=np.int64)
+        lists = {name: neighbours(none, none, sizes[dst], sizes[src]) for name, dst, src in NEIGHBOUR_LISTS}
+        return replace(self, lists=lists)
+
     def device_positions(self, rows: Rows) -> Index:
         """Positions (rows of ``device_x``) of graph device rows; raises KeyError for an unknown row."""
         where = np.searchsorted(self.device_rows, rows)
@@ -315,7 +324,7 @@ def encoder_feed_names() -> list[str]:
     return out
 
 
-SCORER_FEED_NAMES: tuple[str, ...] = ("task_x", "device_emb", "pair_x", "context", "weights")
+SCORER_FEED_NAMES: tuple[str, ...] = ("shape_x", "device_emb", "prior_x", "context")
 
 
 def _positions(alive_rows: Rows, capacity: int) -> Index:
@@ -499,24 +508,10 @@ def task_table_matrix(table: TaskTable, rows: Rows, now_ms: int = 0) -> Matrix:
     return normalize(raw.reshape(len(rows), len(TASK_FEATURES)), TASK_FEATURES)
 
 
-def task_features(spec: ev.TaskSpec, state: TaskState = TaskState.PENDING, now_ms: int = 0) -> Matrix:
-    """Features of one task, as the scorer reads them. Shapes: -> [len(TASK_FEATURES)].
-
-    Every decision reads them, and tasks come in few shapes: the normalized row is kept per raw
-    row, so a task like an earlier one costs a tuple, a lookup and a copy, not numpy's per-call
-    overhead of normalizing.
-    """
-    return _normalized_task_row(_task_row(spec, state, now_ms)).copy()
-
-
-@lru_cache(maxsize=4096)
-def _normalized_task_row(raw: tuple[float, ...]) -> Matrix:
-    row: Matrix = normalize(np.array([raw], dtype=np.float64), TASK_FEATURES)[0]
-    return row
-
-
-def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
+def encoder_inputs(graph: InfraGraph, now_ms: int = 0, message_passing: bool = True) -> EncoderInputs:
     """The encoder's inputs for the whole graph: every live device, host, switch and live task.
+    Without ``message_passing`` every neighbour list is empty: each node sees its own features
+    only (the ablation a model trained that way reads, ``gnn-no-graph``).
 
     Vectorized over devices, hosts, switches and tasks (the task table's columns); Python visits
     only the tasks with dependencies and those holding more than one device (their lists live in
@@ -555,7 +550,7 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
         "task_parent": neighbours(children, parents, n_task, n_task),
         "task_child": neighbours(parents, children, n_task, n_task),
     }
-    return EncoderInputs(
+    inputs = EncoderInputs(
         device_x=device_matrix(graph, device_rows),
         host_x=_host_matrix(graph, host_rows, device_rows),
         switch_x=_switch_matrix(graph, switch_rows),
@@ -567,6 +562,7 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0) -> EncoderInputs:
         task_ids=task_ids,
         lists=lists,
     )
+    return inputs if message_passing else inputs.without_edges()
 
 
 def _holders(graph: InfraGraph, task_rows: Rows, task_ids: list[str], device_pos: Index) -> tuple[Index, Index]:
@@ -605,122 +601,36 @@ def _dependency_edges(graph: InfraGraph, task_rows: Rows, task_ids: list[str], t
     return np.array(parents, dtype=np.int64), np.array(children, dtype=np.int64)
 
 
-def estimated_speed(
-    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profile: SpeedProfile | DeviceProfiles | None = None
-) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
-    """Speed of the task on each device relative to the reference, and whether it was profiled.
-
-    ``profile`` is either the daemon's :class:`~hlb.daemon.state.profiles.DeviceProfiles` (per-device
-    throughput as a member of the task's gang, what hetero-greedy estimates with; a row counts as
-    profiled when its model is listed) or a mapping ``(workload_class, model) -> speed``. Rows
-    it does not cover get peak_tflops over :data:`REFERENCE_PEAK_TFLOPS`.
-    Shapes: rows [C] -> ([C] float64, [C] bool).
-    """
-    if isinstance(profile, DeviceProfiles):
-        listed = profile.listed(graph.model_names)
-        return profile.device_speedups(graph, rows, spec), listed[graph.devices.model[rows]]
-    speed = graph.devices.peak_tflops[rows] / REFERENCE_PEAK_TFLOPS
-    profiled = np.zeros(len(rows), dtype=np.bool_)
-    if profile:
-        model_index = graph.devices.model[rows]
-        for index in np.unique(model_index):
-            measured = profile.get((spec.workload_class, graph.model_names[index] if index >= 0 else ""))
-            if measured is not None and math.isfinite(measured):
-                hit = model_index == index
-                speed = np.where(hit, measured, speed)
-                profiled |= hit
-    return speed, profiled
+def shape_features(spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True) -> Matrix:
+    """The speed head's task input: ``spec``'s shape as a member of a gang of ``gang`` devices
+    (default: its own size) on one host (``consolidated``) or spread. -> [len(SHAPE_FEATURES)]."""
+    size = max(1, spec.num_devices) if gang is None else max(1, gang)
+    family = workload_family(spec.workload_class)
+    flags = [float(family == name) for name in WORKLOAD_FAMILIES]
+    raw = [
+        *flags,
+        float(not any(flags)),
+        float(size),
+        float(size > 1 and not consolidated),
+        float(spec.kind == ev.TASK_KIND_TRAINING),
+        float(spec.kind == ev.TASK_KIND_INFERENCE),
+        float(spec.kind == ev.TASK_KIND_BATCH_STAGE),
+    ]
+    row: Matrix = normalize(np.array([raw], dtype=np.float64), SHAPE_FEATURES)[0]
+    return row
 
 
-def local_input_gb(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> NDArray[np.float64]:
-    """GB of the task's dependency outputs already on each candidate's host. [C] -> [C].
-
-    A dependency's output is where its task ran (or runs): the hosts of its devices, when those
-    devices still exist.
-    """
-    d = graph.devices
-    hosts = d.host[rows]
-    local = np.zeros(len(rows), dtype=np.float64)
-    for dep in spec.dependencies:
-        parent = graph.tasks.get(dep.task_id)
-        if parent is None or not parent.device_rows:
-            continue
-        parent_hosts = [
-            int(d.host[r])
-            for r, device_id in zip(parent.device_rows, parent.device_ids, strict=True)
-            if 0 <= r < d.capacity and d.ids[r] == device_id
-        ]
-        if parent_hosts:
-            local += dep.transfer_gb * np.isin(hosts, parent_hosts)
-    return local
-
-
-def pair_features(
+def prior_features(
     spec: ev.TaskSpec,
     graph: InfraGraph,
     rows: Rows,
-    profile: SpeedProfile | DeviceProfiles | None = None,
-    occupancy: Occupancy | None = None,
-    wait_s: NDArray[np.float64] | None = None,
+    profiles: DeviceProfiles,
+    gang: int | None = None,
+    consolidated: bool = True,
 ) -> Matrix:
-    """Features of (task, candidate device) pairs for the scorer. ``occupancy``: the rows' tasks and
-    reservations to assume instead of their own (a row may appear more than once, each time with
-    its own). ``wait_s``: the rows are busy and described as they will be once free, in that many
-    seconds: no tasks, nothing reserved or in use, and ``finish_s`` counts the wait.
-    Shapes: rows [C] -> [C, len(PAIR_FEATURES)]."""
-    d = graph.devices
-    if wait_s is not None:
-        none = np.zeros(len(rows))
-        occupancy = Occupancy(np.zeros(len(rows), dtype=np.int32), none, none)
-    occupancy = occupancy if occupancy is not None else Occupancy.of(graph, rows)
-    speed, profiled = estimated_speed(spec, graph, rows, profile)
-    n, m = len(rows), spec.memory_per_device_gb
-    # Written column by column into one matrix, divisions guarded with ``where=``: a decision
-    # builds this for a shortlist of about 64 rows, where numpy's per-call overhead is the cost.
-    raw = np.zeros((n, len(PAIR_FEATURES)), dtype=np.float64)
-    runtime = np.full(n, 1.0e9)
-    np.divide(spec.work_ref_s, speed, out=runtime, where=speed > 0)
-    raw[:, 0], raw[:, 1] = speed, runtime
-    np.multiply(runtime, d.peak_power_w[rows], out=raw[:, 2])
-    raw[:, 2] /= 1000.0  # kJ
-    if spec.dependencies:
-        local = local_input_gb(spec, graph, rows)
-        total_in = sum(dep.transfer_gb for dep in spec.dependencies)
-        raw[:, 3] = local
-        if total_in > 0:
-            raw[:, 4] = local / total_in
-    gang = max(1, spec.num_devices)
-    if gang == 1:  # every candidate shares its host with itself
-        raw[:, 5] = 1.0
-    else:
-        _, inverse, counts = np.unique(d.host[rows], return_inverse=True, return_counts=True)
-        raw[:, 5] = np.minimum(counts[inverse], gang) / gang
-    raw[:, 6] = occupancy.n_tasks
-    memory = d.memory_gb[rows]
-    free = memory if wait_s is not None else np.maximum(graph.free_memory_gb(rows, occupancy), 0.0)
-    fit = np.ones(n)
-    np.divide(m, free, out=fit, where=free > 0)
-    np.minimum(fit, 1.0, out=raw[:, 7])
-    after = np.ones(n)
-    np.divide(occupancy.reserved_gb + m, memory, out=after, where=memory > 0)
-    np.minimum(after, 1.0, out=raw[:, 8])
-    if wait_s is None:
-        raw[:, 9] = graph.load(rows, occupancy)
-    preferred_index = [graph.model_names.index(name) for name in spec.preferred_models if name in graph.model_names]
-    if preferred_index:
-        raw[:, 10] = np.isin(d.model[rows], preferred_index)
-    raw[:, 11] = profiled
-    if wait_s is None:
-        np.divide(runtime, device_share(graph, rows, occupancy), out=raw[:, 12])
-    else:
-        np.add(wait_s, runtime, out=raw[:, 12])
-    return normalize(raw, PAIR_FEATURES)
-
-
-def scorer_inputs(
-    spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profiles: DeviceProfiles | None, now_ms: int = 0
-) -> tuple[Matrix, Matrix]:
-    """What the scorer reads for one request besides the cached embeddings: the task's features
-    [len(TASK_FEATURES)] and its pair features with each candidate [C, len(PAIR_FEATURES)], speeds
-    from ``profiles`` (the daemon's device profiles). Training and the daemon both call this."""
-    return task_features(spec, now_ms=now_ms), pair_features(spec, graph, rows, profiles)
+    """The speed head's pair input: the log of ``profiles``' speed of the task on each row (the
+    estimate the model corrects) and whether the row's model is listed. [C] -> [C, len(PRIOR_FEATURES)]."""
+    speed = profiles.device_speedups(graph, rows, spec, gang, consolidated)
+    listed = profiles.listed(graph.model_names)[graph.devices.model[rows]]
+    raw = np.column_stack([np.log(np.maximum(speed, 1e-6)), listed.astype(np.float64)])
+    return normalize(raw.reshape(len(rows), len(PRIOR_FEATURES)), PRIOR_FEATURES)

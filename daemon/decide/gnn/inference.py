@@ -40,7 +40,8 @@ _FEATURE_GROUPS = {
     "host": feat.HOST_FEATURES,
     "switch": feat.SWITCH_FEATURES,
     "task": feat.TASK_FEATURES,
-    "pair": feat.PAIR_FEATURES,
+    "shape": feat.SHAPE_FEATURES,
+    "prior": feat.PRIOR_FEATURES,
 }
 
 
@@ -131,7 +132,7 @@ def load_session(
 class GnnModel:
     """The encoder and scorer sessions of one exported model.
 
-    Shapes: :meth:`encode` -> device_emb [D, E], context [G]; :meth:`score` -> [C].
+    Shapes: :meth:`encode` -> device_emb [D, E], context [G]; :meth:`predict` -> [C, 2].
     ``run`` releases the GIL and may be called from several threads at once.
     """
 
@@ -144,6 +145,13 @@ class GnnModel:
                 f"encoder is model version {self.version!r} but scorer is "
                 f"{scorer.metadata.get('hlb.model_version')!r}: they must come from one export"
             )
+        try:
+            config = json.loads(encoder.metadata.get("hlb.model_config", "{}"))
+        except ValueError:
+            config = None
+        if not isinstance(config, dict):
+            raise ModelError("encoder metadata hlb.model_config is not a JSON object")
+        self.config: dict[str, Any] = config
 
     @property
     def providers(self) -> list[str]:
@@ -154,23 +162,24 @@ class GnnModel:
         device_emb, context = self.encoder.session.run(None, inputs.feeds())
         return np.asarray(device_emb, dtype=np.float32), np.asarray(context, dtype=np.float32)
 
-    def score(
+    def predict(
         self,
-        task_x: NDArray[np.float32],
+        shape_x: NDArray[np.float32],
         device_emb: NDArray[np.float32],
-        pair_x: NDArray[np.float32],
+        prior_x: NDArray[np.float32],
         context: NDArray[np.float32],
-        weights: NDArray[np.float32],
     ) -> NDArray[np.float32]:
-        feeds: dict[str, Any] = {
-            "task_x": task_x,
-            "device_emb": device_emb,
-            "pair_x": pair_x,
-            "context": context,
-            "weights": weights,
-        }
-        (scores,) = self.scorer.session.run(None, feeds)
-        return np.asarray(scores, dtype=np.float32)
+        """Per candidate: the log of its predicted speed over the prior's, and the log of that
+        prediction's standard deviation. -> [C, 2]."""
+        feeds: dict[str, Any] = {"shape_x": shape_x, "device_emb": device_emb, "prior_x": prior_x, "context": context}
+        (speed,) = self.scorer.session.run(None, feeds)
+        return np.asarray(speed, dtype=np.float32)
+
+    @property
+    def message_passing(self) -> bool:
+        """False for a model trained without message passing (``gnn-no-graph``): its encoder reads
+        empty neighbour lists."""
+        return bool(self.config.get("message_passing", True))
 
 
 def load_model(

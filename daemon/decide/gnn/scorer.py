@@ -1,11 +1,17 @@
-"""The learned scorer: the exported GNN scores a task's feasible candidates against cached embeddings.
+"""The GNN policy: hetero-greedy and the rules, deciding with the run times the GNN predicts.
 
-A decision runs only the scorer (:meth:`GnnModel.score`) over the candidates: the task's features
-and the (task, device) pair features come fresh from the graph on every call, the device
-embeddings and the global context come from an :class:`EmbeddingCache`, which the encoder builds
-over the whole graph off the request path. A cache is immutable and is replaced by one reference
-swap, taken under the daemon's lock, so a request (which holds that lock from its first score to
-its last) sees one cache from start to end, never a mix.
+The model predicts, for a task shape on each device, the log of the ratio of the rate the task
+will run at to the rate the device profiles give, from device embeddings the encoder builds over
+the whole graph (:mod:`hlb.export.model`). :class:`GnnScorer` keeps those embeddings in an
+:class:`EmbeddingCache`, runs the speed head once per task shape over every embedded device
+(:meth:`GnnScorer.log_ratios`, kept with the cache) and scores as hetero-greedy does with the
+corrected speeds (:class:`~hlb.daemon.decide.gnn.speeds.LearnedSpeeds`), which are also what its
+rules and the expected ends of its placed tasks read (:attr:`GnnScorer.estimates`). The ``gnn``
+preset and the ``rules`` preset thus differ in where run times come from, nothing else.
+
+A cache is immutable (but for the predictions it memoizes) and is replaced by one reference swap,
+taken under the daemon's lock, so a request (which holds that lock from its first score to its
+last) sees one cache from start to end, never a mix.
 
 Refresh modes (``model.refresh.mode``):
 
@@ -22,7 +28,8 @@ Refresh modes (``model.refresh.mode``):
   score, in the caller's thread, under the same rules; a new device always re-encodes first.
 
 The rules (waiting, shortest first, services fitted) are plugins of the ``gnn`` preset
-(``hlb.daemon.decide.presets``), which run while this scorer is :attr:`~GnnScorer.ready`.
+(``hlb.daemon.decide.presets``), which run while this scorer is :attr:`~GnnScorer.ready`. A model
+trained without message passing (``gnn-no-graph``) is fed empty neighbour lists, as in training.
 
 Safety: a missing, corrupt or schema-mismatched model, or an inference error, makes the scorer
 decide with hetero-greedy (the best baseline), log why once, report itself ``degraded`` and count
@@ -50,15 +57,13 @@ import structlog
 from numpy.typing import NDArray
 
 from hlb.daemon.config import ModelSettings
-from hlb.daemon.decide.framework import BatchChooser, ObjectiveWeights, Policy, Scores, WaitOptions
+from hlb.daemon.decide.framework import ObjectiveWeights, Policy, Scores, WaitOptions
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import ENCODER_FILE, SCORER_FILE, GnnModel, ModelError, load_model
+from hlb.daemon.decide.gnn.speeds import LearnedSpeeds
 from hlb.daemon.decide.scorers import HeteroGreedy
-from hlb.daemon.decide.shortlist import ShortlistBatch, shortlist
-from hlb.daemon.decide.waiting import declared_load
-from hlb.daemon.state.feasibility import Occupancy
 from hlb.daemon.state.graph import InfraGraph
-from hlb.daemon.state.profiles import DeviceProfiles
+from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
 from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 
@@ -70,6 +75,9 @@ FileSignature = tuple[tuple[int, int, int], ...] | None
 FallbackCounter = Callable[[str], None]
 
 WARM_UP_CANDIDATES = 8
+# Task shapes whose predictions one cache keeps (the least recently added dropped beyond).
+MAX_SHAPES = 4096
+ShapeKey = tuple[str, int, int, bool]  # workload class, gang, task kind, consolidated
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,9 @@ class EmbeddingCache:
     version: int  # graph.version (inventory) when built
     changes: int  # graph.changes when built
     built_at: float  # monotonic seconds
+    serial: int  # counts the caches one scorer built
+    # Per task shape: the head's output for every position [D, 2] (filled as shapes are asked for).
+    predictions: dict[ShapeKey, NDArray[np.float64]]
 
     def positions_of(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64] | None:
         """Cache positions of graph device ``rows``; None when any is not in this cache. [C] -> [C]."""
@@ -108,6 +119,22 @@ class EmbeddingCache:
                 return None
         return positions
 
+    def known_positions(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64]:
+        """Cache position of each graph device row, -1 for a row this cache has no embedding of
+        (never live, or holding another device now). [C] -> [C]."""
+        out = np.full(len(rows), -1, dtype=np.int64)
+        if graph is not self.graph:
+            return out
+        inside = rows < len(self.positions)
+        out[inside] = self.positions[rows[inside]]
+        if graph.version != self.version:
+            ids = graph.devices.ids
+            for i in np.flatnonzero(out >= 0).tolist():
+                row = int(rows[i])
+                if ids[row] != self.device_ids[row]:
+                    out[i] = -1
+        return out
+
 
 def file_signature(directory: Path) -> FileSignature:
     """What identifies the model files on disk now; None when either is missing."""
@@ -122,14 +149,11 @@ def file_signature(directory: Path) -> FileSignature:
 
 
 class GnnScorer(Policy):
-    """Scores with the GNN; hetero-greedy decides whenever the GNN cannot (see the module docstring).
+    """Hetero-greedy's score with the GNN's speeds; hetero-greedy with the profiles alone whenever
+    the GNN cannot predict (see the module docstring). Scores depend on the row and the task shape
+    only, so a batch reuses them as it does hetero-greedy's."""
 
-    A decision is two-stage (:mod:`hlb.daemon.decide.shortlist`): hetero-greedy's score (the scorer's physical
-    prior) over every feasible device picks the best ``model.shortlist`` of them, and the scorer
-    ranks those. A batch decides one-device tasks from scores computed ahead
-    (:class:`~hlb.daemon.decide.shortlist.ShortlistBatch`, the same decisions); a gang, or a task with
-    dependencies, is decided alone. ``score`` (ScoreDevices) scores exactly the rows it is given.
-    """
+    row_local = True
 
     def __init__(
         self,
@@ -144,12 +168,13 @@ class GnnScorer(Policy):
         self.settings = settings or ModelSettings()
         self.weights = weights or ObjectiveWeights()
         self.mode: RefreshMode = mode or self.settings.refresh.mode
-        # The physical prior, and the fallback: hetero-greedy with the profiles the scheduler is told.
-        self.fallback = HeteroGreedy(self.weights, profiles)
+        # The fallback: hetero-greedy with the profiles the scheduler is told (the model's prior).
+        self.fallback = HeteroGreedy(self.weights, profiles or default_profiles())
+        self.speeds, self.learned = self._learned_greedy()
+        self.binding_lowers_scores = self.fallback.binding_lowers_scores
         self.on_fallback = on_fallback or (lambda reason: None)
         self._monotonic = monotonic
-        w = self.weights
-        self._weights = np.array([w.completion_time, w.utilization, w.energy], dtype=np.float32)
+        self._serial = 0
         self._cache: EmbeddingCache | None = None
         self._degraded = "model not loaded yet"
         self._degraded_code = "model_missing"
@@ -163,7 +188,6 @@ class GnnScorer(Policy):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._task_x: tuple[ev.TaskSpec, int, feat.Matrix] | None = None
         # Unix ms that date task features (waiting time, deadline slack); a simulation's clock in one.
         self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
         self.refreshes = 0
@@ -187,7 +211,8 @@ class GnnScorer(Policy):
 
     @property
     def estimates(self) -> DeviceProfiles:
-        return self.fallback.profiles
+        """The profiles corrected by the model's predictions (the profiles alone without a model)."""
+        return self.speeds
 
     @property
     def ready(self) -> bool:
@@ -211,66 +236,77 @@ class GnnScorer(Policy):
 
     # -- scoring -----------------------------------------------------------------------------
 
+    def _learned_greedy(self) -> tuple[LearnedSpeeds, HeteroGreedy]:
+        """The corrected profiles over this scorer's predictions, and hetero-greedy deciding by them."""
+        speeds = LearnedSpeeds(self.fallback.profiles, self.log_ratios, lambda: self._serial)
+        return speeds, HeteroGreedy(self.weights, speeds)
+
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         if self.mode == "sync":
             self.refresh_if_changed(graph)
         cache = self._cache  # one read: everything below comes from this cache
         if cache is None:
             return self._fall_back(self._degraded_code, spec, graph, rows)
-        positions = cache.positions_of(graph, rows)
-        if positions is None:  # a device newer than the cache: decide without the GNN, refresh soon
+        if cache.positions_of(graph, rows) is None:  # a device newer than the cache: refresh soon
             self._wake.set()
             return self._fall_back("embeddings_stale", spec, graph, rows)
-        if not len(rows):
-            return np.zeros(0, dtype=np.float64)
-        scores = self._learned(cache, spec, graph, rows, positions, None)
-        if scores is None:
+        if self._shape_predictions(cache, spec, max(1, spec.num_devices), True) is None:
             return self._fall_back("inference_error", spec, graph, rows)
-        return scores
+        return self.learned.score(spec, graph, rows)
 
-    def _learned(
-        self,
-        cache: EmbeddingCache,
-        spec: ev.TaskSpec,
-        graph: InfraGraph,
-        rows: Rows,
-        positions: NDArray[np.int64],
-        occupancy: Occupancy | None,
-    ) -> Scores | None:
-        """The scorer's scores of ``rows`` (cache ``positions``), under ``occupancy`` when given;
-        None when it failed (the model is then out of use). [C] -> [C]."""
-        profiles = self.fallback.profiles
-        return self._run_scorer(
-            cache, spec, positions, lambda: feat.pair_features(spec, graph, rows, profiles, occupancy)
-        )
+    def batch_scorer(self, spec: ev.TaskSpec, graph: InfraGraph) -> Callable[[Rows], Scores]:
+        """Hetero-greedy's batch scorer over the corrected speeds: the predictions for ``spec``'s
+        shape are computed once for every device (a device without an embedding gets its profiled
+        speed)."""
+        if self._cache is None:
+            return self.fallback.batch_scorer(spec, graph)
+        return self.learned.batch_scorer(spec, graph)
 
-    def _run_scorer(
-        self, cache: EmbeddingCache, spec: ev.TaskSpec, positions: NDArray[np.int64], pair: Callable[[], feat.Matrix]
-    ) -> Scores | None:
-        """The scorer over the cached embeddings at ``positions`` and the pair features ``pair()``
-        gives; None when it failed (the model is then out of use). [C] -> [C]."""
+    def log_ratios(
+        self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, gang: int, consolidated: bool
+    ) -> NDArray[np.float64] | None:
+        """The head's output for ``spec``'s shape on ``rows`` (:class:`LearnedSpeeds` reads it): per
+        row the predicted log speed ratio and log standard deviation, NaN for a row without an
+        embedding; None while the model does not serve (or just failed). [C] -> [C, 2]."""
+        cache = self._cache
+        if cache is None:
+            return None
+        predictions = self._shape_predictions(cache, spec, gang, consolidated)
+        if predictions is None:
+            return None
+        positions = cache.known_positions(graph, rows)
+        out = np.full((len(rows), 2), np.nan)
+        known = positions >= 0
+        out[known] = predictions[positions[known]]
+        return out
+
+    def _shape_predictions(
+        self, cache: EmbeddingCache, spec: ev.TaskSpec, gang: int, consolidated: bool
+    ) -> NDArray[np.float64] | None:
+        """The head's output for every embedded device and ``spec``'s shape [D, 2]: kept in the cache
+        after its first run; None when that run failed (the model is then out of use)."""
+        consolidated = consolidated or gang == 1
+        key = (spec.workload_class, gang, int(spec.kind), consolidated)
+        known = cache.predictions.get(key)
+        if known is not None:
+            return known
+        rows = cache.device_rows
         try:
-            scores = cache.model.score(
-                self._task_features(spec), cache.device_emb[positions], pair(), cache.context, self._weights
-            )
-            if scores.shape != (len(positions),) or not np.isfinite(scores).all():
-                raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite")
+            if len(rows):
+                prior = feat.prior_features(spec, cache.graph, rows, self.fallback.profiles, gang, consolidated)
+                shape = feat.shape_features(spec, gang, consolidated)
+                out = cache.model.predict(shape, cache.device_emb, prior, cache.context).astype(np.float64)
+            else:
+                out = np.zeros((0, 2))
+            if out.shape != (len(rows), 2) or not np.isfinite(out).all():
+                raise ModelError(f"scorer returned shape {out.shape} or values that are not finite")
         except Exception as error:  # onnxruntime raises its own untyped errors
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
             return None
-        return scores.astype(np.float64)
-
-    # -- two-stage ranking -------------------------------------------------------------------
-
-    def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
-        """The best ``model.shortlist`` feasible rows by hetero-greedy's score (more for a gang); all of
-        them while the fallback decides (it ranks by that score anyway)."""
-        k = self.settings.shortlist
-        if self._cache is None or k <= 0 or len(feasible) <= k:
-            return feasible
-        prior = self.fallback.score(spec, graph, feasible)
-        picked: Rows = feasible[shortlist(graph, feasible, prior, k, max(1, spec.num_devices))]
-        return picked
+        if len(cache.predictions) >= MAX_SHAPES:
+            cache.predictions.pop(next(iter(cache.predictions)))
+        cache.predictions[key] = out
+        return out
 
     def prepare(self, graph: InfraGraph) -> None:
         """Sync mode: load the model on first use, re-encode a changed graph (:meth:`refresh_if_changed`)."""
@@ -278,80 +314,34 @@ class GnnScorer(Policy):
             self.refresh_if_changed(graph)
 
     def score_waits(self, spec: ev.TaskSpec, graph: InfraGraph, waits: WaitOptions) -> Scores | None:
-        """The scorer's scores of busy devices described as they will be once free (pair features
-        with the wait counted); None while the GNN cannot score them. [B] -> [B]."""
-        cache = self._cache
-        if cache is None:
+        """Hetero-greedy's scores of busy devices once free, their run times from the corrected
+        speeds (the rules computed them with :attr:`estimates`); None while the GNN does not serve."""
+        if self._cache is None:
             return None
-        positions = cache.positions_of(graph, waits.rows)
-        if positions is None:
-            return None
-        pair = feat.pair_features(spec, graph, waits.rows, self.fallback.profiles, wait_s=waits.wait_s)
-        return self._run_scorer(cache, spec, positions, lambda: pair)
-
-    def task_key(self, spec: ev.TaskSpec) -> tuple[object, ...]:
-        """Task features besides the shape: priority, waiting time and deadline, latency SLO, and a
-        service's declared load."""
-        return (spec.priority, spec.submit_time_ms, spec.deadline_ms, spec.latency_slo_ms, declared_load(spec))
-
-    def batch_chooser(self, spec: ev.TaskSpec, graph: InfraGraph) -> BatchChooser | None:
-        """One-device tasks without dependencies, while the model serves in background mode (sync
-        mode re-encodes between decisions): a :class:`ShortlistBatch` on the current cache."""
-        cache = self._cache
-        if cache is None or self.mode != "background" or spec.num_devices > 1 or spec.dependencies:
-            return None
-        runtime = self.fallback.profiles.runtime_s(graph, np.arange(graph.devices.capacity, dtype=np.int64), spec)
-        fallback = self.fallback
-
-        def prior(rows: Rows, occupancy: Occupancy | None) -> Scores:
-            if occupancy is None:
-                occupancy = Occupancy.of(graph, rows)
-            return fallback.score_with(spec, graph, rows, runtime[rows], occupancy)
-
-        def learned(rows: Rows, occupancy: Occupancy | None) -> Scores | None:
-            if self._cache is not cache:
-                return None
-            positions = cache.positions_of(graph, rows)
-            if positions is None:
-                return None
-            if not len(rows):
-                return np.zeros(0, dtype=np.float64)
-            return self._learned(cache, spec, graph, rows, positions, occupancy)
-
-        return ShortlistBatch(spec, graph, self.settings.shortlist, prior, learned)
-
-    def _task_features(self, spec: ev.TaskSpec) -> feat.Matrix:
-        """The task's features, kept for the last spec: a batch rescores rows for one spec many times."""
-        now_ms = int(self.clock_ms())
-        last = self._task_x
-        if last is not None and last[0] is spec and last[1] == now_ms:
-            return last[2]
-        task_x = feat.task_features(spec, now_ms=now_ms)
-        self._task_x = (spec, now_ms, task_x)
-        return task_x
+        return self.learned.score_waits(spec, graph, waits)
 
     def attach(self, sim: Any) -> None:
-        """In a simulation (``hlb.sim.simulator.Simulation``): date task features by its clock."""
+        """In a simulation (``hlb.sim.simulator.Simulation``): date the graph's tasks by its clock."""
         self.clock_ms = sim.clock.now_ms
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GnnScorer:
         """A copy for a simulation's fork (the lookahead oracle forks its base policy at each
         decision): it shares the loaded model, re-encodes it on the fork's graph at its first
-        decision, dates tasks by the fork's clock (copied through ``memo`` with the simulation), and
-        keeps none of this policy's per-decision state. Only a policy that refreshes in sync mode (a
-        simulation's) can be copied: a background refresher belongs to one graph."""
+        decision, and dates tasks by the fork's clock (copied through ``memo`` with the
+        simulation). Only a policy that refreshes in sync mode (a simulation's) can be copied: a
+        background refresher belongs to one graph."""
         if self._thread is not None:
             raise TypeError("a GnnScorer with a background refresher cannot be copied")
         twin = copy.copy(self)
         twin.clock_ms = copy.deepcopy(self.clock_ms, memo)
-        twin._task_x = None
+        twin.speeds, twin.learned = twin._learned_greedy()
         return twin
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         self.fallback.placed(spec, graph, rows)
 
     def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
-        self.fallback.finished(spec, graph, rows, ran_s)  # its prior's profiles, if they learn
+        self.fallback.finished(spec, graph, rows, ran_s)  # the profiles under the predictions, if they learn
 
     def _fall_back(self, reason: str, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         self.on_fallback(reason)
@@ -486,7 +476,7 @@ class GnnScorer(Policy):
                 tables, now_ms, marks = self._read(graph)
         else:
             tables, now_ms, marks = self._read(graph)
-        inputs = feat.encoder_inputs(tables, now_ms)
+        inputs = feat.encoder_inputs(tables, now_ms, model.message_passing)
         device_emb, context = model.encode(inputs)
         n = len(inputs.device_rows)
         if device_emb.ndim != 2 or device_emb.shape[0] != n or context.ndim != 1:
@@ -508,7 +498,13 @@ class GnnScorer(Policy):
             version=version,
             changes=changes,
             built_at=self._monotonic(),
+            serial=self._next_serial(),
+            predictions={},
         )
+
+    def _next_serial(self) -> int:
+        self._serial += 1
+        return self._serial
 
     def _read(self, graph: InfraGraph) -> tuple[InfraGraph, int, tuple[int, int, int, tuple[str | None, ...]]]:
         """What the encoder reads, taken at one moment (under the lock): copies of the graph's
@@ -518,23 +514,23 @@ class GnnScorer(Policy):
         return graph.tables_copy(), int(self.clock_ms()), marks
 
     def _warm_up_scorer(self, cache: EmbeddingCache, graph: InfraGraph) -> None:
-        """One scorer run on real cached devices (a zero embedding when the graph has none)."""
+        """One head run on real cached devices (zero embeddings when the graph has none)."""
         spec = ev.TaskSpec(id="hlb-warm-up", work_ref_s=600.0, memory_per_device_gb=1.0)
         rows = cache.device_rows[:WARM_UP_CANDIDATES]
         if len(rows):
             lock = self._lock if graph is self._graph and self._lock is not None else None
             if lock is not None:
                 with lock:
-                    pair = feat.pair_features(spec, graph, rows, self.fallback.profiles)
+                    prior = feat.prior_features(spec, graph, rows, self.fallback.profiles)
             else:
-                pair = feat.pair_features(spec, graph, rows, self.fallback.profiles)
+                prior = feat.prior_features(spec, graph, rows, self.fallback.profiles)
             emb = cache.device_emb[: len(rows)]
         else:
-            pair = np.zeros((1, len(feat.PAIR_FEATURES)), dtype=np.float32)
+            prior = np.zeros((1, len(feat.PRIOR_FEATURES)), dtype=np.float32)
             emb = np.zeros((1, cache.device_emb.shape[1]), dtype=np.float32)
-        scores = cache.model.score(feat.task_features(spec), emb, pair, cache.context, self._weights)
-        if scores.shape != (len(pair),) or not np.isfinite(scores).all():
-            raise ModelError(f"scorer returned shape {scores.shape} or values that are not finite for {len(pair)}")
+        out = cache.model.predict(feat.shape_features(spec), emb, prior, cache.context)
+        if out.shape != (len(prior), 2) or not np.isfinite(out).all():
+            raise ModelError(f"scorer returned shape {out.shape} or values that are not finite for {len(prior)}")
 
     def _due(self, cache: EmbeddingCache, graph: InfraGraph, staleness: bool) -> bool:
         """Whether to re-encode now; ``staleness``: for the background thread (which also keeps
