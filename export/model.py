@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -55,13 +56,17 @@ class ModelConfig:
     rounds: int = 2
     scorer_hidden: int = 64
     message_passing: bool = True  # False: every neighbour list empty, in training and in the daemon
+    # The task shapes training saw (hlb.export.train fills them from its data): the daemon predicts
+    # only for these and leaves any other family or kind to the prior. Empty: not recorded (all).
+    trained_families: tuple[str, ...] = ()  # declared workload families; "" for none or unknown
+    trained_kinds: tuple[str, ...] = ()  # training, inference, batch_stage, unspecified
 
     @property
     def context_dim(self) -> int:
         """G: mean device embedding, mean pending-task embedding, log device and pending counts."""
         return 2 * self.hidden + 2
 
-    def as_dict(self) -> dict[str, int | bool]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -283,7 +288,10 @@ def load_checkpoint(path: Path) -> tuple[HlbGnn, str, str]:
     document = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(document, dict) or document.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not an hlb checkpoint ({CHECKPOINT_FORMAT})")
-    model = HlbGnn(ModelConfig(**document["config"]))
+    config = dict(document["config"])
+    for key in ("trained_families", "trained_kinds"):
+        config[key] = tuple(config.get(key, ()))
+    model = HlbGnn(ModelConfig(**config))
     model.load_state_dict(document["state"])
     model.eval()
     return model, str(document["model_version"]), str(document["training_data"])

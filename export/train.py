@@ -24,7 +24,7 @@ import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,12 @@ class Trainer:
         if (self.out / "train.jsonl").exists():
             raise FileExistsError(f"{self.out} holds an earlier run (train.jsonl); choose another --out or remove it")
         train_episodes, validation_episodes = self.episodes()
+        shapes = {feat.shape_names_of(e.shape_x) for episode in train_episodes for e in episode.examples}
+        self.model.config = replace(
+            self.model.config,
+            trained_families=tuple(sorted({family for family, _ in shapes})),
+            trained_kinds=tuple(sorted({kind for _, kind in shapes})),
+        )
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(_plain(asdict(self.config)), indent=1) + "\n")
         self.say(f"hlb train: {self.describe()}")

@@ -248,6 +248,16 @@ def test_a_gang_spread_across_hosts_is_marked_but_a_single_device_never_is() -> 
     assert shape_of(spec, gang=1, consolidated=False)["spread"] == 0.0
 
 
+def test_a_shape_row_names_the_family_and_kind_it_was_built_from() -> None:
+    for spec in (
+        ev.TaskSpec(id="t", workload_class="lm-bs20", kind=ev.TASK_KIND_INFERENCE),
+        ev.TaskSpec(id="t", workload_class="resnet18", kind=ev.TASK_KIND_BATCH_STAGE, num_devices=4),
+        ev.TaskSpec(id="t", workload_class="never-heard-of-it"),
+    ):
+        assert feat.shape_names_of(feat.shape_features(spec)) == feat.shape_names(spec)
+    assert feat.shape_names(ev.TaskSpec(id="t", workload_class="never-heard-of-it")) == ("", "unspecified")
+
+
 def test_the_shapes_families_are_those_of_the_shipped_profiles() -> None:
     profiles = default_profiles()
     assert set(feat.WORKLOAD_FAMILIES) == set(profiles.class_family.values())

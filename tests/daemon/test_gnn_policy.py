@@ -146,6 +146,36 @@ def test_one_head_run_per_task_shape_serves_every_later_estimate(model_dir: Path
     assert np.isnan(out).all()
 
 
+def test_a_task_kind_or_family_training_never_saw_keeps_the_profiles_speeds(model_dir: Path) -> None:
+    import json
+
+    import onnx
+
+    config = {}
+    for entry in onnx.load(str(model_dir / "encoder.onnx")).metadata_props:
+        if entry.key == "hlb.model_config":
+            config = json.loads(entry.value)
+    config |= {"trained_families": ["resnet50"], "trained_kinds": ["training"]}
+    for name in ("encoder.onnx", "scorer.onnx"):
+        set_metadata(model_dir / name, **{"hlb.model_config": json.dumps(config)})
+    graph = cluster()
+    policy = GnnScorer(settings(model_dir), mode="sync")
+    rows = graph.feasible_rows(SPEC)
+    policy.score(SPEC, graph, rows)
+    profiles = default_profiles()
+    seen = ev.TaskSpec(id="a", workload_class="resnet50-bs64", kind=ev.TASK_KIND_TRAINING, work_ref_s=60.0)
+    assert not np.allclose(policy.estimates.runtime_s(graph, rows, seen), profiles.runtime_s(graph, rows, seen))
+    for unseen in (
+        ev.TaskSpec(id="b", workload_class="resnet50-bs64", kind=ev.TASK_KIND_INFERENCE, work_ref_s=60.0),
+        ev.TaskSpec(id="c", workload_class="lm-bs20", kind=ev.TASK_KIND_TRAINING, work_ref_s=60.0),
+        ev.TaskSpec(id="d", workload_class="", kind=ev.TASK_KIND_TRAINING, work_ref_s=60.0),
+    ):
+        np.testing.assert_allclose(
+            policy.estimates.runtime_s(graph, rows, unseen), profiles.runtime_s(graph, rows, unseen)
+        )
+    assert policy.name == "gnn"  # still the model's policy: it only declines to guess
+
+
 def test_make_policy_gnn_re_encodes_after_every_change_in_sync_mode(model_dir: Path) -> None:
     graph = cluster()
     preset = make_policy("gnn", model=settings(model_dir, mode="sync", min_changed_rows=1))

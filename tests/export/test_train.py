@@ -250,6 +250,10 @@ def test_tiny_training_writes_its_files_and_a_second_run_reuses_the_data(
     assert reused[0]["prior_error"] == log[0]["prior_error"]  # the same validation examples
     model, version, description = load_checkpoint(second / "best.pt")
     assert model.config.message_passing is False
+    # The shapes training saw are recorded: the tiny stage's gavel jobs are all training tasks.
+    assert model.config.trained_kinds == ("training",)
+    assert set(model.config.trained_families) <= set(feat.WORKLOAD_FAMILIES)
+    assert model.config.trained_families
     assert "-no-graph-" in version
     assert "without message passing" in description
 
@@ -259,6 +263,7 @@ def test_tiny_training_writes_its_files_and_a_second_run_reuses_the_data(
     assert main(["export", "--checkpoint", str(second / "best.pt"), "--out", str(folder)]) == 0
     onnx_model = load_model(folder, providers=["CPUExecutionProvider"])
     assert onnx_model.message_passing is False
+    assert not onnx_model.trained_on(ev.TaskSpec(id="s", kind=ev.TASK_KIND_INFERENCE, workload_class="lm-bs5"))
     document = torch.load(first / "data.pt", weights_only=False)
     names = feat.encoder_feed_names()
     for batch in train.to_batches(document["validation"], message_passing=False):

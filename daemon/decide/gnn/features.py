@@ -601,6 +601,29 @@ def _dependency_edges(graph: InfraGraph, task_rows: Rows, task_ids: list[str], t
     return np.array(parents, dtype=np.int64), np.array(children, dtype=np.int64)
 
 
+TASK_KIND_NAMES: dict[int, str] = {
+    ev.TASK_KIND_TRAINING: "training",
+    ev.TASK_KIND_INFERENCE: "inference",
+    ev.TASK_KIND_BATCH_STAGE: "batch_stage",
+}
+
+
+def shape_names(spec: ev.TaskSpec) -> tuple[str, str]:
+    """``spec``'s declared workload family ("" for none, or one the schema does not list) and its
+    kind's name (``unspecified`` for none), as a model records the shapes it was trained on."""
+    family = workload_family(spec.workload_class)
+    return (family if family in WORKLOAD_FAMILIES else ""), TASK_KIND_NAMES.get(int(spec.kind), "unspecified")
+
+
+def shape_names_of(shape_x: Matrix) -> tuple[str, str]:
+    """:func:`shape_names` read back from a :func:`shape_features` row."""
+    names = [f.name for f in SHAPE_FEATURES]
+    flags = {name: bool(value > 0.5) for name, value in zip(names, shape_x.tolist(), strict=True)}
+    family = next((f for f in WORKLOAD_FAMILIES if flags[f"family_{f}"]), "")
+    kind = next((k for k in TASK_KIND_NAMES.values() if flags[f"kind_{k}"]), "unspecified")
+    return family, kind
+
+
 def shape_features(spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True) -> Matrix:
     """The speed head's task input: ``spec``'s shape as a member of a gang of ``gang`` devices
     (default: its own size) on one host (``consolidated``) or spread. -> [len(SHAPE_FEATURES)]."""

@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.errors import HlbError
+from hlb.v1 import events_pb2 as ev
 
 ENCODER_FILE = "encoder.onnx"
 SCORER_FILE = "scorer.onnx"
@@ -174,6 +175,13 @@ class GnnModel:
         feeds: dict[str, Any] = {"shape_x": shape_x, "device_emb": device_emb, "prior_x": prior_x, "context": context}
         (speed,) = self.scorer.session.run(None, feeds)
         return np.asarray(speed, dtype=np.float32)
+
+    def trained_on(self, spec: ev.TaskSpec) -> bool:
+        """Whether training saw ``spec``'s workload family and task kind (a model that does not
+        record them: always). The policy leaves any other shape to the prior."""
+        family, kind = feat.shape_names(spec)
+        families, kinds = self.config.get("trained_families") or (), self.config.get("trained_kinds") or ()
+        return (not families or family in families) and (not kinds or kind in kinds)
 
     @property
     def message_passing(self) -> bool:

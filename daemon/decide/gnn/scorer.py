@@ -292,7 +292,9 @@ class GnnScorer(Policy):
             return known
         rows = cache.device_rows
         try:
-            if len(rows):
+            if not cache.model.trained_on(spec):  # a family or kind training never saw: the prior's
+                out = np.zeros((len(rows), 2))
+            elif len(rows):
                 prior = feat.prior_features(spec, cache.graph, rows, self.fallback.profiles, gang, consolidated)
                 shape = feat.shape_features(spec, gang, consolidated)
                 out = cache.model.predict(shape, cache.device_emb, prior, cache.context).astype(np.float64)
