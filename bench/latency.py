@@ -83,10 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def policy_name(text: str) -> str:
-    """An argparse ``type`` for ``--policy``: a name ``make_policy`` knows (the baselines or ``gnn``)."""
-    from hlb.daemon.decide.presets import POLICY_NAMES  # here, not at the top: `hlb bench --help` stays cheap
+    """An argparse ``type`` for ``--policy``: a preset ``make_policy`` knows (the baselines, ``rules``,
+    ``rules-table``, ``gnn``)."""
+    from hlb.daemon.decide.presets import PRESETS  # here, not at the top: `hlb bench --help` stays cheap
 
-    names = (*POLICY_NAMES, "gnn")
+    names = PRESETS
     if text not in names:
         raise argparse.ArgumentTypeError(f"unknown policy {text!r}: expected one of {', '.join(names)}")
     return text

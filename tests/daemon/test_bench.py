@@ -18,7 +18,7 @@ from hlb.bench.cli import machine
 from hlb.bench.latency import add_arguments, synthetic_devices
 from hlb.cli import main
 from hlb.daemon import config
-from hlb.daemon.decide.presets import POLICY_NAMES
+from hlb.daemon.decide.presets import PRESETS
 
 
 def test_latency_prints_every_figure_as_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,10 +149,10 @@ def test_an_unknown_policy_is_refused_naming_every_one(capsys: pytest.CaptureFix
         main(["bench", "latency", "--policy", "nope"])
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith(f"argument --policy: unknown policy 'nope': expected one of {', '.join(POLICY_NAMES)}, gnn")
+    assert err.endswith(f"argument --policy: unknown policy 'nope': expected one of {', '.join(PRESETS)}")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert [parser.parse_args(["--policy", name]).policy for name in (*POLICY_NAMES, "gnn")] == [*POLICY_NAMES, "gnn"]
+    assert [parser.parse_args(["--policy", name]).policy for name in PRESETS] == list(PRESETS)
 
 
 def test_queue_prints_each_length_against_the_empty_queue(capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,6 +103,9 @@ class EmbeddingCache:
     serial: int  # counts the caches one scorer built
     # Per task shape: the head's output for every position [D, 2] (filled as shapes are asked for).
     predictions: dict[ShapeKey, NDArray[np.float64]]
+    # Per task shape and inventory version: the predicted speed ratio of every graph row [capacity]
+    # (1 for a row without an embedding), what an estimate multiplies the profiles' speeds by.
+    factors: dict[tuple[ShapeKey, int, int], NDArray[np.float64]]
 
     def positions_of(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64] | None:
         """Cache positions of graph device ``rows``; None when any is not in this cache. [C] -> [C]."""
@@ -122,10 +125,10 @@ class EmbeddingCache:
     def known_positions(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64]:
         """Cache position of each graph device row, -1 for a row this cache has no embedding of
         (never live, or holding another device now). [C] -> [C]."""
-        out = np.full(len(rows), -1, dtype=np.int64)
         if graph is not self.graph:
-            return out
+            return np.full(len(rows), -1, dtype=np.int64)
         inside = rows < len(self.positions)
+        out: NDArray[np.int64] = np.full(len(rows), -1, dtype=np.int64)
         out[inside] = self.positions[rows[inside]]
         if graph.version != self.version:
             ids = graph.devices.ids
@@ -238,7 +241,7 @@ class GnnScorer(Policy):
 
     def _learned_greedy(self) -> tuple[LearnedSpeeds, HeteroGreedy]:
         """The corrected profiles over this scorer's predictions, and hetero-greedy deciding by them."""
-        speeds = LearnedSpeeds(self.fallback.profiles, self.log_ratios, lambda: self._serial)
+        speeds = LearnedSpeeds(self.fallback.profiles, self.speed_factors, self.log_ratios, lambda: self._serial)
         return speeds, HeteroGreedy(self.weights, speeds)
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
@@ -279,6 +282,34 @@ class GnnScorer(Policy):
         known = positions >= 0
         out[known] = predictions[positions[known]]
         return out
+
+    def speed_factors(
+        self, spec: ev.TaskSpec, graph: InfraGraph, gang: int, consolidated: bool
+    ) -> NDArray[np.float64] | None:
+        """The predicted speed ratio of every device row of ``graph`` for ``spec``'s shape (1 where
+        the model has no embedding), kept with the cache per inventory version; None while the model
+        does not serve (or just failed). -> [capacity]."""
+        cache = self._cache
+        if cache is None:
+            return None
+        consolidated = consolidated or gang == 1
+        key = ((spec.workload_class, gang, int(spec.kind), consolidated), graph.version, graph.devices.capacity)
+        known = cache.factors.get(key) if graph is cache.graph else None
+        if known is not None:
+            return known
+        predictions = self._shape_predictions(cache, spec, gang, consolidated)
+        if predictions is None:
+            return None
+        every = np.arange(graph.devices.capacity, dtype=np.int64)
+        positions = cache.known_positions(graph, every)
+        factors = np.ones(len(every))
+        hit = positions >= 0
+        factors[hit] = np.exp(predictions[positions[hit], 0])
+        if graph is cache.graph:
+            if len(cache.factors) >= MAX_SHAPES:
+                cache.factors.pop(next(iter(cache.factors)))
+            cache.factors[key] = factors
+        return factors
 
     def _shape_predictions(
         self, cache: EmbeddingCache, spec: ev.TaskSpec, gang: int, consolidated: bool
@@ -502,6 +533,7 @@ class GnnScorer(Policy):
             built_at=self._monotonic(),
             serial=self._next_serial(),
             predictions={},
+            factors={},
         )
 
     def _next_serial(self) -> int:
