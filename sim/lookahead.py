@@ -5,8 +5,8 @@ An expensive policy, used as an upper reference in evaluation. It is an ordinary
 every other policy. For each decision it:
 
 1. ranks the feasible rows (the base policy's shortlist of them, if it narrows them) with the base
-   policy and forms up to ``k`` candidate gangs: the base policy's own choice, then the best ``gang`` rows of each device
-   model, best first;
+   policy and forms up to ``k`` candidate gangs: the base policy's own choice, then the best
+   ``gang`` rows of each device model, best first;
 2. for each candidate, forks the whole simulation (scheduler included), pins this task to the
    candidate, and rolls the fork forward ``horizon_s`` with the base policy deciding;
 3. keeps the candidate with the least total flow time in the fork: the sum over tasks that have
