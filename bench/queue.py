@@ -105,7 +105,9 @@ class _Bench:
             if added % 1000 == 0:
                 scheduler.schedule_pending()
         scheduler.schedule_pending()
-        return added, _rss_mb() - before
+        # The RSS may shrink meanwhile (memory freed by earlier work going back to the system):
+        # no growth is 0, not a negative cost per task.
+        return added, max(_rss_mb() - before, 0.0)
 
     def measure(self, length: int, ops: int, batch: int) -> dict[str, Any]:
         added, grown_mb = self.fill(length)

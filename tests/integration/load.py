@@ -121,6 +121,7 @@ class DaemonConfig:
     kafka: dict[str, Any] = field(default_factory=dict)
     client_config: dict[str, str] = field(default_factory=dict)
     journal: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     group_id: str = field(default_factory=lambda: f"hlb-{uuid.uuid4().hex[:8]}")
@@ -145,7 +146,7 @@ class DaemonConfig:
             "state_dir": str(self.state_dir),
             "kafka": kafka,
             # The load shares devices between small tasks (hlb's default is one task per device).
-            "scheduler": {"max_tasks_per_device": 0},
+            "scheduler": {"max_tasks_per_device": 0, **self.scheduler},
             "grpc": {"listen": f"127.0.0.1:{self.port}"},
             "metrics": {"listen": f"127.0.0.1:{self.metrics_port}", "lag_interval_s": 0.5},
             "log": {"format": "json"},
