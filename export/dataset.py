@@ -35,7 +35,7 @@ from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.presets import with_rules
 from hlb.daemon.decide.scorers import HeteroGreedy
 from hlb.daemon.state.graph import InfraGraph
-from hlb.daemon.state.profiles import DeviceProfiles, profiles_of
+from hlb.daemon.state.profiles import DeviceProfiles, on_one_host, profiles_of
 from hlb.daemon.state.tables import Rows
 from hlb.sim.catalogue import Catalogue
 from hlb.sim.hidden import HIDDEN_DEFAULTS
@@ -124,9 +124,8 @@ class LoggingGreedy(HeteroGreedy):
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
         if spec.work_ref_s <= 0 or not len(rows) or not self.snapshots:
             return
-        gang = len(rows)
-        consolidated = len(np.unique(graph.devices.host[rows])) == 1
-        prior = self.prior.runtime_s(graph, rows, spec, gang, consolidated)
+        gang, consolidated = len(rows), on_one_host(graph, rows)
+        prior = self.prior.gang_runtime_s(graph, rows, spec)
         slowest = rows[int(np.argmax(prior))]
         inputs = self.snapshots[-1]
         try:

@@ -383,8 +383,7 @@ class Simulation:
         if estimates is None or task is None or not task.device_rows or task.spec.latency_slo_ms > 0:
             return 0.0
         rows = np.asarray(task.device_rows, dtype=np.int64)
-        one_host = len(np.unique(graph.devices.host[rows])) == 1
-        return float(estimates.runtime_s(graph, rows, task.spec, len(rows), one_host).max())
+        return float(estimates.gang_runtime_s(graph, rows, task.spec).max())
 
     # -- failures --------------------------------------------------------------------------
 

@@ -180,8 +180,7 @@ def gang_wait(
         return None
     d = graph.devices
     free = graph.feasible_rows(spec)
-    one_host = len(np.unique(d.host[gang])) == 1
-    free_finish = float(profiles.runtime_s(graph, gang, spec, size, one_host).max())
+    free_finish = float(profiles.gang_runtime_s(graph, gang, spec).max())
     rows = np.concatenate([free, busy])
     ready_s = np.zeros(len(rows))
     ready_s[len(free) :] = free_in_s(graph, busy, now_ms)

@@ -89,8 +89,7 @@ class ObservedSpeeds(DeviceProfiles):
         if ran_s <= 0 or spec.work_ref_s <= 0 or not len(rows) or not math.isfinite(ran_s):
             return
         gang = len(rows)
-        one_host = len(np.unique(graph.devices.host[rows])) == 1
-        profiled = self.base.runtime_s(graph, rows, spec, gang, one_host)
+        profiled = self.base.gang_runtime_s(graph, rows, spec)
         slowest = int(np.argmax(profiled))
         observed = math.log(float(profiled[slowest]) / ran_s)  # > 0: faster than profiled
         family, index = workload_family(spec.workload_class), int(graph.devices.model[rows[slowest]])

@@ -45,6 +45,11 @@ NEVER_S = 1.0e12
 TASK_KIND_NAMES: dict[int, str] = {ev.TASK_KIND_TRAINING: "training", ev.TASK_KIND_INFERENCE: "inference"}
 
 
+def on_one_host(graph: InfraGraph, rows: Rows) -> bool:
+    """Whether the device ``rows`` (a gang) are all on one host."""
+    return len(np.unique(graph.devices.host[rows])) == 1
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     kind: str
@@ -187,6 +192,11 @@ class DeviceProfiles:
 
     def observe(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
         """A task of ``spec`` ran ``ran_s`` seconds on ``rows``: the shipped profiles do not learn."""
+
+    def gang_runtime_s(self, graph: InfraGraph, rows: Rows, spec: ev.TaskSpec) -> NDArray[np.float64]:
+        """Estimated run time of the task on exactly the gang ``rows``: its size, on one host or
+        spread as the rows are; per member, the gang ending with its slowest. [G] -> [G] s."""
+        return self.runtime_s(graph, rows, spec, len(rows), on_one_host(graph, rows))
 
     def runtime_s(
         self, graph: InfraGraph, rows: Rows, spec: ev.TaskSpec, gang: int | None = None, consolidated: bool = True

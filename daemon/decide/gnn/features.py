@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.observed import workload_family
+from hlb.daemon.state.profiles import TASK_KIND_NAMES as PROFILE_TASK_KINDS
 from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import DEVICE_NODE, HOST_NODE, SWITCH_NODE, Rows, TaskTable
 from hlb.daemon.state.task import TaskState
@@ -601,11 +602,8 @@ def _dependency_edges(graph: InfraGraph, task_rows: Rows, task_ids: list[str], t
     return np.array(parents, dtype=np.int64), np.array(children, dtype=np.int64)
 
 
-TASK_KIND_NAMES: dict[int, str] = {
-    ev.TASK_KIND_TRAINING: "training",
-    ev.TASK_KIND_INFERENCE: "inference",
-    ev.TASK_KIND_BATCH_STAGE: "batch_stage",
-}
+# The profiles' names of the kinds a device model may run, and the DAG stages besides.
+TASK_KIND_NAMES: dict[int, str] = {**PROFILE_TASK_KINDS, ev.TASK_KIND_BATCH_STAGE: "batch_stage"}
 
 
 def shape_names(spec: ev.TaskSpec) -> tuple[str, str]:

@@ -80,6 +80,11 @@ MAX_SHAPES = 4096
 ShapeKey = tuple[str, int, int, bool]  # workload class, gang, task kind, consolidated
 
 
+def shape_key(spec: ev.TaskSpec, gang: int, consolidated: bool) -> ShapeKey:
+    """What one head run serves: a single device is never spread."""
+    return (spec.workload_class, gang, int(spec.kind), consolidated or gang == 1)
+
+
 @dataclass(frozen=True)
 class EmbeddingCache:
     """Device embeddings of one graph at one moment, with the model that made them.
@@ -109,18 +114,8 @@ class EmbeddingCache:
 
     def positions_of(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64] | None:
         """Cache positions of graph device ``rows``; None when any is not in this cache. [C] -> [C]."""
-        if graph is not self.graph:
-            return None
-        if len(rows) and int(rows.max()) >= len(self.positions):
-            return None
-        positions = self.positions[rows]
-        if (positions < 0).any():
-            return None
-        if graph.version != self.version:  # devices came or went since: a row may hold another device now
-            ids = graph.devices.ids
-            if any(ids[r] != self.device_ids[r] for r in rows.tolist()):
-                return None
-        return positions
+        positions = self.known_positions(graph, rows)
+        return None if (positions < 0).any() else positions
 
     def known_positions(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64]:
         """Cache position of each graph device row, -1 for a row this cache has no embedding of
@@ -130,7 +125,7 @@ class EmbeddingCache:
         inside = rows < len(self.positions)
         out: NDArray[np.int64] = np.full(len(rows), -1, dtype=np.int64)
         out[inside] = self.positions[rows[inside]]
-        if graph.version != self.version:
+        if graph.version != self.version:  # devices came or went since: a row may hold another device now
             ids = graph.devices.ids
             for i in np.flatnonzero(out >= 0).tolist():
                 row = int(rows[i])
@@ -292,8 +287,7 @@ class GnnScorer(Policy):
         cache = self._cache
         if cache is None:
             return None
-        consolidated = consolidated or gang == 1
-        key = ((spec.workload_class, gang, int(spec.kind), consolidated), graph.version, graph.devices.capacity)
+        key = (shape_key(spec, gang, consolidated), graph.version, graph.devices.capacity)
         known = cache.factors.get(key) if graph is cache.graph else None
         if known is not None:
             return known
@@ -316,8 +310,7 @@ class GnnScorer(Policy):
     ) -> NDArray[np.float64] | None:
         """The head's output for every embedded device and ``spec``'s shape [D, 2]: kept in the cache
         after its first run; None when that run failed (the model is then out of use)."""
-        consolidated = consolidated or gang == 1
-        key = (spec.workload_class, gang, int(spec.kind), consolidated)
+        key = shape_key(spec, gang, consolidated)
         known = cache.predictions.get(key)
         if known is not None:
             return known
@@ -326,8 +319,8 @@ class GnnScorer(Policy):
             if not cache.model.trained_on(spec):  # a family or kind training never saw: the prior's
                 out = np.zeros((len(rows), 2))
             elif len(rows):
-                prior = feat.prior_features(spec, cache.graph, rows, self.fallback.profiles, gang, consolidated)
-                shape = feat.shape_features(spec, gang, consolidated)
+                prior = feat.prior_features(spec, cache.graph, rows, self.fallback.profiles, gang, key[3])
+                shape = feat.shape_features(spec, gang, key[3])
                 out = cache.model.predict(shape, cache.device_emb, prior, cache.context).astype(np.float64)
             else:
                 out = np.zeros((0, 2))
