@@ -157,6 +157,32 @@ def timely(now_ms: Callable[[], float], max_skew_s: float) -> Step:
     return check
 
 
+def of_cell(cell: str) -> Step:
+    """Step: an event names ``cell`` or none (an instance serving one cell); another cell's event
+    goes to the dead-letter topic with reason ``wrong_cell``, so that instances of several cells
+    sharing the topics never schedule each other's tasks or devices."""
+
+    def check(_: RawEvent, event: Event) -> Event:
+        if event.cell and event.cell != cell:
+            raise InvalidEventError(
+                f"event for cell {event.cell!r}; this instance serves cell {cell!r} (config `cell`)", "wrong_cell"
+            )
+        return event
+
+    return check
+
+
+def cell_prefix(cell: str) -> bytes:
+    """The first bytes of a ``TelemetryEvent`` (or ``TaskEvent``) naming ``cell``: its field 1."""
+    data = cell.encode()
+    size, length = bytearray(), len(data)
+    while True:  # the length as a protobuf varint
+        size.append((length & 0x7F) | (0x80 if length > 0x7F else 0))
+        length >>= 7
+        if not length:
+            return b"\n" + bytes(size) + data
+
+
 def allowed_tenant(check: TenantCheck) -> Step:
     """Step: a task event's task must be of a tenant its record's topic may carry; else the record
     goes to the dead-letter topic with reason ``tenant_not_allowed``."""
@@ -207,7 +233,9 @@ class Ingestor:
     a dead letter in the log. ``tenants``: which tenants' task events each topic may carry (None:
     any). ``backlog``: pending tasks per tenant, bounded by ``limits.max_pending_per_tenant``
     (None: not bounded per tenant). ``after_pass``: called under ``lock`` after each scheduling
-    pass (the daemon undoes there the decisions the bus refused to record).
+    pass (the daemon undoes there the decisions the bus refused to record). ``cell``: the one cell
+    this instance serves; an event naming another goes to the dead-letter topic (``wrong_cell``);
+    empty: no such check (a shard checks its records' keys instead, ``admit``).
     """
 
     def __init__(
@@ -225,6 +253,7 @@ class Ingestor:
         monotonic: Callable[[], float] = time.monotonic,
         tenants: TenantCheck | None = None,
         backlog: TenantBacklog | None = None,
+        cell: str = "",
     ) -> None:
         self.source = source
         # Where the source knows its consumer's positions, they move past transaction markers that
@@ -247,6 +276,7 @@ class Ingestor:
         self.pipelines: dict[str, list[Step]] = {
             topics.telemetry: [
                 decoder(ev.TelemetryEvent, max_event_bytes),
+                *([of_cell(cell)] if cell else []),
                 require_payload,
                 bounded(self.limits),
                 timely(self.now_ms, self.limits.clock_skew_s),
@@ -254,6 +284,7 @@ class Ingestor:
             ],
             topics.tasks: [
                 decoder(ev.TaskEvent, max_event_bytes),
+                *([of_cell(cell)] if cell else []),
                 require_payload,
                 bounded(self.limits),
                 *([allowed_tenant(tenants)] if tenants is not None else []),
@@ -264,6 +295,8 @@ class Ingestor:
             ],
         }
         self.max_event_bytes = max_event_bytes
+        # Telemetry naming another cell leaves the metrics fast path for the pipeline's ``of_cell``.
+        self._cell_prefix = cell_prefix(cell) if cell else b""
         # A check of each record before it is decoded (a shard's: the key names its cell); a
         # message means the record goes to the dead-letter topic with reason ``wrong_cell``.
         self.admit: Callable[[RawEvent], str | None] | None = None
@@ -351,6 +384,9 @@ class Ingestor:
     def _apply_chunk(self, batch: Sequence[RawEvent], values: list[bytes]) -> None:
         columns = decode_metrics(values, self.max_event_bytes)
         ok = columns.ok & self._within_limits(columns)
+        if self._cell_prefix:
+            own = self._cell_prefix
+            ok &= np.fromiter((v[:1] != b"\n" or v.startswith(own) for v in values), dtype=np.bool_, count=len(values))
         edges = [0, *(np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist(), len(batch)]
         for a, b in itertools.pairwise(edges):  # runs of records the wire decoder read, and the rest
             if a == b:

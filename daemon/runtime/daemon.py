@@ -101,6 +101,7 @@ from hlb.daemon.runtime.restore import (
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, SchedulerService, cluster_state
 from hlb.daemon.serve.auth import Access
+from hlb.daemon.serve.interceptors import OwnCellOnly
 from hlb.daemon.serve.ratelimit import RateLimitInterceptor
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
@@ -479,7 +480,12 @@ class Daemon:
             grpc_settings.max_message_bytes,
             grpc_settings.reflection,
             tls=grpc_settings.tls,
-            interceptors=[self.rate_limit, RpcMetricsInterceptor(self.metrics, lambda: self.scheduler.policy.name)],
+            interceptors=[
+                self.rate_limit,
+                RpcMetricsInterceptor(self.metrics, lambda: self.scheduler.policy.name),
+                # One instance, one cell: another cell's requests are refused.
+                OwnCellOnly(self.settings.cell, lambda: self.settings.limits.text_bytes),
+            ],
         )
         self.port = server.port
         self._server = server
@@ -511,6 +517,7 @@ class Daemon:
             dead_letter_max_bytes=kafka.dead_letter_max_bytes,
             tenants=self.access.task_event_refusal,
             backlog=self.tenant_backlog,
+            cell=self.settings.cell,
         )
         self._ingestor.after_pass = self.decisions.take_back
         ingest = IngestThread(self._ingestor, self.settings.kafka.batch_size, self.settings.kafka.poll_timeout_s)
