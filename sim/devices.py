@@ -20,9 +20,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from hlb.sim.telemetry import DeviceState, TelemetryConfig, metrics_event
+from hlb.sim.telemetry import DeviceState, MetricsReport, TelemetryConfig, noisy_report
 from hlb.sim.topology import Inventory
-from hlb.v1 import events_pb2 as ev
 
 IDLE_TEMPERATURE_C = 30.0
 BUSY_HEAT_C = 50.0  # added at utilization 1
@@ -53,6 +52,7 @@ class Devices:
         self.failed = np.zeros(n, dtype=bool)
         self.speed = np.ones(n)
         self.reserved: list[set[str]] = [set() for _ in range(n)]
+        self._allocated = 0  # devices whose reserved set is not empty
         self.running: list[set[str]] = [set() for _ in range(n)]
         # What the agents last reported (true values, before noise) and when (s); -inf: never.
         self._reported = DeviceState(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool))
@@ -65,6 +65,7 @@ class Devices:
     def reserve(self, attempt_id: str, rows: Iterable[int], memory_per_device_gb: float) -> None:
         """Place an attempt on ``rows``: it holds their memory from now."""
         for row in rows:
+            self._allocated += not self.reserved[row]
             self.reserved[row].add(attempt_id)
             self.mem_used[row] += memory_per_device_gb
 
@@ -76,7 +77,9 @@ class Devices:
     def release(self, attempt_id: str, rows: Iterable[int], memory_per_device_gb: float) -> None:
         """The attempt leaves ``rows``, freeing their memory."""
         for row in rows:
+            held = bool(self.reserved[row])
             self.reserved[row].discard(attempt_id)
+            self._allocated -= held and not self.reserved[row]
             self.running[row].discard(attempt_id)
             self.mem_used[row] = max(0.0, self.mem_used[row] - memory_per_device_gb)
 
@@ -95,11 +98,11 @@ class Devices:
 
     def allocated_share(self) -> float:
         """The share of devices holding at least one attempt."""
-        return sum(1 for r in self.reserved if r) / max(1, len(self.ids))
+        return self._allocated / max(1, len(self.ids))
 
     def report(
         self, telemetry: TelemetryConfig, rng: np.random.Generator, cell: str, t_s: float, now_ms: int
-    ) -> ev.TelemetryEvent | None:
+    ) -> MetricsReport | None:
         """The agents' report at ``t_s`` of every device that is due (noise drawn from ``rng``);
         None when none is."""
         reported = self._reported
@@ -127,4 +130,4 @@ class Devices:
             failed=failed,
         )
         ids = [self.ids[r] for r in rows]
-        return metrics_event(telemetry, rng, ids, self.memory_gb[rows], state, cell, now_ms)
+        return noisy_report(telemetry, rng, rows, ids, self.memory_gb[rows], state, now_ms)
