@@ -5,6 +5,13 @@ or shortest first), the queue keeps its order as tasks come and go (a sorted lis
 add, remove or find a task's position), and re-sorts only when the ranks may have changed (the
 inventory, the policy, or whether it ranks at all). Otherwise (HEFT's upward ranks over the
 queued DAG) it re-sorts after each change, as a whole-queue rank requires.
+
+Beside the whole order, a queue with ranks per task keeps one sorted list per fit bucket (the
+task's ``Task.fit_key``: allowed kinds and models, gang size, memory, dependencies), in the same
+order: a pass over the whole queue merges the buckets (``buckets``) and leaves a bucket whole once
+its shape is known not to fit, so its cost grows with the buckets and the tasks tried, not with the
+queue's length. A task parked (``park``: it waits for a dependency to end) keeps its place in the
+queue but leaves its bucket until ``unpark``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.task import Task
 
 QueueKey = tuple[int, float, int]  # (-priority, -rank, arrival)
+FitKey = tuple[tuple[tuple[int, ...], tuple[str, ...], int], float, bool]  # Task.fit_key
 
 
 class PendingQueue:
@@ -27,6 +35,8 @@ class PendingQueue:
         self.tasks: dict[str, Task] = {}
         self._keys: dict[str, QueueKey] = {}
         self._sorted: SortedKeyList[str, QueueKey] | None = None  # task ids by key, while ranks are per task
+        self._buckets: dict[FitKey, SortedKeyList[str, QueueKey]] = {}  # the same, per fit bucket
+        self._parked: set[str] = set()  # queued, but in no bucket (see park)
         self._order: list[Task] | None = None  # a whole-queue sort, else None when stale
         self._epoch: tuple[int, int, bool, bool] | None = None
 
@@ -43,17 +53,44 @@ class PendingQueue:
         if self._sorted is not None and self._epoch == self._epoch_of(graph, policy):
             self._keys[task.spec.id] = self._keys_of([task], graph, policy)[0]
             self._sorted.add(task.spec.id)
+            if task.spec.id not in self._parked:
+                self._bucket(task.fit_key).add(task.spec.id)
         else:
             self._sorted = None
 
     def remove(self, task_id: str) -> bool:
         """Take ``task_id`` out of the queue; False when it was not queued."""
-        if self.tasks.pop(task_id, None) is None:
+        task = self.tasks.pop(task_id, None)
+        if task is None:
             return False
         self._order = None
         if self._sorted is not None:
             self._sorted.remove(task_id)
+            self._leave_bucket(task)
             del self._keys[task_id]
+        self._parked.discard(task_id)
+        return True
+
+    def park(self, task_id: str) -> None:
+        """Keep a queued task out of its bucket (a full pass by bucket does not try it) until
+        :meth:`unpark`; its queue position stays."""
+        task = self.tasks.get(task_id)
+        if task is None or task_id in self._parked:
+            return
+        self._parked.add(task_id)
+        if self._sorted is not None:
+            self._leave_bucket(task)
+
+    def is_parked(self, task_id: str) -> bool:
+        return task_id in self._parked
+
+    def unpark(self, task_id: str) -> bool:
+        """Put a parked task back in its bucket; False when it was not parked (or not queued)."""
+        if task_id not in self._parked:
+            return False
+        self._parked.discard(task_id)
+        if self._sorted is not None:
+            self._bucket(self.tasks[task_id].fit_key).add(task_id)
         return True
 
     def ordered(self, graph: InfraGraph, policy: Policy) -> Sequence[Task]:
@@ -74,6 +111,17 @@ class PendingQueue:
             keys = self._keys
             return [self.tasks[t] for t in sorted(wanted, key=keys.__getitem__)]
         return [t for t in self.ordered(graph, policy) if t.spec.id in wanted]
+
+    def buckets(self, graph: InfraGraph, policy: Policy) -> list[tuple[FitKey, SortedKeyList[str, QueueKey]]] | None:
+        """The queued task ids per fit bucket, each in queue order, for a pass that merges them (a
+        bucket shrinks as its tasks are placed); None when ranks are not per task."""
+        if not self._sync(graph, policy):
+            return None
+        return list(self._buckets.items())
+
+    def key(self, task_id: str) -> QueueKey:
+        """A queued task's sort key (while ranks are per task: after :meth:`buckets`)."""
+        return self._keys[task_id]
 
     def position(self, task_id: str, graph: InfraGraph, policy: Policy) -> int:
         """1 for the next task in the queue; 0 when ``task_id`` is not queued."""
@@ -97,14 +145,34 @@ class PendingQueue:
         """Bring the sorted list up to date; False when ranks are not per task (a whole-queue sort)."""
         epoch = self._epoch_of(graph, policy)
         if epoch != self._epoch:
-            self._epoch, self._sorted, self._order = epoch, None, None
+            self._epoch, self._sorted, self._order, self._buckets = epoch, None, None, {}
         if not policy.rank_per_task:
             return False
         if self._sorted is None:
             tasks = list(self.tasks.values())
             self._keys = dict(zip((t.spec.id for t in tasks), self._keys_of(tasks, graph, policy), strict=True))
             self._sorted = SortedKeyList(self._keys, key=self._keys.__getitem__)
+            groups: dict[FitKey, list[str]] = {}
+            parked = self._parked
+            for task in tasks:
+                if task.spec.id not in parked:
+                    groups.setdefault(task.fit_key, []).append(task.spec.id)
+            self._buckets = {fit: SortedKeyList(ids, key=self._keys.__getitem__) for fit, ids in groups.items()}
         return True
+
+    def _leave_bucket(self, task: Task) -> None:
+        fit = task.fit_key
+        bucket = self._buckets.get(fit)
+        if bucket is not None and task.spec.id in self._keys:
+            bucket.discard(task.spec.id)
+            if not bucket:
+                del self._buckets[fit]
+
+    def _bucket(self, fit: FitKey) -> SortedKeyList[str, QueueKey]:
+        bucket = self._buckets.get(fit)
+        if bucket is None:
+            bucket = self._buckets[fit] = SortedKeyList(key=self._keys.__getitem__)
+        return bucket
 
     @staticmethod
     def _keys_of(tasks: list[Task], graph: InfraGraph, policy: Policy) -> list[QueueKey]:
@@ -119,4 +187,4 @@ class PendingQueue:
         return [tasks[i] for i in order]
 
 
-__all__ = ["PendingQueue"]
+__all__ = ["FitKey", "PendingQueue", "QueueKey"]
