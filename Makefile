@@ -9,11 +9,11 @@ EXPORT_STAMP := $(VENV)/.hlb-export-installed
 DURATION ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: help install install-export kafka lint test demo model proto clean
+.PHONY: help install install-export kafka tools lint test demo model proto clean
 
 help:
 	@echo "make demo [DURATION=60]  start Kafka, the daemon and a simulated agent; show placements"
-	@echo "make test                 set up, start Kafka, run ruff, mypy, lint-imports and the whole test suite"
+	@echo "make test                 set up (tools too), start Kafka, run ruff, mypy, lint-imports and the whole test suite"
 	@echo "make model                train the GNN (hlb train) and export it to daemon/data/model (the shipped one)"
 	@echo "make proto                regenerate the checked-in code from proto/hlb/v1/*.proto"
 	@echo "make clean                remove the virtualenv, caches and demo files"
@@ -40,13 +40,27 @@ kafka: install
 	@if command -v java >/dev/null 2>&1; then $(PY) -m hlb.sim.kafka_local fetch; \
 	else echo "java not found: the Kafka broker cannot run here"; fi
 
+# Clients some tests drive, built with Go into .cache/tools/bin: grpcurl and ghz (reflection).
+# promtool (the alert rules' tests) comes from Debian's prometheus package (.ci/run installs it).
+# Where Go is missing nothing is built, and the tests that need a tool skip saying which.
+TOOLS_BIN := $(CURDIR)/.cache/tools/bin
+GO_TOOLS := github.com/fullstorydev/grpcurl/cmd/grpcurl@v1.9.3 github.com/bojand/ghz/cmd/ghz@v0.121.0
+tools:
+	@if command -v go >/dev/null 2>&1; then \
+		for tool in $(GO_TOOLS); do \
+			name=$${tool%%@*}; name=$${name##*/}; \
+			[ -x "$(TOOLS_BIN)/$$name" ] || { echo "building $$name"; GOBIN="$(TOOLS_BIN)" go install "$$tool"; }; \
+		done; \
+	else echo "go not found: grpcurl and ghz are not built (the tests that drive them skip)"; fi
+	@command -v promtool >/dev/null 2>&1 || echo "promtool not found: the alert rules' tests skip (Debian: apt-get install prometheus)"
+
 lint: install-export
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
-test: install-export kafka lint
+test: install-export kafka tools lint
 	$(PY) -m hlb.sim.kafka_local exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install kafka

@@ -39,7 +39,6 @@ from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.message import Message
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from hlb.daemon.config import LimitsSettings, TlsSettings
 from hlb.daemon.decide.scheduler import DEFAULT_TOP_K, Decision, Scheduler
@@ -47,6 +46,7 @@ from hlb.daemon.errors import AccessDeniedError, InvalidEventError, QueueFullErr
 from hlb.daemon.ingest.backlog import TenantBacklog
 from hlb.daemon.serve.auth import Access
 from hlb.daemon.serve.interceptors import HandlerWrapper
+from hlb.daemon.serve.reflection import enable_reflection
 from hlb.daemon.serve.tls import server_credentials
 from hlb.daemon.state.checks import check_bounds
 from hlb.daemon.state.task import TaskState
@@ -485,8 +485,7 @@ class GrpcServer:
         api_grpc.add_SchedulerServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflect:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-            reflection.enable_server_reflection(names, self.server)
+            enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.server)
         self.tls = tls is not None and tls.enabled
         try:
             if tls is not None and tls.enabled:

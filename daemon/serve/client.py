@@ -78,6 +78,19 @@ def float_in(low: float, high: float = math.inf, *, above: bool = False, expecte
 timeout = float_in(0.0, MAX_TIMEOUT_S, above=True, expected=f"seconds above 0, at most {MAX_TIMEOUT_S:g}")
 
 
+FROM_NOW = -1  # ``--from now``: the sequence after the last decision when the watch starts
+
+
+def first_sequence(text: str) -> int:
+    """An argparse ``type`` for ``--from``: a sequence number, or ``now`` (``FROM_NOW``)."""
+    if text == "now":
+        return FROM_NOW
+    try:
+        return int_in(0, UINT64_MAX)(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'now'") from None
+
+
 def required(what: str) -> Callable[[str], str]:
     """An argparse ``type``: a non-empty string; ``what`` names it in the error (an empty value
     would otherwise read as the option left out)."""
@@ -135,7 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top", type=int_in(1, UINT32_MAX), default=5, help="with --explain: candidates to show (default: %(default)s)"
     )
     parser.add_argument(
-        "--from-sequence", type=int_in(0, UINT64_MAX), default=1, help="with --watch: first sequence number"
+        "--from",
+        dest="from_sequence",
+        type=first_sequence,
+        default=1,
+        metavar="SEQ|now",
+        help="with --watch: the first sequence number (default: 1, the whole ledger), or 'now': new placements only",
     )
     parser.add_argument("--count", type=int_in(0), default=0, help="with --watch: stop after this many (0: never)")
     parser.add_argument("--id", type=required("a task id"), help="task id (default: a new random id)")
@@ -328,7 +346,11 @@ def print_explanation(reply: api.ExplainResponse, as_json: bool, out: TextIO) ->
 
 
 def stream_placements(stub: api_grpc.SchedulerStub, from_sequence: int, cell: str = "") -> Iterator[ev.Placement]:
-    """Placements from ``from_sequence`` on, as the daemon makes them (blocks between them)."""
+    """Placements from ``from_sequence`` on, as the daemon makes them (blocks between them);
+    ``FROM_NOW``: from the one after the last decision the daemon has made."""
+    if from_sequence == FROM_NOW:
+        state = stub.GetClusterState(api.GetClusterStateRequest(cell=cell))
+        from_sequence = state.last_sequence + 1
     yield from stub.WatchPlacements(api.WatchPlacementsRequest(from_sequence=from_sequence, cell=cell))
 
 

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import io
 import json
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from hlb.cli import main
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.serve.api import GrpcServer, SchedulerService
+from hlb.daemon.serve.client import _run, add_arguments
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
@@ -127,6 +132,52 @@ def test_get_and_watch(target: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert (code, json.loads(out)["sequence"]) == (0, "1")
 
 
+def test_watch_from_now_shows_only_new_placements(target: str) -> None:
+    channel = grpc.insecure_channel(target)
+    stub = api_grpc.SchedulerStub(channel)
+    for task_id in ("old-1", "old-2"):
+        stub.Place(api.PlaceRequest(task=ev.TaskSpec(id=task_id)), timeout=10)
+    args = argparse.ArgumentParser()
+    add_arguments(args)
+    out = io.StringIO()
+    watching = threading.Thread(
+        target=_run, args=(stub, args.parse_args(["--watch", "--from", "now", "--count", "1", "--json"]), out)
+    )
+    watching.start()
+    # The watch reads the last sequence (2) first; a placement from then on is new.
+    while watching.is_alive() and '"task_id"' not in out.getvalue():
+        stub.Place(api.PlaceRequest(task=ev.TaskSpec(id=f"new-{uuid.uuid4().hex[:6]}")), timeout=10)
+        watching.join(0.2)
+    watching.join(10)
+    shown = json.loads(out.getvalue())
+    assert shown["task_id"].startswith("new-")
+    assert int(shown["sequence"]) >= 3
+    channel.close()
+
+
+class ExplainRecorder:
+    """A stub that keeps the Explain requests it is given."""
+
+    def __init__(self) -> None:
+        self.requests: list[api.ExplainRequest] = []
+
+    def Explain(self, request: api.ExplainRequest, timeout: float) -> api.ExplainResponse:  # noqa: N802
+        self.requests.append(request)
+        return api.ExplainResponse(policy="p")
+
+
+def test_explain_of_a_known_task_keeps_the_cell() -> None:
+    """The cell sat in the request's ``target`` oneof: setting the task id cleared it."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    recorder = ExplainRecorder()
+    _run(recorder, parser.parse_args(["--get", "x", "--explain", "--cell", "other"]), io.StringIO())  # type: ignore[arg-type]
+    assert [(r.task_id, r.cell) for r in recorder.requests] == [("x", "other")]
+    # And in protobuf's JSON mapping, as grpcurl and Node send it.
+    parsed = json_format.Parse('{"task_id": "r2", "cell": "default"}', api.ExplainRequest())
+    assert (parsed.WhichOneof("target"), parsed.task_id, parsed.cell) == ("task_id", "r2", "default")
+
+
 def test_errors_are_one_line_with_the_status(target: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = place(target, capsys, "--get", "ghost")
     assert code == 1
@@ -199,7 +250,7 @@ def test_other_empty_strings_are_refused_not_read_as_left_out(
         (("--devices", "4294967296"), "from 1 to 4294967295"),
         (("--priority", "99999999999"), "from -2147483648 to 2147483647"),
         (("--priority", "-2147483649"), "from -2147483648 to 2147483647"),
-        (("--watch", "--from-sequence", "-5"), "from 0 to 18446744073709551615"),
+        (("--watch", "--from", "-5"), "from 0 to 18446744073709551615, or 'now'"),
         (("--explain", "--top", "0"), "from 1 to 4294967295"),
         (("--watch", "--count", "-1"), "at least 0"),
         (("--timeout", "0"), "above 0, at most 86400"),
@@ -221,7 +272,7 @@ def test_numbers_at_the_ends_of_their_range_are_sent(target: str, capsys: pytest
     assert (code, json.loads(out)["task_id"]) == (0, "top")
     code, out, _ = place(target, capsys, "--id", "bottom", "--priority", "-2147483648", "--json")
     assert (code, json.loads(out)["task_id"]) == (0, "bottom")
-    code, out, _ = place(target, capsys, "--watch", "--from-sequence", "0", "--count", "1", "--json")
+    code, out, _ = place(target, capsys, "--watch", "--from", "0", "--count", "1", "--json")
     assert (code, json.loads(out)["sequence"]) == (0, "1")
 
 

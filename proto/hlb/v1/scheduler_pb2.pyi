@@ -326,16 +326,18 @@ class ExplainRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
-    CELL_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """a task the daemon knows"""
+    top_k: _builtins.int
+    """0 means 5"""
     cell: _builtins.str
     """The cell the request is for; empty: the answering daemon's own (config `cell`). With several
     instances (`cells.enabled`), any instance answers: it forwards to the cell's owner.
+    It sat inside `target` before: number 4 is kept, so the bytes on the wire are the same
+    (docs/clients.md, "Compatibility").
     """
-    top_k: _builtins.int
-    """0 means 5"""
     @_builtins.property
     def task(self) -> _events_pb2.TaskSpec:
         """a hypothetical task"""
@@ -345,14 +347,14 @@ class ExplainRequest(_message.Message):
         *,
         task_id: _builtins.str = ...,
         task: _events_pb2.TaskSpec | None = ...,
-        cell: _builtins.str = ...,
         top_k: _builtins.int = ...,
+        cell: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "target", b"target", "task", b"task", "task_id", b"task_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["target", b"target", "task", b"task", "task_id", b"task_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "target", b"target", "task", b"task", "task_id", b"task_id", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["task_id", "task", "cell"]  # noqa: Y015
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["task_id", "task"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
 
