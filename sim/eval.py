@@ -21,8 +21,8 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -32,13 +32,31 @@ from hlb.daemon.decide.framework import ObjectiveWeights
 from hlb.daemon.state.profiles import PROFILE_KINDS
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, HiddenConfig
-from hlb.sim.metrics import compute_metrics, job_outcomes
-from hlb.sim.policies import GNN_VARIANTS, NO_GRAPH, NO_GRAPH_MODEL_DIR, check_gnn_model, make_sim_policy
+from hlb.sim.metrics import compute_metrics, job_outcomes, longest_jobs
+from hlb.sim.policies import (
+    GNN_VARIANTS,
+    LEARNED_POLICIES,
+    NO_GRAPH,
+    NO_GRAPH_MODEL_DIR,
+    check_gnn_model,
+    make_sim_policy,
+)
+from hlb.sim.replay import LOAD_BASES, TraceCut, cut_trace, offered_load, rescale_to_load
 from hlb.sim.report import load_label, rewrite_tables, summarize, write_plots, write_tables
-from hlb.sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload
+from hlb.sim.scenarios import CLUSTER_HELP, WORKLOADS, build_cluster, build_workload, v100_equivalents
 from hlb.sim.simulator import FailureConfig, SimConfig, Simulation
 from hlb.sim.telemetry import TelemetryConfig
-from hlb.sim.topology import Inventory
+from hlb.sim.topology import Inventory, sample_inventory
+from hlb.sim.traces import read_trace
+from hlb.sim.workloads import Task
+
+DEFAULT_CLUSTER = "mixed:64"
+DEFAULT_WORKLOAD = "gavel"
+DEFAULT_LOAD = 0.8
+DEFAULT_JOBS = 300
+DEFAULT_LOAD_BASIS = "fit"
+# Policies that do not weigh objectives: --weights is refused when every policy is one of them.
+UNWEIGHED_POLICIES = frozenset({"random", "round-robin", "least-loaded", "best-fit", "lookahead"})
 
 
 @dataclass(frozen=True)
@@ -47,7 +65,7 @@ class RunSpec:
 
     cluster: str
     workload: str
-    load: float
+    load: float  # generated: the load it is made at; a trace: the load it is rescaled to (0: as recorded)
     jobs: int
     policy: str
     seed: int
@@ -56,6 +74,11 @@ class RunSpec:
     refresh_rows: int = 1  # the GNN re-encodes once this many device rows changed (or the inventory)
     weights: ObjectiveWeights = field(default_factory=ObjectiveWeights)  # for the policies that weigh them
     profiles: str = "exact"  # what the policies that estimate run times are told of device speeds
+    sample_devices: int = 0  # replay on a sample of about this many devices (0: the whole cluster)
+    sample_seed: int = 0
+    cut: TraceCut = field(default_factory=TraceCut)  # which part of a trace to replay
+    load_basis: str = DEFAULT_LOAD_BASIS  # what ``load`` measures for a trace (hlb.sim.replay.LOAD_BASES)
+    longest: int = 10  # jobs with the most work flagged in the metrics
 
 
 @lru_cache(maxsize=1)
@@ -64,19 +87,55 @@ def _catalogue() -> Catalogue:
 
 
 @lru_cache(maxsize=4)
-def _inventory(cluster: str) -> Inventory:
-    return build_cluster(cluster, _catalogue())
+def _inventory(cluster: str, sample_devices: int = 0, sample_seed: int = 0) -> Inventory:
+    inventory = build_cluster(cluster, _catalogue())
+    return sample_inventory(inventory, sample_devices, sample_seed) if sample_devices else inventory
+
+
+@lru_cache(maxsize=2)
+def _trace(path: str) -> tuple[Task, ...]:
+    return tuple(read_trace(Path(path)))
+
+
+def replay_tasks(spec: RunSpec, capacity: float) -> tuple[list[Task], dict[str, Any]]:
+    """The tasks a trace run replays (its cut, rescaled to ``spec.load`` unless 0), and what was done."""
+    every = _trace(spec.workload)
+    tasks, dropped = cut_trace(every, spec.cut)
+    recorded = {basis: offered_load(tasks, capacity, basis) for basis in LOAD_BASES}
+    about: dict[str, Any] = {
+        "trace": spec.workload,
+        "tasks_in_file": len(every),
+        "part": spec.cut.describe(),
+        "tasks": len(tasks),
+        "dropped_for_dependencies": dropped,
+        "capacity_v100_equivalents": capacity,
+        "recorded_arrival_window_s": tasks[-1].arrival_s - tasks[0].arrival_s,
+        "recorded_load": recorded,
+    }
+    if spec.load > 0:
+        tasks, factor = rescale_to_load(tasks, spec.load, capacity, spec.load_basis)
+        about |= {
+            "load": spec.load,
+            "load_basis": spec.load_basis,
+            "load_definition": LOAD_BASES[spec.load_basis],
+            "arrival_factor": factor,
+            "load_after": {basis: offered_load(tasks, capacity, basis) for basis in LOAD_BASES},
+        }
+    return tasks, about
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """Simulate one run; returns its metrics, JCTs (s) and a timeline (for plots)."""
-    catalogue, inventory = _catalogue(), _inventory(spec.cluster)
-    tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
+    catalogue, inventory = _catalogue(), _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+    if spec.workload in WORKLOADS:
+        tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
+    else:
+        tasks, _ = replay_tasks(spec, v100_equivalents(catalogue, inventory))
     started = time.perf_counter()
     policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows, spec.weights, spec.profiles)
     sim = Simulation(catalogue, inventory, tasks, policy, spec.seed, spec.config)
     result = sim.run()
-    metrics = compute_metrics(result)
+    metrics = compute_metrics(result, spec.longest)
     timeline = result.timeline
     return {
         "workload": spec.workload if spec.workload in WORKLOADS else Path(spec.workload).name,
@@ -85,6 +144,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         "seed": spec.seed,
         "metrics": metrics,
         "wall_s": time.perf_counter() - started,
+        "longest_jobs": longest_jobs(result, spec.longest),
         "jct_s": [j.jct_s for j in job_outcomes(result) if j.finished],
         "timeline": {"t_s": timeline.t_s, "utilization": timeline.utilization, "power_w": timeline.power_w},
     }
@@ -132,14 +192,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Run placement policies on the same simulated workloads and seeds; write results.json, "
         "results.md and PNG plots. Every policy runs through the daemon's scheduler."
     )
-    parser.add_argument("--cluster", default="mixed:64", help=f"an inventory file or {CLUSTER_HELP}")
-    parser.add_argument("--inventory", type=Path, help="an inventory file (hlb-inventory/1); overrides --cluster")
+    parser.add_argument("--cluster", help=f"an inventory file or {CLUSTER_HELP} (default: {DEFAULT_CLUSTER})")
+    parser.add_argument("--inventory", type=Path, help="an inventory file (hlb-inventory/1); instead of --cluster")
     parser.add_argument(
-        "--workload", default="gavel", help=f"comma-separated: {', '.join(sorted(WORKLOADS))}, or trace files"
+        "--sample-devices",
+        type=int,
+        metavar="N",
+        help="replay on about N devices of the cluster: whole hosts drawn per kind of host, keeping the device mix",
     )
-    parser.add_argument("--trace", type=Path, help="a trace file (.csv or .jsonl); overrides --workload")
-    parser.add_argument("--load", default="0.8", help="comma-separated offered loads (generated workloads)")
-    parser.add_argument("--jobs", type=int, default=300, help="jobs per generated workload")
+    parser.add_argument("--sample-seed", type=int, metavar="S", help="draws the --sample-devices hosts (default: 0)")
+    parser.add_argument(
+        "--workload",
+        help=f"comma-separated: {', '.join(sorted(WORKLOADS))}, or trace files (default: {DEFAULT_WORKLOAD})",
+    )
+    parser.add_argument("--trace", type=Path, help="a trace file (.csv or .jsonl); instead of --workload")
+    parser.add_argument(
+        "--load",
+        help="comma-separated offered loads: generated workloads are made at each; a trace's arrivals are "
+        f"rescaled to each by --load-basis (default: {DEFAULT_LOAD} for generated workloads; a trace as recorded)",
+    )
+    parser.add_argument("--jobs", type=int, help=f"jobs per generated workload (default: {DEFAULT_JOBS})")
+    trace = parser.add_argument_group("trace replay", "options for trace files only (docs/trace-replay.md)")
+    trace.add_argument(
+        "--window",
+        metavar="START_H:END_H",
+        help="replay the tasks arriving from START_H to END_H hours after the trace's first arrival",
+    )
+    trace.add_argument(
+        "--tasks", metavar="FIRST:LAST", help="replay tasks FIRST to LAST - 1 in arrival order (0: the first)"
+    )
+    trace.add_argument(
+        "--load-basis",
+        choices=sorted(LOAD_BASES),
+        help="what --load measures for a trace: "
+        + "; ".join(f"{k}: {v}" for k, v in LOAD_BASES.items())
+        + f" (default: {DEFAULT_LOAD_BASIS}, robust to heavy tails)",
+    )
+    parser.add_argument(
+        "--longest",
+        type=int,
+        default=10,
+        metavar="K",
+        help="flag the K jobs with the most work: their share of it, and JCT and queueing without them (default: 10)",
+    )
     parser.add_argument("--policies", default="least-loaded", help="comma-separated policy names")
     parser.add_argument(
         "--model", type=Path, help="the GNN's folder (encoder.onnx, scorer.onnx) for policy gnn; default: shipped"
@@ -152,9 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--refresh-rows",
         type=int,
-        default=1,
         help="the GNN re-encodes the graph once this many device rows changed (1: after every change; "
-        "the daemon's model.refresh.min_changed_rows is 256)",
+        "the daemon's model.refresh.min_changed_rows is 256; GNN policies only; default: 1)",
     )
     parser.add_argument(
         "--profiles",
@@ -168,7 +262,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights",
         type=parse_weights,
-        default=ObjectiveWeights(),
         metavar="NAME=W,...",
         help="objective weights of hetero-greedy, heft and the GNN (the others ignore them), as "
         "scheduler.weights: completion_time, utilization, energy, each in [0, 1000], one above 0; "
@@ -305,6 +398,10 @@ def _hidden(args: argparse.Namespace) -> tuple[HiddenConfig, int]:
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
     if args.rewrite_tables:
+        given = _given(args, RUN_OPTIONS)
+        if given:
+            print(f"hlb eval: --rewrite-tables runs nothing, so {', '.join(given)} would be ignored", file=sys.stderr)
+            return 2
         try:
             print(rewrite_tables(args.out))
         except (ValueError, KeyError, TypeError) as exc:
@@ -313,6 +410,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         return 0
     try:
         specs = _specs(args)
+        replays = _replays(specs)
     except ValueError as exc:
         print(f"hlb eval: {exc}", file=sys.stderr)
         return 2
@@ -323,38 +421,50 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         print("hlb eval: needs the 'eval' extra: pip install 'hlb[eval]'", file=sys.stderr)
         return 2
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    for about in replays:
+        say(_replay_line(about))
     started = time.perf_counter()
-    runs: list[dict[str, Any]] = []
+    done: dict[int, dict[str, Any]] = {}
     if args.workers > 1 and len(specs) > 1:
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            for run_result in pool.map(run_one, specs):
-                runs.append(run_result)
-                say(_progress_line(len(runs), len(specs), run_result, started))
+            futures = {pool.submit(run_one, spec): i for i, spec in enumerate(specs)}
+            for future in as_completed(futures):  # each line as its run ends, not in the order submitted
+                done[futures[future]] = future.result()
+                say(_progress_line(len(done), len(specs), done[futures[future]], started))
     else:
-        for spec in specs:
-            runs.append(run_one(spec))
-            say(_progress_line(len(runs), len(specs), runs[-1], started))
+        for i, spec in enumerate(specs):
+            done[i] = run_one(spec)
+            say(_progress_line(len(done), len(specs), done[i], started))
+    runs = [done[i] for i in range(len(specs))]
     summary = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    inventory = _inventory(specs[0].cluster)
+    first = specs[0]
+    inventory = _inventory(first.cluster, first.sample_devices, first.sample_seed)
     catalogue = _catalogue()
     modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
     models = {m: inventory.device_count(m) for m in sorted({d.model for d in inventory.devices})}
+    cluster: dict[str, Any] = {"spec": first.cluster, "devices": inventory.device_count(), "models": models}
+    if first.sample_devices:
+        cluster["sample"] = {
+            "devices_asked": first.sample_devices,
+            "seed": first.sample_seed,
+            "of_devices": _inventory(first.cluster).device_count(),
+            "rule": "whole hosts drawn per kind of host (models and counts), each kind keeping its share",
+        }
     document = {
         "format": "hlb-eval-results/1",
         "command": "hlb eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else "",
-        "cluster": {
-            "spec": specs[0].cluster,
-            "devices": inventory.device_count(),
-            "models": models,
-            "modelled": modelled,
-        },
-        "config": asdict(specs[0].config),
-        "weights": asdict(specs[0].weights),
+        "cluster": cluster | {"modelled": modelled},
+        "config": asdict(first.config),
+        "weights": asdict(first.weights),
         "seeds": sorted({s.seed for s in specs}),
+        "longest": first.longest,
+        "replays": replays,
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k not in ("timeline", "jct_s")} for r in runs],
     }
+    if replays:
+        document["seed_effect"] = seed_effect(first.config, [s.policy for s in specs])
     table = write_tables(args.out, document)
     plots = write_plots(args.out, runs)
     print(table)
@@ -363,6 +473,50 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         f"({time.perf_counter() - started:.1f} s)"
     )
     return 0
+
+
+def seed_effect(config: SimConfig, policies: Sequence[str]) -> str:
+    """What a seed changes in a replayed trace, said for this configuration."""
+    drawn = ["telemetry noise"] if config.telemetry.utilization_noise > 0 or config.telemetry.power_noise > 0 else []
+    if math.isfinite(config.failures.mtbf_s):
+        drawn.append("device failures")
+    if config.estimate_sigma > 0:
+        drawn.append("run-time estimate errors")
+    hidden = config.hidden
+    if hidden.job_speed_sigma > 0 or hidden.slow_device_share > 0 or hidden.throttling:
+        drawn.append("the hidden truth (per-job speeds, slow and throttling devices)")
+    if "random" in policies:
+        drawn.append("the random policy's choices")
+    return (
+        "A trace is replayed as given under every seed: the same tasks, arrivals and work. A seed draws only "
+        + (", ".join(drawn) if drawn else "nothing here: every seed gives the same run")
+        + "."
+    )
+
+
+def _replays(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
+    """What each trace run replays, once per (trace, load): checked before any run starts."""
+    seen: dict[tuple[str, float], dict[str, Any]] = {}
+    for spec in specs:
+        if spec.workload in WORKLOADS or (spec.workload, spec.load) in seen:
+            continue
+        capacity = v100_equivalents(_catalogue(), _inventory(spec.cluster, spec.sample_devices, spec.sample_seed))
+        seen[(spec.workload, spec.load)] = replay_tasks(spec, capacity)[1]
+    return list(seen.values())
+
+
+def _replay_line(about: dict[str, Any]) -> str:
+    recorded = about["recorded_load"]
+    line = (
+        f"{Path(about['trace']).name}: {about['tasks']} of {about['tasks_in_file']} tasks ({about['part']}); "
+        f"recorded load {recorded['all']:.3g} (all work) / {recorded['fit']:.3g} (work that fits)"
+    )
+    if "load" in about:
+        line += (
+            f"; arrivals x{about['arrival_factor']:.3g} for load {about['load']:g} by {about['load_basis']} "
+            f"(all: {about['load_after']['all']:.3g}, fit: {about['load_after']['fit']:.3g})"
+        )
+    return line
 
 
 def _progress_line(done: int, total: int, run_result: dict[str, Any], started: float) -> str:
@@ -375,17 +529,97 @@ def _progress_line(done: int, total: int, run_result: dict[str, Any], started: f
     )
 
 
+# Options without a default value (None until given), so that one that does not apply can be refused.
+RUN_OPTIONS = (
+    "cluster", "inventory", "sample_devices", "sample_seed", "workload", "trace", "load", "jobs", "window",
+    "tasks", "load_basis", "model", "model_no_graph", "refresh_rows", "weights",
+)  # fmt: skip
+
+
+def _given(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The flags among ``names`` (dests) that were given."""
+    return ["--" + name.replace("_", "-") for name in names if getattr(args, name, None) is not None]
+
+
+def _pair(text: str, flag: str, kind: Callable[[str], float]) -> tuple[float, float]:
+    """``A:B`` -> (A, B) with A < B; ValueError naming ``flag`` otherwise."""
+    first, sep, last = text.partition(":")
+    try:
+        pair = (kind(first), kind(last))
+    except ValueError:
+        pair = (math.nan, math.nan)
+    if not sep or not all(math.isfinite(x) for x in pair) or not 0 <= pair[0] < pair[1]:
+        raise ValueError(f"{flag} needs START:END with 0 <= START < END, got {text!r}")
+    return pair
+
+
+def _refuse_inapplicable(args: argparse.Namespace, traces: bool, generated: bool, policies: Sequence[str]) -> None:
+    """ValueError naming every given option that would change nothing for this input."""
+    refusals = []
+    if args.cluster is not None and args.inventory is not None:
+        refusals.append("--cluster and --inventory both name the cluster: give one")
+    if args.workload is not None and args.trace is not None:
+        refusals.append("--workload and --trace both name the workload: give one")
+    if not generated:
+        refusals += [f"{flag} applies to generated workloads only; a trace replays its own tasks (choose a part "
+                     "with --window or --tasks)" for flag in _given(args, ["jobs"])]  # fmt: skip
+    if not traces:
+        refusals += [f"{flag} applies to trace files only" for flag in _given(args, ["window", "tasks", "load_basis"])]
+    if traces and args.load_basis is not None and args.load is None:
+        refusals.append(
+            "--load-basis defines the load --load rescales a trace to; without --load it is replayed as recorded"
+        )
+    if args.window is not None and args.tasks is not None:
+        refusals.append("--window and --tasks both choose the part of a trace: give one")
+    if args.sample_seed is not None and args.sample_devices is None:
+        refusals.append("--sample-seed draws the hosts of --sample-devices, which was not given")
+    if args.model is not None and not any(p in GNN_VARIANTS for p in policies):
+        refusals.append(f"--model is for the GNN policies ({', '.join(GNN_VARIANTS)}), and none runs")
+    if args.model_no_graph is not None and NO_GRAPH not in policies:
+        refusals.append(f"--model-no-graph is for policy {NO_GRAPH}, which does not run")
+    if args.refresh_rows is not None and not any(p in LEARNED_POLICIES for p in policies):
+        refusals.append("--refresh-rows is for the GNN policies, and none runs")
+    if args.weights is not None and all(p in UNWEIGHED_POLICIES for p in policies):
+        refusals.append(f"--weights: none of {', '.join(policies)} weighs objectives")
+    if refusals:
+        raise ValueError("; ".join(refusals))
+
+
+def _trace_cut(args: argparse.Namespace) -> TraceCut:
+    """The part of a trace ``--window`` or ``--tasks`` chooses (all of it when neither is given)."""
+    if args.window is not None:
+        start_h, end_h = _pair(args.window, "--window", float)
+        return TraceCut(window_s=(start_h * 3600.0, end_h * 3600.0))
+    if args.tasks is not None:
+        first, last = _pair(args.tasks, "--tasks", int)
+        return TraceCut(tasks=(int(first), int(last)))
+    return TraceCut()
+
+
 def _specs(args: argparse.Namespace) -> list[RunSpec]:
-    cluster = str(args.inventory) if args.inventory else args.cluster
-    _inventory(cluster)  # fail early, with the loader's message
-    workloads = [str(args.trace)] if args.trace else [w for w in args.workload.split(",") if w]
-    for workload in workloads:
-        if workload not in WORKLOADS and not Path(workload).exists():
-            raise ValueError(f"unknown workload {workload!r}: one of {sorted(WORKLOADS)} or a trace file")
-    loads = _floats(args.load)
-    if not loads or min(loads) <= 0:
-        raise ValueError("--load needs loads > 0")
     policies = [p for p in args.policies.split(",") if p]
+    cluster = str(args.inventory) if args.inventory else args.cluster or DEFAULT_CLUSTER
+    workloads = [str(args.trace)] if args.trace else [w for w in (args.workload or DEFAULT_WORKLOAD).split(",") if w]
+    for workload in workloads:
+        if workload not in WORKLOADS and not Path(workload).is_file():
+            raise ValueError(f"unknown workload {workload!r}: one of {sorted(WORKLOADS)} or a trace file")
+    traces = any(w not in WORKLOADS for w in workloads)
+    generated = any(w in WORKLOADS for w in workloads)
+    _refuse_inapplicable(args, traces, generated, policies)
+    sample_devices = args.sample_devices or 0
+    sample_seed = args.sample_seed or 0
+    if args.sample_devices is not None and args.sample_devices < 1:
+        raise ValueError("--sample-devices needs at least 1")
+    _inventory(cluster, sample_devices, sample_seed)  # fail early, with the loader's message
+    loads = _floats(args.load) if args.load is not None else []
+    if args.load is not None and (not loads or min(loads) <= 0):
+        raise ValueError("--load needs loads > 0")
+    cut = _trace_cut(args)
+    jobs = DEFAULT_JOBS if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ValueError("--jobs needs at least 1")
+    if args.longest < 0:
+        raise ValueError("--longest needs K >= 0")
     model = str(args.model) if args.model else None
     for policy in policies:
         make_sim_policy(policy, model=model)
@@ -395,7 +629,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     if NO_GRAPH in policies:
         check_gnn_model(no_graph or str(NO_GRAPH_MODEL_DIR))
     seeds = _seeds(args.seeds)
-    if args.refresh_rows < 1:
+    refresh_rows = 1 if args.refresh_rows is None else args.refresh_rows
+    if refresh_rows < 1:
         raise ValueError("--refresh-rows needs at least 1")
     if not (math.isfinite(args.estimate_error) and 0 <= args.estimate_error <= 5):
         raise ValueError("--estimate-error needs a sigma from 0 to 5")
@@ -426,17 +661,22 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
             cluster,
             workload,
             load,
-            args.jobs,
+            jobs,
             policy,
             seed,
             config,
             model if policy in GNN_VARIANTS else no_graph if policy == NO_GRAPH else None,
-            args.refresh_rows,
-            args.weights,
+            refresh_rows,
+            args.weights or ObjectiveWeights(),
             args.profiles,
+            sample_devices,
+            sample_seed,
+            cut if workload not in WORKLOADS else TraceCut(),
+            args.load_basis or DEFAULT_LOAD_BASIS,
+            args.longest,
         )
         for workload in workloads
-        for load in (loads if workload in WORKLOADS else [0.0])
+        for load in (loads or [DEFAULT_LOAD] if workload in WORKLOADS else loads or [0.0])
         for seed in seeds
         for policy in policies
     ]

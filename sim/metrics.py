@@ -3,6 +3,18 @@
 Job completion time (JCT) is the last finish of a job's tasks minus its first arrival. Every
 figure is computed from a :class:`hlb.sim.result.SimResult` alone. Units: s, J, kWh, 0..1 shares.
 
+Utilization and energy come over three windows: the makespan (first arrival to the end of the
+run), the busy window (the instants at which some task has arrived and not yet ended: pending,
+waiting for inputs or running), and the arrival window (first to last arrival). On a
+heavy-tailed trace one long task sets the makespan and the busy window's end, and the cluster
+idles through most of both; the arrival window is the time over which the load was offered.
+Per device model, ``time_share:<model>`` is its share of the device-seconds tasks held devices
+(placed to finished, or to the end of the run), and ``busy:<model>`` those device-seconds over
+its devices times the busy window.
+
+The ``longest`` jobs (most device-seconds of work at their fastest) are flagged: their share of
+the work is ``longest_work_share``, and the ``*_rest`` metrics leave them out.
+
 Lower bounds (no policy can beat them on this cluster and workload):
 
 - ideal JCT of a job: the critical path of its DAG where each task runs, alone, at its fastest
@@ -34,6 +46,7 @@ class MetricInfo:
 
 METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("jct_mean_s", "JCT mean", "s", "lower"),
+    MetricInfo("jct_p50_s", "JCT median", "s", "lower"),
     MetricInfo("jct_p95_s", "JCT p95", "s", "lower"),
     MetricInfo("jct_p99_s", "JCT p99", "s", "lower"),
     MetricInfo("slowdown_mean", "JCT slowdown mean", "x", "lower"),
@@ -44,6 +57,20 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("energy_kwh", "energy", "kWh", "lower"),
     MetricInfo("throughput_jobs_per_h", "throughput", "jobs/h", "higher"),
     MetricInfo("queue_mean_s", "queueing delay mean", "s", "lower"),
+    MetricInfo("queue_p50_s", "queueing delay median", "s", "lower"),
+    MetricInfo("queue_p95_s", "queueing delay p95", "s", "lower"),
+    MetricInfo("queue_p99_s", "queueing delay p99", "s", "lower"),
+    MetricInfo("utilization_busy", "utilization, busy window", "share", "higher"),
+    MetricInfo("energy_kwh_busy", "energy, busy window", "kWh", "lower"),
+    MetricInfo("busy_window_s", "busy window", "s", ""),
+    MetricInfo("utilization_arrivals", "utilization, arrival window", "share", "higher"),
+    MetricInfo("energy_kwh_arrivals", "energy, arrival window", "kWh", "lower"),
+    MetricInfo("arrival_window_s", "arrival window", "s", ""),
+    MetricInfo("longest_work_share", "work share of the longest jobs", "share", ""),
+    MetricInfo("jct_mean_s_rest", "JCT mean, longest left out", "s", "lower"),
+    MetricInfo("jct_p50_s_rest", "JCT median, longest left out", "s", "lower"),
+    MetricInfo("jct_p99_s_rest", "JCT p99, longest left out", "s", "lower"),
+    MetricInfo("queue_mean_s_rest", "queueing delay mean, longest left out", "s", "lower"),
     MetricInfo("slo_attainment", "SLO attainment", "share", "higher"),
     MetricInfo("jct_gap", "JCT / lower bound", "x", "lower"),
     MetricInfo("makespan_gap", "makespan / lower bound", "x", "lower"),
@@ -158,8 +185,107 @@ def runtime_error(tasks: Sequence[TaskRecord]) -> float:
     return float(np.median(errors)) if errors else math.nan
 
 
-def compute_metrics(result: SimResult) -> dict[str, float]:
-    """Every metric of :data:`METRICS` for one run (nan where undefined, e.g. no job finished)."""
+def busy_intervals(result: SimResult) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals (s) in which some task has arrived and not ended (unrunnable
+    tasks left out; an unfinished one lasts to the end of the run)."""
+    spans = sorted(
+        (t.arrival_s, t.finish_s if t.state == "finished" else result.end_s)
+        for t in result.tasks
+        if t.state != "unrunnable"
+    )
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def step_integral(t_s: Sequence[float], values: Sequence[float], intervals: Sequence[tuple[float, float]]) -> float:
+    """Integral over ``intervals`` of the step function that takes ``values[i]`` from ``t_s[i]``
+    (``values[0]`` before ``t_s[0]``, the last value after the last step)."""
+    if not t_s or not intervals:
+        return 0.0
+    times = np.asarray(t_s, dtype=np.float64)
+    heights = np.asarray(values, dtype=np.float64)
+    cumulative = np.concatenate(([0.0], np.cumsum(heights[:-1] * np.diff(times))))
+
+    def up_to(x: np.ndarray) -> np.ndarray:
+        i = np.clip(np.searchsorted(times, x, side="right") - 1, 0, len(times) - 1)
+        return cumulative[i] + heights[i] * (x - times[i])
+
+    bounds = np.asarray(intervals, dtype=np.float64)
+    return float((up_to(bounds[:, 1]) - up_to(bounds[:, 0])).sum())
+
+
+def longest_jobs(result: SimResult, count: int) -> list[str]:
+    """The ``count`` jobs with the most work (device-seconds at their fastest), most first."""
+    work: dict[str, float] = {}
+    for task in result.tasks:
+        work[task.job_id] = work.get(task.job_id, 0.0) + (
+            task.min_device_s if math.isfinite(task.min_device_s) else 0.0
+        )
+    return sorted(work, key=lambda job: (-work[job], job))[:count]
+
+
+def device_time_by_model(result: SimResult) -> dict[str, float]:
+    """Device-seconds tasks held devices (placed to finish, or to the end of the run), per model."""
+    held = dict.fromkeys(result.device_models, 0.0)
+    for task in result.tasks:
+        if math.isnan(task.placed_s):
+            continue
+        end = task.finish_s if task.state == "finished" else result.end_s
+        for model in task.models:
+            held[model] = held.get(model, 0.0) + max(0.0, end - task.placed_s)
+    return held
+
+
+def _window_metrics(result: SimResult) -> dict[str, float]:
+    """Utilization and energy over the busy and the arrival windows; time shares per model."""
+    timeline = result.timeline
+    busy = busy_intervals(result)
+    busy_s = sum(end - start for start, end in busy)
+    arrivals = [t.arrival_s for t in result.tasks]
+    window = [(min(arrivals), max(arrivals))] if arrivals and max(arrivals) > min(arrivals) else []
+    window_s = window[0][1] - window[0][0] if window else 0.0
+    out: dict[str, float] = {}
+    for name, intervals, length in (("busy", busy, busy_s), ("arrivals", window, window_s)):
+        utilization = step_integral(timeline.t_s, timeline.utilization, intervals)
+        out[f"utilization_{name}"] = utilization / length if length > 0 else math.nan
+        out[f"energy_kwh_{name}"] = step_integral(timeline.t_s, timeline.power_w, intervals) / 3.6e6
+    out["busy_window_s"] = busy_s
+    out["arrival_window_s"] = window_s
+    held = device_time_by_model(result)
+    total = sum(held.values())
+    for model in sorted(held):
+        out[f"time_share:{model}"] = held[model] / total if total > 0 else math.nan
+        devices = result.device_models.get(model, 0)
+        out[f"busy:{model}"] = held[model] / (devices * busy_s) if devices and busy_s > 0 else math.nan
+    return out
+
+
+def _rest_metrics(result: SimResult, jobs: Sequence[JobOutcome], longest: int) -> dict[str, float]:
+    """The share of work the ``longest`` jobs carry, and JCT and queueing without them."""
+    flagged = set(longest_jobs(result, longest))
+    work = [t.min_device_s for t in result.tasks if math.isfinite(t.min_device_s)]
+    top = [t.min_device_s for t in result.tasks if t.job_id in flagged and math.isfinite(t.min_device_s)]
+    jct = np.array([j.jct_s for j in jobs if j.finished and j.job_id not in flagged])
+    queue = [t.queue_s for t in result.tasks if t.job_id not in flagged]
+    nan = math.nan
+    return {
+        "longest_work_share": sum(top) / sum(work) if sum(work) > 0 else nan,
+        "jct_mean_s_rest": float(jct.mean()) if len(jct) else nan,
+        "jct_p50_s_rest": float(np.percentile(jct, 50)) if len(jct) else nan,
+        "jct_p99_s_rest": float(np.percentile(jct, 99)) if len(jct) else nan,
+        "queue_mean_s_rest": float(np.mean(queue)) if queue else nan,
+    }
+
+
+def compute_metrics(result: SimResult, longest: int = 10) -> dict[str, float]:
+    """Every metric of :data:`METRICS` for one run (nan where undefined, e.g. no job finished), and
+    the per-model ``time_share:<model>`` and ``busy:<model>``; ``longest``: how many of the jobs
+    with the most work the ``*_rest`` metrics leave out."""
     jobs = job_outcomes(result)
     done = [j for j in jobs if j.finished]
     jct = np.array([j.jct_s for j in done])
@@ -171,8 +297,10 @@ def compute_metrics(result: SimResult) -> dict[str, float]:
     jct_lb = float(np.mean([j.ideal_s for j in done])) if done else math.nan
     nan = math.nan
     timeline = result.timeline
+    queue = np.array([t.queue_s for t in result.tasks])
     return {
         "jct_mean_s": float(jct.mean()) if len(jct) else nan,
+        "jct_p50_s": float(np.percentile(jct, 50)) if len(jct) else nan,
         "jct_p95_s": float(np.percentile(jct, 95)) if len(jct) else nan,
         "jct_p99_s": float(np.percentile(jct, 99)) if len(jct) else nan,
         "slowdown_mean": float(slowdown.mean()) if len(slowdown) else nan,
@@ -183,7 +311,10 @@ def compute_metrics(result: SimResult) -> dict[str, float]:
         "energy_j": result.energy_j,
         "energy_kwh": result.energy_j / 3.6e6,
         "throughput_jobs_per_h": len(done) / (makespan / 3600.0) if makespan > 0 else nan,
-        "queue_mean_s": float(np.mean([t.queue_s for t in result.tasks])) if result.tasks else nan,
+        "queue_mean_s": float(np.mean(queue)) if len(queue) else nan,
+        "queue_p50_s": float(np.percentile(queue, 50)) if len(queue) else nan,
+        "queue_p95_s": float(np.percentile(queue, 95)) if len(queue) else nan,
+        "queue_p99_s": float(np.percentile(queue, 99)) if len(queue) else nan,
         "slo_attainment": slo_attainment(result.tasks),
         "jct_gap": float(jct.mean()) / jct_lb if len(jct) and jct_lb > 0 else nan,
         "makespan_gap": makespan / makespan_lb if makespan_lb > 0 else nan,
@@ -194,4 +325,6 @@ def compute_metrics(result: SimResult) -> dict[str, float]:
         "jobs_finished": float(len(done)),
         "tasks_unfinished": float(sum(t.state != "finished" for t in result.tasks)),
         "task_failures": float(sum(t.failed_attempts for t in result.tasks)),
+        **_window_metrics(result),
+        **_rest_metrics(result, jobs, longest),
     }

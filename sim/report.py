@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from hlb.daemon.decide.framework import ObjectiveWeights
-from hlb.sim.metrics import METRICS
+from hlb.sim.metrics import METRICS, MetricInfo
 from hlb.sim.policies import LEARNED_POLICIES, SIM_POLICIES
 
 # Shown in the printed and Markdown tables (every metric is in results.json).
@@ -28,6 +28,19 @@ TABLE_METRICS = (
     "slo_attainment",
     "jct_gap",
     "runtime_error",
+)
+# The second table: medians, percentiles and windows that stay meaningful on heavy-tailed traces.
+ROBUST_TABLE_METRICS = (
+    "jct_p50_s",
+    "queue_p50_s",
+    "queue_p95_s",
+    "utilization_busy",
+    "energy_kwh_busy",
+    "utilization_arrivals",
+    "energy_kwh_arrivals",
+    "jct_mean_s_rest",
+    "jct_p50_s_rest",
+    "longest_work_share",
 )
 # The controls a learned policy is measured against when they ran: the same rules with the prior
 # alone, and with the online table; ``oracle-speeds`` bounds what better run times could gain.
@@ -74,16 +87,23 @@ def _format(value: float, unit: str) -> str:
     return f"{value:.2f}"
 
 
-def table_markdown(summary: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS) -> str:
-    """Markdown tables, one per (workload, load): policies as rows, ``mean ± 95% CI`` per metric."""
-    info = {m.key: m for m in METRICS}
+def table_markdown(summary: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS, title: str = "") -> str:
+    """Markdown tables, one per (workload, load): policies as rows, ``mean ± 95% CI`` per metric
+    (a metric of :data:`METRICS`, or ``time_share:<model>`` / ``busy:<model>``); ``title`` ends
+    each heading."""
+    info = {m.key: m for m in METRICS} | {
+        key: MetricInfo(key, key.partition(":")[2], "share", "")
+        for row in summary
+        for key in row["metrics"]
+        if ":" in key
+    }
     blocks = []
     for workload, load in dict.fromkeys((s["workload"], s["load"]) for s in summary):
         rows = [s for s in summary if s["workload"] == workload and s["load"] == load]
         head = ["policy", "seeds"] + [
             f"{info[m].label} ({info[m].unit})" if info[m].unit else info[m].label for m in metrics
         ]
-        lines = [f"### {workload}, {load_label(load)}", "", "| " + " | ".join(head) + " |"]
+        lines = [f"### {workload}, {load_label(load)}{title}", "", "| " + " | ".join(head) + " |"]
         lines.append("|" + "|".join("---" for _ in head) + "|")
         for row in rows:
             cells = [row["policy"], str(row["n"])]
@@ -266,6 +286,12 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
     document = document | {"paired": paired(runs)}
     (out / "results.json").write_text(json.dumps(_plain(document), indent=1, allow_nan=False) + "\n")
     table = table_markdown(document["summary"])
+    robust = [m for m in ROBUST_TABLE_METRICS if all(m in row["metrics"] for row in document["summary"])]
+    if robust:
+        table += "\n## Medians, windows and the longest jobs\n\n" + table_markdown(document["summary"], robust)
+    shares = sorted({k for row in document["summary"] for k in row["metrics"] if k.startswith("time_share:")})
+    if shares:
+        table += "\n## Device time by model\n\n" + table_markdown(document["summary"], shares, ": share of device time")
     against = paired_markdown(document["paired"])
     if against:
         table += "\n## The learned policies against their controls, seed by seed\n\n" + against
@@ -280,9 +306,55 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
         )
         + _weights_note(document.get("weights"))
         + " Mean ± 95% confidence interval (Student's t) over seeds.\n\n"
+        + _replay_note(document)
     )
     (out / "results.md").write_text("# hlb eval results\n\n" + note + table)
     return table
+
+
+def _replay_note(document: dict[str, Any]) -> str:
+    """What each replayed trace was, how its load was set, what a seed changes, which jobs are the longest."""
+    lines = []
+    sample = document["cluster"].get("sample")
+    if sample:
+        lines.append(
+            f"The cluster is a sample of about {sample['devices_asked']} of its {sample['of_devices']} devices "
+            f"(seed {sample['seed']}): {sample['rule']}."
+        )
+    for about in document.get("replays", []):
+        recorded = about["recorded_load"]
+        line = (
+            f"Trace `{Path(about['trace']).name}`: {about['tasks']} of its {about['tasks_in_file']} tasks "
+            f"({about['part']}"
+            + (
+                f"; {about['dropped_for_dependencies']} dropped: an input lies outside"
+                if about["dropped_for_dependencies"]
+                else ""
+            )
+            + f"), arriving over {about['recorded_arrival_window_s'] / 3600.0:.3g} h as recorded, an offered load "
+            f"of {recorded['all']:.3g} counting all work and {recorded['fit']:.3g} counting the work that fits in "
+            "the arrival window."
+        )
+        if "load" in about:
+            line += (
+                f" For load {about['load']:g} its arrivals were spread by x{about['arrival_factor']:.3g}: load "
+                f"by `{about['load_basis']}`, {about['load_definition']} (capacity in V100 equivalents: "
+                f"{about['capacity_v100_equivalents']:.0f}); after it, {about['load_after']['all']:.3g} "
+                "counting all work."
+            )
+        lines.append(line)
+    if document.get("seed_effect"):
+        lines.append(document["seed_effect"])
+    longest = document.get("longest")
+    if longest and document.get("runs"):
+        first = document["runs"][0]
+        lines.append(
+            f"The {longest} jobs with the most work (`longest_work_share` of it; first run's: "
+            f"{', '.join(first.get('longest_jobs', [])[:longest])}) are left out of the `*_rest` metrics. "
+            "Windows: makespan (first arrival to the run's end), busy (some task arrived and not ended), "
+            "arrivals (first to last arrival)."
+        )
+    return "".join(line + "\n\n" for line in lines)
 
 
 def _weights_note(weights: dict[str, float] | None) -> str:

@@ -85,3 +85,4 @@ class SimResult:
     placements: int
     failures: int
     modelled_devices: int
+    device_models: dict[str, int] = field(default_factory=dict)  # devices per model

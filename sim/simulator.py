@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -264,6 +265,7 @@ class Simulation:
             placements=len(self.scheduler.ledger),
             failures=self._failures,
             modelled_devices=sum(1 for m in devices.models if self.catalogue.profile(m).modelled),
+            device_models=dict(Counter(devices.models)),
         )
 
     # -- what policies may read ------------------------------------------------------------

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hlb.sim.catalogue import Catalogue, shared_data_dir
 from hlb.v1 import events_pb2
 
@@ -231,16 +233,17 @@ def device_from_catalogue(
 # ---------------------------------------------------------------- inventory file
 
 
-def load_inventory(path: Path, catalogue: Catalogue) -> Inventory:
+def load_inventory(path: Path | str, catalogue: Catalogue) -> Inventory:
     """Read an ``hlb-inventory/1`` JSON file; device figures come from ``catalogue``."""
+    path = Path(path)
     try:
         return inventory_from_document(json.loads(path.read_text()), catalogue)
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a valid inventory file: {error}") from error
 
 
-def write_inventory(path: Path, inventory: Inventory) -> None:
-    path.write_text(json.dumps(inventory_to_document(inventory), indent=1) + "\n")
+def write_inventory(path: Path | str, inventory: Inventory) -> None:
+    Path(path).write_text(json.dumps(inventory_to_document(inventory), indent=1) + "\n")
 
 
 def inventory_from_document(document: Mapping[str, Any], catalogue: Catalogue) -> Inventory:
@@ -406,6 +409,51 @@ def mixed_cluster(catalogue: Catalogue, devices_per_model: Mapping[str, int], ho
         if remainder:
             groups.append((replace(shape, devices_per_host=remainder), 1))
     return build_cluster(catalogue, groups, hosts_per_rack)
+
+
+def sample_inventory(inventory: Inventory, devices: int, seed: int = 0) -> Inventory:
+    """About ``devices`` devices' worth of whole hosts drawn from ``inventory``, keeping its mix.
+
+    Hosts are grouped by what they hold (models and counts); each group keeps its share of the
+    devices, rounded to whole hosts (largest remainders), and its hosts are drawn uniformly
+    without replacement with ``seed``. Hosts without devices are left out; switches without a
+    kept host below them and extra links to dropped endpoints go too. Order is kept.
+    """
+    total = len(inventory.devices)
+    if not 1 <= devices <= total:
+        raise ValueError(f"a sample needs 1 to {total} devices (the inventory's), got {devices}")
+    on_host: dict[str, list[str]] = {}
+    for device in inventory.devices:
+        on_host.setdefault(device.host_id, []).append(device.model)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for host in inventory.hosts:
+        if on_host.get(host.id):
+            groups.setdefault(tuple(sorted(on_host[host.id])), []).append(host.id)
+    want = {key: devices * len(hosts) / total for key, hosts in groups.items()}  # hosts to keep
+    counts = {key: int(value) for key, value in want.items()}
+    short = round(sum(want.values())) - sum(counts.values())
+    for key in sorted(want, key=lambda k: counts[k] - want[k])[: max(0, short)]:
+        counts[key] += 1
+    rng = np.random.default_rng(seed)
+    kept_hosts: set[str] = set()
+    for key, hosts in groups.items():
+        kept_hosts.update(hosts[i] for i in rng.choice(len(hosts), size=min(counts[key], len(hosts)), replace=False))
+    hosts_kept = tuple(h for h in inventory.hosts if h.id in kept_hosts)
+    parents = {s.id: s.parent_id for s in inventory.switches}
+    kept_switches: set[str] = set()
+    for host in hosts_kept:
+        switch = host.rack_id
+        while switch and switch not in kept_switches:
+            kept_switches.add(switch)
+            switch = parents.get(switch, "")
+    kept_devices = tuple(d for d in inventory.devices if d.host_id in kept_hosts)
+    endpoints = kept_hosts | kept_switches | {d.id for d in kept_devices}
+    return Inventory(
+        tuple(s for s in inventory.switches if s.id in kept_switches),
+        hosts_kept,
+        kept_devices,
+        tuple(k for k in inventory.extra_links if k.src_id in endpoints and k.dst_id in endpoints),
+    )
 
 
 # Gavel's simulated heterogeneous cluster (traces/msr/cluster_specs_heterogeneous.json, "300:300:300"

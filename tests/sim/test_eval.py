@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ from scipy import stats
 from hlb.cli import main
 from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy
 from hlb.daemon.decide.scorers import HeteroGreedy
+from hlb.sim import eval as eval_command
 from hlb.sim.eval import parse_weights
 from hlb.sim.policies import make_sim_policy
 from hlb.sim.report import confidence_interval, paired, paired_markdown
@@ -86,7 +88,7 @@ def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
         (["--workload", "no-such-workload"], "unknown workload"),
         (["--cluster", "mixed:x"], "expected NAME:DEVICES"),
         (["--load", "0"], "loads > 0"),
-        (["--refresh-rows", "0"], "--refresh-rows needs at least 1"),
+        (["--refresh-rows", "0", "--policies", "gnn"], "--refresh-rows needs at least 1"),
         (["--estimate-error", "nan"], "--estimate-error needs a sigma from 0 to 5"),
         (["--estimate-bias", "0"], "--estimate-bias needs a factor from 0.01 to 100"),
         (["--estimate-bias", "inf"], "--estimate-bias needs a factor from 0.01 to 100"),
@@ -100,6 +102,75 @@ def test_bad_arguments_are_clear_errors(
     assert main(["eval", "--jobs", "2", "--seeds", "1", "--out", str(tmp_path / "x"), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+TRACE = str(FIXTURES / "small_trace.csv")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--trace", TRACE, "--jobs", "5"], "--jobs applies to generated workloads only"),
+        (["--workload", TRACE, "--jobs", "5"], "--jobs applies to generated workloads only"),
+        (["--window", "0:1"], "--window applies to trace files only"),
+        (["--tasks", "0:3"], "--tasks applies to trace files only"),
+        (["--load-basis", "fit", "--load", "0.5"], "--load-basis applies to trace files only"),
+        (["--trace", TRACE, "--load-basis", "all"], "--load-basis defines the load --load rescales a trace to"),
+        (["--trace", TRACE, "--window", "0:1", "--tasks", "0:2"], "--window and --tasks both choose"),
+        (["--trace", TRACE, "--window", "2:1"], "--window needs START:END with 0 <= START < END, got '2:1'"),
+        (["--trace", TRACE, "--tasks", "9:12"], "the trace has 5 tasks; the range starts at 9"),
+        (["--trace", TRACE, "--load", "5"], "by the fit basis this window holds at most a load of"),
+        (["--cluster", "mixed:8", "--inventory", "x.json"], "--cluster and --inventory both name the cluster"),
+        (["--workload", "gavel", "--trace", TRACE], "--workload and --trace both name the workload"),
+        (["--sample-seed", "3"], "--sample-seed draws the hosts of --sample-devices"),
+        (["--sample-devices", "9", "--cluster", "mixed:8"], "a sample needs 1 to 8 devices"),
+        (["--model", "somewhere"], "--model is for the GNN policies"),
+        (["--model-no-graph", "somewhere"], "--model-no-graph is for policy gnn-no-graph"),
+        (["--refresh-rows", "4"], "--refresh-rows is for the GNN policies"),
+        (["--weights", "energy=1", "--policies", "random,best-fit"], "--weights: none of random, best-fit"),
+    ],
+)
+def test_an_option_that_does_not_apply_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["eval", "--seeds", "1", "--out", str(tmp_path / "x"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_rewrite_tables_refuses_the_options_of_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--rewrite-tables", "--load", "0.5", "--jobs", "3", "--out", str(tmp_path)]) == 2
+    assert "--rewrite-tables runs nothing, so --load, --jobs would be ignored" in capsys.readouterr().err
+
+
+def test_a_trace_window_is_replayed_at_a_load_with_its_definition_and_the_seeds_effect(tmp_path: Path) -> None:
+    out = tmp_path / "replay"
+    lines: list[str] = []
+    args = [
+        "--cluster", "mixed:16", "--sample-devices", "8", "--trace", TRACE, "--tasks", "1:5", "--load", "0.1",
+        "--policies", "least-loaded", "--seeds", "2", "--workers", "1", "--no-hidden", "--longest", "1",
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    eval_command.add_arguments(parser)
+    assert eval_command.run(parser.parse_args([*args, "--out", str(out)]), progress=lines.append) == 0
+    document = json.loads((out / "results.json").read_text())
+    (about,) = document["replays"]
+    assert about["tasks"] == 4
+    assert about["part"] == "tasks 1 to 4 in arrival order"
+    assert about["load_basis"] == "fit"
+    assert about["load_after"]["fit"] == pytest.approx(0.1)
+    assert document["cluster"]["sample"]["devices_asked"] == 8
+    assert 4 <= document["cluster"]["devices"] <= 12
+    assert document["seed_effect"].endswith("A seed draws only telemetry noise.")
+    assert "recorded load" in lines[0]
+    assert len([line for line in lines if line.startswith("[")]) == 2
+    metrics = document["runs"][0]["metrics"]
+    assert 0 < metrics["utilization_arrivals"] <= 1
+    assert metrics["energy_kwh_busy"] > 0
+    markdown = (out / "results.md").read_text()
+    assert "load by `fit`" in markdown
+    assert "## Device time by model" in markdown
+    assert "utilization, arrival window" in markdown
 
 
 @pytest.mark.parametrize(

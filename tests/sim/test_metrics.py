@@ -12,16 +12,19 @@ from hlb.daemon.decide.presets import POLICY_NAMES
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.lookahead import LookaheadPolicy
 from hlb.sim.metrics import (
+    busy_intervals,
     compute_metrics,
     ideal_finish_s,
     job_outcomes,
     makespan_lower_bound_s,
     slo_attainment,
+    step_integral,
     time_average,
 )
 from hlb.sim.result import SimResult, TaskRecord, Timeline
 from hlb.sim.scenarios import build_cluster, build_workload
 from hlb.sim.simulator import SimConfig, simulate
+from tests.sim.builders import V100
 
 
 def record(task_id: str, **fields: Any) -> TaskRecord:
@@ -123,3 +126,43 @@ def test_lower_bounds_hold_for_every_policy(catalogue: Catalogue, workload: str,
         for job in job_outcomes(result):
             assert job.jct_s >= job.ideal_s * (1 - 1e-9)
         assert metrics["jct_gap"] >= 1.0 - 1e-9
+
+
+def test_the_power_curve_integrates_to_the_runs_energy(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:16", catalogue)
+    tasks = build_workload("gavel", 3, 30, catalogue, inventory, 0.9)
+    result = simulate(catalogue, inventory, tasks, "best-fit", 3)
+    whole = [(0.0, result.end_s)]
+    assert step_integral(result.timeline.t_s, result.timeline.power_w, whole) == pytest.approx(result.energy_j)
+    metrics = compute_metrics(result)
+    assert metrics["energy_kwh_busy"] <= metrics["energy_kwh"] + 1e-9
+    shares = [v for k, v in metrics.items() if k.startswith("time_share:")]
+    assert len(shares) == len(result.device_models)
+    assert sum(shares) == pytest.approx(1.0)
+
+
+def test_busy_intervals_join_overlapping_tasks_and_skip_idle_gaps() -> None:
+    tasks = [
+        record("a/x", state="finished", finish_s=20.0),
+        record("b/x", arrival_s=10.0, state="finished", finish_s=30.0),
+        record("c/x", arrival_s=50.0, state="finished", finish_s=60.0),
+        record("d/x", arrival_s=55.0, state="unrunnable"),
+    ]
+    assert busy_intervals(result_of(tasks)) == [(0.0, 30.0), (50.0, 60.0)]
+
+
+def test_windows_and_the_longest_job_on_a_heavy_tail() -> None:
+    # Ten short jobs within 100 s and one of 10,000 s: the makespan is the long one's.
+    tasks = [record(f"s{i}/x", arrival_s=10.0 * i, state="finished", finish_s=10.0 * i + 10.0) for i in range(10)]
+    tasks.append(record("long/x", arrival_s=5.0, state="finished", finish_s=10_005.0, min_device_s=10_000.0))
+    timeline = Timeline([0.0, 100.0], [1.0, 0.5], [400.0, 200.0], [1.0, 0.5])
+    result = SimResult("p", 0, tasks, 2, 10_005.0, 0.0, 100.0, 1.0, timeline, 11, 0, 0, {V100: 2})
+    metrics = compute_metrics(result, longest=1)
+    assert metrics["arrival_window_s"] == pytest.approx(90.0)
+    assert metrics["utilization_arrivals"] == pytest.approx(1.0)
+    assert metrics["energy_kwh_arrivals"] == pytest.approx(400.0 * 90.0 / 3.6e6)
+    assert metrics["utilization"] == pytest.approx((100.0 + 0.5 * 9_905.0) / 10_005.0)
+    assert metrics["longest_work_share"] == pytest.approx(10_000.0 / 10_100.0)
+    assert metrics["jct_mean_s_rest"] == pytest.approx(10.0)
+    assert metrics["jct_p50_s"] == pytest.approx(10.0)
+    assert metrics["jct_mean_s"] > 900.0

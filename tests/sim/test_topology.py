@@ -18,6 +18,7 @@ from hlb.sim.topology import (
     load_inventory,
     mixed_cluster,
     pai_cluster,
+    sample_inventory,
     shared_pai_machine_spec,
     write_inventory,
 )
@@ -188,3 +189,28 @@ def test_the_written_document_lists_devices_by_id(small: Inventory) -> None:
     document = inventory_to_document(small)
     assert sum(len(h["devices"]) for h in document["hosts"]) == 8
     assert all("count" not in d for h in document["hosts"] for d in h["devices"])
+
+
+def test_an_inventory_loads_from_a_string_path_too(small: Inventory, catalogue: Catalogue) -> None:
+    assert load_inventory(str(FIXTURE), catalogue) == small
+
+
+def test_a_sample_of_the_pai_cluster_keeps_its_device_mix(catalogue: Catalogue) -> None:
+    cluster = pai_cluster(catalogue)
+    sample = sample_inventory(cluster, 3000, seed=1)
+    models = Counter(d.model for d in cluster.devices)
+    kept = Counter(d.model for d in sample.devices)
+    assert abs(sample.device_count() - 3000) <= 8  # whole hosts of up to 8 devices
+    for model, count in models.items():
+        assert kept[model] / sample.device_count() == pytest.approx(count / cluster.device_count(), abs=0.01)
+    hosts = {h.id for h in sample.hosts}
+    assert all(d.host_id in hosts for d in sample.devices)
+    assert all(h.labels["pai_gpu_type"] != "CPU" for h in sample.hosts)
+    assert {s.id for s in sample.switches} >= {h.rack_id for h in sample.hosts} | {"spine"}
+    assert sample_inventory(cluster, 3000, seed=1) == sample
+    assert sample_inventory(cluster, 3000, seed=2) != sample
+
+
+def test_a_sample_larger_than_the_cluster_is_refused(small: Inventory) -> None:
+    with pytest.raises(ValueError, match="1 to 8"):
+        sample_inventory(small, 9)
