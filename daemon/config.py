@@ -385,6 +385,20 @@ class SnapshotSettings(_Section):
     keep: int = Field(3, ge=1, le=100)  # newest snapshots kept; an older one is the fallback for a corrupt one
 
 
+class LeaseSettings(_Section):
+    """Leases on placements (docs/agents.md, hlb.daemon.decide.leases): a placement not confirmed
+    started within ``start_timeout_s``, or a running task its host has not reported for
+    ``report_timeout_s``, is lost: its devices are freed and the task placed again, at most
+    ``retries`` times, then failed. A timeout of 0 turns that lease off."""
+
+    start_timeout_s: float = Field(120.0, ge=0, le=7 * 86400)
+    report_timeout_s: float = Field(60.0, ge=0, le=7 * 86400)
+    retries: int = Field(2, ge=0, le=1000)
+    # How often the daemon looks for leases that came due (a heap by deadline: the cost is that of
+    # the leases due, not of the tasks held).
+    check_interval_s: float = Field(1.0, gt=0, le=3600)
+
+
 class JournalSettings(_Section):
     """The decision journal (daemon/journal.py; on with the Kafka bus, one instance per cell)."""
 
@@ -444,6 +458,7 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
+    leases: LeaseSettings = LeaseSettings()
     journal: JournalSettings = JournalSettings()
     model: ModelSettings = ModelSettings()
     cells: CellsSettings = CellsSettings()

@@ -2,9 +2,11 @@
 
 It publishes the cluster's inventory to the telemetry topic (the daemon mirrors what it applies to
 the compacted inventory topic), periodic metrics per host, and a Poisson stream of task
-submissions. It also plays the executor: it reads the placement ledger, reports each of its tasks
-as started, its progress every few seconds (the share of its runtime passed, and the rate), and as
-finished once the task's runtime has passed, so that devices free up and the daemon keeps placing.
+submissions. It also plays the executor (``SimExecutor``): it reads the placement ledger, reports each of its
+tasks as started, echoing the placement's sequence (its fencing token), lists the tasks each host
+runs with every metrics report (``HostTasks``: what keeps their leases), reports their progress
+every few seconds (the share of its runtime passed, and the rate), and reports each as finished
+once its runtime has passed, so that devices free up and the daemon keeps placing.
 """
 
 from __future__ import annotations
@@ -69,6 +71,106 @@ def inventory_events(cell: str, devices_per_model: Mapping[str, int] = DEMO_DEVI
     return list(mixed_cluster(load_catalogue(), devices_per_model).to_events(cell))
 
 
+class SimExecutor:
+    """Runs the tasks it is given (``expect``) where the ledger places them, as an executor would:
+    a start echoing the placement's sequence, each host's running tasks listed at each ``report``,
+    a finish once the task's run time (its ``work_ref_s``, in seconds) has passed. A placement of
+    a task it already runs is ignored; one of a task it does not run (a first placement, or a
+    later one after the daemon took the first back) is started."""
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        placements: EventSource,
+        topics: Topics,
+        cell: str,
+        devices: list[ev.Device],
+        clock: Clock = time.time,
+        source: str = "hlb-agent",
+    ) -> None:
+        self.publisher = publisher
+        self.placements = placements
+        self.topics = topics
+        self.cell = cell
+        self.clock = clock
+        self.source = source
+        self.host_of = {d.id: d.host_id for d in devices}
+        self.hosts = sorted(set(self.host_of.values()))
+        self.specs: dict[str, ev.TaskSpec] = {}  # tasks to run when placed
+        self.busy: dict[str, float] = {}  # device id -> memory in use, GB
+        self._finishing: list[tuple[float, str, int]] = []  # heap of (time, task, placement sequence)
+        # Tasks running now -> (placement sequence, devices, started, runtime), in start order.
+        self.running: dict[str, tuple[int, tuple[str, ...], float, float]] = {}
+
+    def expect(self, spec: ev.TaskSpec) -> None:
+        self.specs[spec.id] = spec
+
+    def publish_task_event(self, event: ev.TaskEvent) -> None:
+        event.cell, event.event_time_ms, event.source = self.cell, int(self.clock() * 1000), self.source
+        self.publisher.publish(self.topics.tasks, self.cell.encode(), event.SerializeToString())
+
+    def follow_placements(self, now: float) -> int:
+        """Start the tasks the ledger placed since the last call; returns how many were started."""
+        records = self.placements.next_batch(1000, 0.0)
+        begun = 0
+        for record in records:
+            try:
+                placement = decode(record.value, ev.Placement, 1 << 20)
+            except EventError:
+                continue
+            spec = self.specs.get(placement.task_id)
+            if spec is None or placement.task_id in self.running:
+                continue
+            devices = tuple(placement.device_ids)
+            for device_id in devices:
+                self.busy[device_id] = self.busy.get(device_id, 0.0) + spec.memory_per_device_gb
+            started = ev.TaskStarted(task_id=spec.id, device_ids=devices, placement_sequence=placement.sequence)
+            self.publish_task_event(ev.TaskEvent(started=started))
+            heapq.heappush(self._finishing, (now + spec.work_ref_s, spec.id, placement.sequence))
+            self.running[spec.id] = (placement.sequence, devices, now, spec.work_ref_s)
+            begun += 1
+        if records:
+            self.placements.commit(records)
+        return begun
+
+    def finish_due(self, now: float) -> None:
+        while self._finishing and self._finishing[0][0] <= now:
+            _, task_id, sequence = heapq.heappop(self._finishing)
+            run = self.running.get(task_id)
+            if run is None or run[0] != sequence:
+                continue
+            del self.running[task_id]
+            spec = self.specs.pop(task_id)
+            for device_id in run[1]:
+                self.busy[device_id] = max(0.0, self.busy.get(device_id, 0.0) - spec.memory_per_device_gb)
+            self.publish_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=task_id)))
+
+    def host_reports(self) -> list[ev.TelemetryEvent]:
+        """One ``HostTasks`` per host: the tasks running on its devices (none: an empty list, which
+        says so), each with the placement it runs under."""
+        tasks: dict[str, list[ev.RunningTask]] = {host: [] for host in self.hosts}
+        for task_id, (sequence, devices, _, _) in self.running.items():
+            for host in sorted({self.host_of.get(d, "") for d in devices} - {""}):
+                on_host = [d for d in devices if self.host_of.get(d) == host]
+                tasks[host].append(ev.RunningTask(task_id=task_id, placement_sequence=sequence, device_ids=on_host))
+        return [
+            ev.TelemetryEvent(host_tasks=ev.HostTasks(host_id=host, tasks=running)) for host, running in tasks.items()
+        ]
+
+    def publish_progress(self, now: float) -> None:
+        """Each running task's progress: the share of its runtime passed, at 1 / runtime a second."""
+        for task_id, (_, _, started, runtime) in self.running.items():
+            if runtime <= 0:
+                continue
+            progress = ev.TaskProgress(
+                task_id=task_id,
+                fraction_done=min(1.0, max(0.0, (now - started) / runtime)),
+                rate_per_s=1.0 / runtime,
+                measured_at_ms=int(now * 1000),
+            )
+            self.publish_task_event(ev.TaskEvent(progress=progress))
+
+
 class Agent:
     """Publishes inventory, metrics and tasks; turns its tasks' placements into started/finished."""
 
@@ -101,11 +203,8 @@ class Agent:
         self.progress_interval_s = progress_interval_s  # 0: no progress reports
         self.inventory = inventory_events(cell)
         self.devices = [e.device_upsert for e in self.inventory if e.HasField("device_upsert")]
-        self.submitted: dict[str, ev.TaskSpec] = {}
-        self.busy: dict[str, float] = {}  # device id -> memory in use, GB
-        self._finishing: list[tuple[float, str, tuple[str, ...]]] = []  # heap of (time, task, devices)
-        self._started: set[str] = set()  # tasks seen placed; placements may be read twice
-        self._running: dict[str, tuple[float, float]] = {}  # task -> (started, runtime), in start order
+        self.executor = SimExecutor(publisher, placements, topics, cell, self.devices, clock)
+        self.busy = self.executor.busy  # device id -> memory in use, GB
         self._next_metrics = 0.0
         self._next_progress = 0.0
         self._next_task = 0.0
@@ -120,8 +219,7 @@ class Agent:
         self.publisher.publish(self.topics.telemetry, self._key(), event.SerializeToString())
 
     def _publish_task_event(self, event: ev.TaskEvent) -> None:
-        event.cell, event.event_time_ms, event.source = self.cell, int(self.clock() * 1000), "hlb-agent"
-        self.publisher.publish(self.topics.tasks, self._key(), event.SerializeToString())
+        self.executor.publish_task_event(event)
 
     def publish_inventory(self) -> None:
         for event in self.inventory:
@@ -141,6 +239,8 @@ class Agent:
                 )
             )  # fmt: skip
         self._publish_telemetry(ev.TelemetryEvent(metrics_batch=batch))
+        for report in self.executor.host_reports():  # the tasks each host runs: their leases go on
+            self._publish_telemetry(report)
 
     def new_task(self) -> ev.TaskSpec:
         weights = np.array([w.weight for w in DEMO_WORKLOADS])
@@ -162,60 +262,17 @@ class Agent:
         )
 
     def submit(self, spec: ev.TaskSpec) -> None:
-        self.submitted[spec.id] = spec
+        self.executor.expect(spec)
         self._publish_task_event(ev.TaskEvent(submitted=spec))
-
-    def _follow_placements(self, now: float) -> None:
-        records = self.placements.next_batch(1000, 0.0)
-        for record in records:
-            try:
-                placement = decode(record.value, ev.Placement, 1 << 20)
-            except EventError:
-                continue
-            spec = self.submitted.get(placement.task_id)
-            if spec is None or placement.task_id in self._started:
-                continue
-            self._started.add(placement.task_id)
-            devices = tuple(placement.device_ids)
-            for device_id in devices:
-                self.busy[device_id] = self.busy.get(device_id, 0.0) + spec.memory_per_device_gb
-            self._publish_task_event(ev.TaskEvent(started=ev.TaskStarted(task_id=spec.id, device_ids=devices)))
-            heapq.heappush(self._finishing, (now + spec.work_ref_s, spec.id, devices))
-            self._running[spec.id] = (now, spec.work_ref_s)
-        if records:
-            self.placements.commit(records)
-
-    def _finish_due(self, now: float) -> None:
-        while self._finishing and self._finishing[0][0] <= now:
-            _, task_id, devices = heapq.heappop(self._finishing)
-            spec = self.submitted.pop(task_id)
-            self._started.discard(task_id)
-            self._running.pop(task_id, None)
-            for device_id in devices:
-                self.busy[device_id] = max(0.0, self.busy.get(device_id, 0.0) - spec.memory_per_device_gb)
-            self._publish_task_event(ev.TaskEvent(finished=ev.TaskFinished(task_id=task_id)))
-
-    def publish_progress(self, now: float) -> None:
-        """Each running task's progress: the share of its runtime passed, at 1 / runtime a second."""
-        for task_id, (started, runtime) in self._running.items():
-            if runtime <= 0:
-                continue
-            progress = ev.TaskProgress(
-                task_id=task_id,
-                fraction_done=min(1.0, max(0.0, (now - started) / runtime)),
-                rate_per_s=1.0 / runtime,
-                measured_at_ms=int(now * 1000),
-            )
-            self._publish_task_event(ev.TaskEvent(progress=progress))
 
     def step(self) -> None:
         """One round: follow placements, finish due tasks, publish progress, metrics and submissions
         when due."""
         now = self.clock()
-        self._follow_placements(now)
-        self._finish_due(now)
+        self.executor.follow_placements(now)
+        self.executor.finish_due(now)
         if self.progress_interval_s > 0 and now >= self._next_progress:
-            self.publish_progress(now)
+            self.executor.publish_progress(now)
             self._next_progress = now + self.progress_interval_s
         if now >= self._next_metrics:
             self.publish_metrics()

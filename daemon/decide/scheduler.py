@@ -30,6 +30,7 @@ from hlb.daemon.decide.batch import BatchScores
 from hlb.daemon.decide.device_waits import DeviceWaits
 from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
 from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.leases import LeaseKeeper, LeaseTimeouts
 from hlb.daemon.decide.queue import PendingQueue
 from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
 from hlb.daemon.state.checks import check_task_progress, check_task_spec, check_task_specs
@@ -76,6 +77,7 @@ class Scheduler:
         keep_ended_s: float = 0.0,
         remember_ended: int = DEFAULT_REMEMBER_ENDED,
         max_pending: int = 0,
+        lease_timeouts: LeaseTimeouts | None = None,
     ) -> None:
         self.graph = graph
         self._policy = policy
@@ -100,6 +102,9 @@ class Scheduler:
         self._started_s: dict[str, float] = {}  # when each running task started (its run time, at the end)
         self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
+        # Leases on placements and the fencing of starts (hlb.daemon.decide.leases).
+        self.leases = LeaseKeeper(ledger, clock, lease_timeouts if lease_timeouts is not None else LeaseTimeouts())
+        ledger.subscribe(self.leases.placed)
 
     @property
     def policy(self) -> Policy:
@@ -115,6 +120,10 @@ class Scheduler:
     # -- events ----------------------------------------------------------------------------
 
     def apply_telemetry(self, event: ev.TelemetryEvent) -> None:
+        if event.WhichOneof("payload") == "host_tasks":  # which tasks a host runs: their leases go on
+            self.leases.reported(event.host_tasks)
+            self.graph.saw_telemetry(event.event_time_ms)
+            return
         self.graph.apply_telemetry(event)
         if event.WhichOneof("payload") == "device_upsert" and self._unbound:
             self._bind_restored()
@@ -135,12 +144,18 @@ class Scheduler:
             "finished": event.finished.task_id,
             "failed": event.failed.task_id,
             "progress": event.progress.task_id,
+            "lost": event.lost.task_id,
         }[kind]
         task = self.graph.tasks.get(task_id)
         if task is None:
             if task_id in self.forgotten:
                 return  # a replayed or late event for a task that ended long ago
             raise InvalidEventError(f"{kind} event for unknown task {task_id!r}", "unknown_id")
+        if kind == "started":
+            self.leases.check_start(task, event.started)  # a start from a stale placement is refused
+        elif kind == "lost":
+            self._apply_lost(task, event.lost)
+            return
         if task.state.is_final:
             return  # a replayed or late event for a task that has ended
         if task_id in self._unbound:  # placed before a restart; its devices are not replayed yet
@@ -156,6 +171,9 @@ class Scheduler:
                 self._expect_end(task)  # from its start, which may come later than its placement
                 self._started_s[task_id] = self.clock()
                 self._dirty = True
+                placement = self.ledger.get(task_id)
+                if placement is not None:
+                    self.leases.started(task_id, placement.sequence)
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
                 raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
@@ -358,6 +376,13 @@ class Scheduler:
             placement = self.ledger.get(task_id)
             if placement is not None:
                 self._unbound[task_id] = placement
+        for task in list(graph.tasks.values()):  # bound in the snapshot to a placement since lost
+            placement = self.ledger.get(task.spec.id)
+            if task.state.holds_devices and placement is not None and tuple(placement.device_ids) != task.device_ids:
+                self.graph.unbind(task)
+                self._unbound[task.spec.id] = placement
+            elif task.state.holds_devices:
+                self.leases.bound(task)
         self._bind_restored()
         self.remember_restored(forgotten)
         self._dirty = True
@@ -581,9 +606,61 @@ class Scheduler:
         """Have the next pass try every queued task again."""
         self._dirty = True
 
+    # -- leases (hlb.daemon.decide.leases) ------------------------------------------------------
+
+    def expire_leases(self, now: float) -> list[ev.TaskEvent]:
+        """Take back every placement whose lease is due at ``now``: its devices are free, the task
+        is queued again or failed by ``leases.retries``. Returns the ``lost`` events to publish."""
+        events: list[ev.TaskEvent] = []
+        for expiry in self.leases.due(self.graph.tasks, now):
+            task, sequence = expiry.task, expiry.lease.sequence
+            task.lost += 1
+            self.reclaim(task, sequence, expiry.reason, expiry.resubmit)
+            lost = ev.PlacementLost(
+                task_id=task.spec.id,
+                placement_sequence=sequence,
+                reason=expiry.reason,
+                resubmitted=expiry.resubmit,
+                lost=task.lost,
+            )
+            events.append(ev.TaskEvent(cell=task.cell, event_time_ms=int(now * 1000), source="hlb", lost=lost))
+        return events
+
+    def reclaim(self, task: Task, sequence: int, reason: str, resubmit: bool) -> None:
+        """Take back the task's placement ``sequence`` (its lease expired): the ledger notes why,
+        its devices are free, and it is queued again (``resubmit``) or fails."""
+        task_id = task.spec.id
+        self.ledger.lose(task_id, sequence, reason)
+        self.leases.ended(task_id)
+        self._started_s.pop(task_id, None)
+        self._started_unbound.discard(task_id)
+        if self._unbound.pop(task_id, None) is None:  # bound: it holds devices
+            self.device_waits.ended(self.graph, task)
+            if resubmit:
+                self.graph.unbind(task)
+        self.leases.reconciled["resubmitted" if resubmit else "failed"] += 1
+        if resubmit:
+            task.pending_reason = f"queued again: {reason}"
+            self.queue.add(task, self.graph, self.policy)
+        else:
+            self.graph.release(task, TaskState.FAILED)
+            self._task_ended(task)
+        self._dirty = True
+
+    def _apply_lost(self, task: Task, lost: ev.PlacementLost) -> None:
+        """The daemon's own record of a lost placement, read back (or replayed): applied when the
+        placement is still the task's, else it was applied already and changes nothing."""
+        task.lost = max(task.lost, lost.lost)
+        placement = self.ledger.get(task.spec.id)
+        if task.state.is_final or placement is None or placement.sequence != lost.placement_sequence:
+            return
+        if task.state.holds_devices or task.spec.id in self._unbound:
+            self.reclaim(task, lost.placement_sequence, lost.reason, lost.resubmitted)
+
     # -- forgetting ended tasks (hlb.daemon.decide.forgetting) -------------------------------
 
     def _task_ended(self, task: Task) -> None:
+        self.leases.ended(task.spec.id)
         self.ended.task_ended(self.graph, task.spec, self.clock())
 
     def forget_ended(self, now: float, limit: int | None = None) -> int:
@@ -633,6 +710,7 @@ class Scheduler:
                     self._started_unbound.discard(task_id)
                     self.graph.mark_running(task)
                     self._dirty = True
+                self.leases.bound(task)
 
     def _apply_to_unbound(self, task: Task, kind: str) -> None:
         """A lifecycle event for a restored placement that is not bound yet: it holds no devices."""

@@ -73,6 +73,9 @@ class Snapshot:
     # Ended tasks the scheduler forgot, with their final states (``Scheduler.forgotten``); empty
     # in a snapshot written before tasks were forgotten.
     forgotten: dict[str, TaskState] = field(default_factory=dict)
+    # Placements whose lease expired: (sequence, task, reason); empty in a snapshot written before
+    # leases (hlb.daemon.decide.leases).
+    lost: tuple[tuple[int, str, str], ...] = ()
 
 
 # -- strings and ragged arrays -------------------------------------------------------------------
@@ -147,6 +150,11 @@ def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
     _pack_str(arrays, "scheduler.forgotten", list(scheduler.forgotten))
     arrays["scheduler.forgotten_state"] = np.array([int(v) for v in scheduler.forgotten.values()], dtype=np.int8)
     arrays["ledger.sequence"] = np.array([scheduler.ledger.last_sequence], dtype=np.int64)
+    arrays["tasks.lost"] = np.array([t.lost for t in tasks], dtype=np.int64)
+    lost = scheduler.ledger.lost_placements()
+    arrays["ledger.lost.sequence"] = np.array([sequence for sequence, _, _ in lost], dtype=np.int64)
+    _pack_str(arrays, "ledger.lost.task", [task_id for _, task_id, _ in lost])
+    _pack_str(arrays, "ledger.lost.reason", [reason for _, _, reason in lost])
     keys = sorted(offsets)
     _pack_str(arrays, "offsets.topic", [t for t, _ in keys])
     arrays["offsets.partition_next"] = np.array([[p, offsets[(t, p)]] for t, p in keys], dtype=np.int64).reshape(-1, 2)
@@ -212,6 +220,9 @@ def _restore(arrays: Arrays) -> Snapshot:
     device_ids = _unpack_str_required(arrays, "tasks.device_ids")
     if not (len(specs) == len(cells) == len(reasons) == len(ints) == len(counts)) or len(rows) != len(device_ids):
         raise SnapshotError("task columns of different lengths")
+    lost_counts = arrays["tasks.lost"] if "tasks.lost" in arrays else np.zeros(len(specs), dtype=np.int64)
+    if len(lost_counts) != len(specs):
+        raise SnapshotError("task columns of different lengths")
     at = 0
     for i, blob in enumerate(specs):
         spec = ev.TaskSpec.FromString(blob or b"")
@@ -226,6 +237,7 @@ def _restore(arrays: Arrays) -> Snapshot:
             device_rows=tuple(int(r) for r in rows[at : at + n]),
             device_ids=tuple(device_ids[at : at + n]),
             pending_reason=reasons[i],
+            lost=int(lost_counts[i]),
         )
         at += n
         graph.tasks[spec.id] = task
@@ -250,7 +262,20 @@ def _restore(arrays: Arrays) -> Snapshot:
         if len(ids) != len(states) or not all(state.is_final for state in states):
             raise SnapshotError("forgotten tasks: ids and final states do not match")
         forgotten = dict(zip(ids, states, strict=True))
-    return Snapshot(graph, pending, unbound, int(arrays["ledger.sequence"][0]), offsets, forgotten)
+    lost = _lost_placements(arrays)
+    return Snapshot(graph, pending, unbound, int(arrays["ledger.sequence"][0]), offsets, forgotten, lost)
+
+
+def _lost_placements(arrays: Arrays) -> tuple[tuple[int, str, str], ...]:
+    """The ledger's lost placements (sequence, task, reason); none in a snapshot from before leases."""
+    if "ledger.lost.sequence" not in arrays:
+        return ()
+    tasks = _unpack_str_required(arrays, "ledger.lost.task")
+    reasons = _unpack_str_required(arrays, "ledger.lost.reason")
+    sequences = [int(v) for v in arrays["ledger.lost.sequence"]]
+    if not len(sequences) == len(tasks) == len(reasons):
+        raise SnapshotError("lost placements: columns of different lengths")
+    return tuple(zip(sequences, tasks, reasons, strict=True))
 
 
 def install(snapshot: Snapshot, scheduler: Scheduler) -> None:
@@ -262,6 +287,7 @@ def install(snapshot: Snapshot, scheduler: Scheduler) -> None:
             ledger_sequence=scheduler.ledger.last_sequence,
             snapshot_sequence=snapshot.ledger_sequence,
         )
+    scheduler.ledger.restore_lost(snapshot.lost)  # before the tasks bind to their placements
     graph = snapshot.graph
     graph.max_tasks_per_device = scheduler.graph.max_tasks_per_device  # configuration, not state
     scheduler.restore(graph, snapshot.pending, snapshot.unbound, snapshot.forgotten)

@@ -51,6 +51,7 @@ from grpc_health.v1 import health_pb2
 from hlb.daemon.bus.lag import Lag
 from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
 from hlb.daemon.config import Settings
+from hlb.daemon.decide.leases import LeaseTimeouts
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import ConfigError
 from hlb.daemon.ingest.backlog import TenantBacklog
@@ -161,6 +162,9 @@ class Daemon:
             keep_ended_s=settings.scheduler.keep_ended_s,
             remember_ended=settings.scheduler.remember_ended,
             max_pending=settings.scheduler.max_pending,
+            lease_timeouts=LeaseTimeouts(
+                settings.leases.start_timeout_s, settings.leases.report_timeout_s, settings.leases.retries
+            ),
         )
         self.raw_publisher = bus.publisher()
         self.decisions = DecisionPublisher(
@@ -439,6 +443,8 @@ class Daemon:
             held, forgotten = len(self.scheduler.graph.tasks), self.scheduler.forgotten_total
             max_pending, queue_full = self.scheduler.max_pending, self.scheduler.refused_queue_full
             dead_letter_failures = stats.dead_letter_failures
+            leases = self.scheduler.leases
+            leases_held, expired, reconciled = len(leases.table), dict(leases.expired), dict(leases.reconciled)
         return StateSample(
             serving=self.serving and self.journal_writable,
             journal_writable=self.journal_writable,
@@ -462,7 +468,41 @@ class Daemon:
             max_pending=max_pending,
             refused_queue_full=queue_full,
             dead_letter_failures=dead_letter_failures,
+            leases_held=leases_held,
+            leases_expired=expired,
+            tasks_reconciled=reconciled,
         )
+
+    # -- leases (hlb.daemon.decide.leases) ------------------------------------------------------
+
+    def expire_leases(self) -> int:
+        """Take back the placements whose lease came due, publish their ``lost`` events (the
+        tasks topic, so that a replay reaches the same state) and place what the freed devices
+        allow; returns how many placements were lost."""
+        with self.lock:
+            lost = self.scheduler.expire_leases(self.clock())
+            if not lost:
+                return 0
+            for event in lost:
+                self.decisions.lost(event)
+                log.warning(
+                    "placement lost",
+                    task_id=event.lost.task_id,
+                    sequence=event.lost.placement_sequence,
+                    resubmitted=event.lost.resubmitted,
+                    reason=event.lost.reason,
+                )
+            placed = self.scheduler.schedule_pending()
+            self.decisions.take_back()
+        if placed:
+            log.info("placed", count=len(placed), sequence=placed[-1].sequence)
+        return len(lost)
+
+    async def _expire_leases_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.journal_writable:  # else the lost events could not be made durable
+                await asyncio.to_thread(self.expire_leases)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -535,6 +575,8 @@ class Daemon:
             ingest.start()
             metrics_server = self._start_metrics(inputs)
             if await self._replay_until_caught_up(stop, ingest):
+                # Leases come due only once the replay has rebuilt every placement and start.
+                self._spawn(self._expire_leases_every(self.settings.leases.check_interval_s))
                 self.serving = True
                 await self._publish_health()
                 self.ready.set()

@@ -85,6 +85,9 @@ class StateSample:
     max_pending: int = 0  # the queue's bound (scheduler.max_pending; 0: none)
     refused_queue_full: int = 0  # new tasks refused since start because the queue held max_pending
     dead_letter_failures: int = 0  # refused records whose dead letter could not be published
+    leases_held: int = 0  # placements on a lease now (hlb.daemon.decide.leases)
+    leases_expired: Mapping[str, int] = field(default_factory=dict)  # by kind: start, report
+    tasks_reconciled: Mapping[str, int] = field(default_factory=dict)  # lost placements, by outcome
 
 
 StateProvider = Callable[[], StateSample]
@@ -263,7 +266,42 @@ class _StateCollector(Collector):
         )
         for (topic, partition), behind in sorted(s.consumer_lag.items()):
             lag.add_metric([topic, str(partition)], behind)
-        return [*metrics, info, degraded, provider, applied, forgotten, queue_full, dead_letter_failures, rejected, lag]
+        leases = _lease_metrics(s)
+        return [
+            *metrics,
+            info,
+            degraded,
+            provider,
+            applied,
+            forgotten,
+            queue_full,
+            dead_letter_failures,
+            rejected,
+            lag,
+            *leases,
+        ]
+
+
+def _lease_metrics(s: StateSample) -> list[Metric]:
+    held = GaugeMetricFamily(
+        "hlb_leases", "Placements held on a lease now (not started, or running).", value=s.leases_held
+    )
+    expired = CounterMetricFamily(
+        "hlb_leases_expired",
+        "Leases that came due: start (not confirmed started in leases.start_timeout_s), report (the host "
+        "did not list the running task for leases.report_timeout_s).",
+        labels=["kind"],
+    )
+    for kind in ("start", "report"):
+        expired.add_metric([kind], s.leases_expired.get(kind, 0))
+    reconciled = CounterMetricFamily(
+        "hlb_tasks_reconciled",
+        "Tasks whose placement was lost to an expired lease: placed again (resubmitted) or failed (leases.retries).",
+        labels=["outcome"],
+    )
+    for outcome in ("resubmitted", "failed"):
+        reconciled.add_metric([outcome], s.tasks_reconciled.get(outcome, 0))
+    return [held, expired, reconciled]
 
 
 class RpcMetricsInterceptor(HandlerWrapper):

@@ -102,6 +102,18 @@ class DecisionPublisher:
             self._refused("submission", exc, spec.id)
             self._refused_submissions.append(spec.id)
 
+    def lost(self, event: ev.TaskEvent) -> None:
+        """A placement the scheduler took back (its lease expired), as a ``lost`` event on the tasks
+        topic: read back it changes nothing, replayed after a restart it takes the placement back
+        again. One the bus refuses is logged and counted; the lease then expires again after a
+        restart."""
+        try:
+            self.publisher.publish(self._topics.tasks, event.cell.encode(), event.SerializeToString())
+        except Exception as exc:
+            if self.unpublished is not None:
+                self.unpublished.labels(kind="lost").inc()
+            self._log_refusal("lost", task_id=event.lost.task_id, error=describe(exc))
+
     def take_back(self, submitted: Collection[str] = ()) -> TakenBack:
         """Undo the decisions whose records the publisher refused since the last call; the caller
         holds the daemon's lock and calls it after every decision it made (nothing refused: a

@@ -76,7 +76,7 @@ def restore_journal(
                 continue
             seen = max(seen, placement.sequence)
             known = ledger.get(placement.task_id)
-            if known is not None:
+            if known is not None and known.sequence >= placement.sequence:  # else: placed again, its lease lost
                 if list(known.device_ids) != list(placement.device_ids):
                     log.error(
                         "journal and ledger topic disagree; the topic's decision stands",

@@ -7,6 +7,10 @@ hear about each new placement; they must not block.
 
 The decisions of tasks that ended long ago are dropped from memory (:meth:`PlacementLedger.forget`,
 ``scheduler.keep_ended_s``); the topic keeps them, and sequence numbers keep counting.
+
+A placement whose lease expired (``hlb.daemon.state.leases``) is *lost*: :meth:`PlacementLedger.lose`
+takes it off the task, with its reason, so the task may be placed again under a new sequence. A
+task's sequence is its placement's fencing token: a start that names an earlier one is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ class PlacementLedger:
         self._by_task: dict[str, ev.Placement] = {}
         self._listeners: list[Listener] = []
         self._last_sequence = 0
+        # Placements whose lease expired: sequence -> (task, reason). Bounded as the tasks are: an
+        # entry goes when its task's decisions are forgotten.
+        self._lost: dict[int, tuple[str, str]] = {}
+        self._lost_of: dict[str, list[int]] = {}
 
     @property
     def last_sequence(self) -> int:
@@ -37,13 +45,17 @@ class PlacementLedger:
     def restore(self, placements: Iterable[ev.Placement]) -> int:
         """Load decisions read back from the ledger topic; returns how many were new.
 
-        Placements already known (same sequence) and later decisions for a task that already has
-        one are skipped, so restoring twice changes nothing.
+        Placements already known (same sequence) are skipped, so restoring twice changes nothing.
+        A later decision for a task that already has one replaces it: the earlier was taken back
+        (its lease expired, or it was never recorded) before the task was placed again.
         """
         added = 0
         for placement in sorted(placements, key=lambda p: p.sequence):
-            if placement.sequence <= self.last_sequence or placement.task_id in self._by_task:
+            if placement.sequence <= self.last_sequence:
                 continue
+            earlier = self._by_task.get(placement.task_id)
+            if earlier is not None:
+                del self._by_sequence[earlier.sequence]
             self._append(placement, placement.task_id, placement.sequence)
             added += 1
         return added
@@ -90,10 +102,50 @@ class PlacementLedger:
         dropped = 0
         for task_id in task_ids:
             placement = self._by_task.pop(task_id, None)
+            for sequence in self._lost_of.pop(task_id, ()):
+                self._lost.pop(sequence, None)
             if placement is not None:
                 del self._by_sequence[placement.sequence]
                 dropped += 1
         return dropped
+
+    def lose(self, task_id: str, sequence: int, reason: str) -> ev.Placement | None:
+        """Take placement ``sequence`` off its task, noting ``reason`` (its lease expired); returns
+        it, or None (nothing changes) when it is not the task's current placement."""
+        placement = self._by_task.get(task_id)
+        if placement is None or placement.sequence != sequence:
+            return None
+        del self._by_task[task_id]
+        del self._by_sequence[sequence]
+        self._lost[sequence] = (task_id, reason)
+        self._lost_of.setdefault(task_id, []).append(sequence)
+        return placement
+
+    def lost_placements(self) -> list[tuple[int, str, str]]:
+        """Every lost placement held: (sequence, task, reason), oldest first (for snapshots)."""
+        return [(sequence, task_id, reason) for sequence, (task_id, reason) in sorted(self._lost.items())]
+
+    def restore_lost(self, lost: Iterable[tuple[int, str, str]]) -> None:
+        """Note lost placements read back from a snapshot: one still held as its task's current
+        placement (the ledger topic has it, and not the loss) is taken off the task."""
+        for sequence, task_id, reason in lost:
+            if sequence in self._lost:
+                continue
+            placement = self._by_task.get(task_id)
+            if placement is not None and placement.sequence == sequence:
+                self.lose(task_id, sequence, reason)
+            else:
+                self._lost[sequence] = (task_id, reason)
+                self._lost_of.setdefault(task_id, []).append(sequence)
+
+    def lost(self, sequence: int) -> str | None:
+        """Why placement ``sequence`` was lost, or None when it was not (or is forgotten)."""
+        found = self._lost.get(sequence)
+        return None if found is None else found[1]
+
+    def lost_of(self, task_id: str) -> list[int]:
+        """The sequences of the task's lost placements, oldest first."""
+        return list(self._lost_of.get(task_id, ()))
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` with each new placement; returns the function that unsubscribes."""

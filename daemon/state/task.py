@@ -50,6 +50,7 @@ class Task:
     device_rows: tuple[int, ...] = ()
     device_ids: tuple[str, ...] = ()
     pending_reason: str = "not yet considered"
+    lost: int = 0  # placements of the task whose lease expired (hlb.daemon.decide.leases)
     # The spec names no dependencies, allowed kinds or models, preferred models or labels, as
     # ``check_task_specs`` found (False: not known, so read them). Reading one of these repeated
     # fields costs as much as a few plain ones, and a batch decision would read each several times.

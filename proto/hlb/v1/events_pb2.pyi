@@ -422,6 +422,7 @@ class TelemetryEvent(_message.Message):
     DEVICE_METRICS_FIELD_NUMBER: _builtins.int
     LINK_METRICS_FIELD_NUMBER: _builtins.int
     METRICS_BATCH_FIELD_NUMBER: _builtins.int
+    HOST_TASKS_FIELD_NUMBER: _builtins.int
     cell: _builtins.str
     """failure/scheduling domain; also the Kafka key"""
     event_time_ms: _builtins.int
@@ -450,6 +451,8 @@ class TelemetryEvent(_message.Message):
     def link_metrics(self) -> Global___LinkMetrics: ...
     @_builtins.property
     def metrics_batch(self) -> Global___MetricsBatch: ...
+    @_builtins.property
+    def host_tasks(self) -> Global___HostTasks: ...
     def __init__(
         self,
         *,
@@ -467,16 +470,74 @@ class TelemetryEvent(_message.Message):
         device_metrics: Global___DeviceMetrics | None = ...,
         link_metrics: Global___LinkMetrics | None = ...,
         metrics_batch: Global___MetricsBatch | None = ...,
+        host_tasks: Global___HostTasks | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["device_metrics", b"device_metrics", "device_removed", b"device_removed", "device_upsert", b"device_upsert", "host_removed", b"host_removed", "host_upsert", b"host_upsert", "link_metrics", b"link_metrics", "link_removed", b"link_removed", "link_upsert", b"link_upsert", "metrics_batch", b"metrics_batch", "payload", b"payload", "switch_removed", b"switch_removed", "switch_upsert", b"switch_upsert"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["device_metrics", b"device_metrics", "device_removed", b"device_removed", "device_upsert", b"device_upsert", "host_removed", b"host_removed", "host_tasks", b"host_tasks", "host_upsert", b"host_upsert", "link_metrics", b"link_metrics", "link_removed", b"link_removed", "link_upsert", b"link_upsert", "metrics_batch", b"metrics_batch", "payload", b"payload", "switch_removed", b"switch_removed", "switch_upsert", b"switch_upsert"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "device_metrics", b"device_metrics", "device_removed", b"device_removed", "device_upsert", b"device_upsert", "event_time_ms", b"event_time_ms", "host_removed", b"host_removed", "host_upsert", b"host_upsert", "link_metrics", b"link_metrics", "link_removed", b"link_removed", "link_upsert", b"link_upsert", "metrics_batch", b"metrics_batch", "payload", b"payload", "source", b"source", "switch_removed", b"switch_removed", "switch_upsert", b"switch_upsert"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "device_metrics", b"device_metrics", "device_removed", b"device_removed", "device_upsert", b"device_upsert", "event_time_ms", b"event_time_ms", "host_removed", b"host_removed", "host_tasks", b"host_tasks", "host_upsert", b"host_upsert", "link_metrics", b"link_metrics", "link_removed", b"link_removed", "link_upsert", b"link_upsert", "metrics_batch", b"metrics_batch", "payload", b"payload", "source", b"source", "switch_removed", b"switch_removed", "switch_upsert", b"switch_upsert"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["device_upsert", "device_removed", "host_upsert", "host_removed", "switch_upsert", "switch_removed", "link_upsert", "link_removed", "device_metrics", "link_metrics", "metrics_batch"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["device_upsert", "device_removed", "host_upsert", "host_removed", "switch_upsert", "switch_removed", "link_upsert", "link_removed", "device_metrics", "link_metrics", "metrics_batch", "host_tasks"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___TelemetryEvent: _TypeAlias = TelemetryEvent  # noqa: Y015
+
+@_typing.final
+class RunningTask(_message.Message):
+    """A task a host runs now, as its agent sees it (process ownership or an executor's label)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    PLACEMENT_SEQUENCE_FIELD_NUMBER: _builtins.int
+    DEVICE_IDS_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    placement_sequence: _builtins.int
+    """The fencing token of the placement it runs under (Placement.sequence); 0: not known."""
+    @_builtins.property
+    def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        placement_sequence: _builtins.int = ...,
+        device_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "placement_sequence", b"placement_sequence", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunningTask: _TypeAlias = RunningTask  # noqa: Y015
+
+@_typing.final
+class HostTasks(_message.Message):
+    """Every hlb task a host runs now, reported by its agent each telemetry interval. A running task
+    keeps its lease only while its host lists it (docs/agents.md); a task a host stops listing,
+    or a host that stops reporting, loses it after leases.report_timeout_s.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    host_id: _builtins.str
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningTask]: ...
+    def __init__(
+        self,
+        *,
+        host_id: _builtins.str = ...,
+        tasks: _abc.Iterable[Global___RunningTask] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostTasks: _TypeAlias = HostTasks  # noqa: Y015
 
 @_typing.final
 class Dependency(_message.Message):
@@ -618,7 +679,13 @@ class TaskStarted(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
+    PLACEMENT_SEQUENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
+    placement_sequence: _builtins.int
+    """The fencing token: the sequence of the placement the executor starts (Placement.sequence).
+    A start naming another placement than the task's current one is refused (stale_placement);
+    0 (not given) is accepted only while the task has never lost a placement.
+    """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -626,10 +693,11 @@ class TaskStarted(_message.Message):
         *,
         task_id: _builtins.str = ...,
         device_ids: _abc.Iterable[_builtins.str] | None = ...,
+        placement_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "placement_sequence", b"placement_sequence", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -736,6 +804,7 @@ class TaskEvent(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
     cell: _builtins.str
     event_time_ms: _builtins.int
     source: _builtins.str
@@ -751,6 +820,8 @@ class TaskEvent(_message.Message):
     def failed(self) -> Global___TaskFailed: ...
     @_builtins.property
     def progress(self) -> Global___TaskProgress: ...
+    @_builtins.property
+    def lost(self) -> Global___PlacementLost: ...
     def __init__(
         self,
         *,
@@ -763,16 +834,57 @@ class TaskEvent(_message.Message):
         finished: Global___TaskFinished | None = ...,
         failed: Global___TaskFailed | None = ...,
         progress: Global___TaskProgress | None = ...,
+        lost: Global___PlacementLost | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failed", b"failed", "finished", b"finished", "payload", b"payload", "progress", b"progress", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failed", b"failed", "finished", b"finished", "lost", b"lost", "payload", b"payload", "progress", b"progress", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "cell", b"cell", "event_time_ms", b"event_time_ms", "failed", b"failed", "finished", b"finished", "payload", b"payload", "progress", b"progress", "source", b"source", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "cell", b"cell", "event_time_ms", b"event_time_ms", "failed", b"failed", "finished", b"finished", "lost", b"lost", "payload", b"payload", "progress", b"progress", "source", b"source", "started", b"started", "submitted", b"submitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["submitted", "cancelled", "started", "finished", "failed", "progress"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["submitted", "cancelled", "started", "finished", "failed", "progress", "lost"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___TaskEvent: _TypeAlias = TaskEvent  # noqa: Y015
+
+@_typing.final
+class PlacementLost(_message.Message):
+    """The daemon's record that a placement's lease expired (hlb.daemon.decide.leases): not started in
+    time, or its host stopped reporting it. Its devices are free again; the task is placed again
+    (resubmitted) or, its retries used up, failed. Published by the daemon on hlb.tasks, so that a
+    replay after a restart reaches the same state; applying it twice changes nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    PLACEMENT_SEQUENCE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    RESUBMITTED_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    placement_sequence: _builtins.int
+    """the placement whose lease expired"""
+    reason: _builtins.str
+    resubmitted: _builtins.bool
+    """false: the task failed"""
+    lost: _builtins.int
+    """placements of the task lost so far, this one included"""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        placement_sequence: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        resubmitted: _builtins.bool = ...,
+        lost: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lost", b"lost", "placement_sequence", b"placement_sequence", "reason", b"reason", "resubmitted", b"resubmitted", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementLost: _TypeAlias = PlacementLost  # noqa: Y015
 
 @_typing.final
 class Placement(_message.Message):
