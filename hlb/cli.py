@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -33,8 +34,16 @@ def _usage() -> str:
         "usage: hlb COMMAND [options]\n\n"
         "hlb: a holistic load balancer for heterogeneous AI infrastructure.\n\n"
         f"commands:\n{rows}\n\n"
-        "Run 'hlb COMMAND --help' for a command's options."
+        "Run 'hlb COMMAND --help' for a command's options; 'hlb --version' prints the version."
     )
+
+
+def version() -> str:
+    """The installed package's version (pyproject.toml's)."""
+    try:
+        return importlib.metadata.version("hlb")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        return "unknown (not installed: pip install -e .)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"hlb {version()}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
         print(f"hlb: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

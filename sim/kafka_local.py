@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import base64
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -40,8 +42,20 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
-def fetch(cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Resolve the broker's jars into ``cache_dir/<version>/libs`` (once); returns that folder."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# Maven's line for each file it has downloaded: "Downloaded from <repo>: <url> (<size> at <speed>)".
+_DOWNLOADED = re.compile(r"^(?:\[INFO\] )?Downloaded from [^:]+: (\S+) \(([^)]*?)(?: at [^)]*)?\)")
+
+
+def fetch(cache_dir: Path = DEFAULT_CACHE, progress: Callable[[str], None] = _to_stderr) -> Path:
+    """Resolve the broker's jars into ``cache_dir/<version>/libs`` (once); returns that folder.
+
+    ``progress`` is told what happens while Maven downloads: a line when it starts, one per jar
+    downloaded (with its size), and one at the end (a cold cache takes minutes, and a silent
+    command looks hung)."""
     libs = cache_dir / KAFKA_VERSION / "libs"
     stamp = libs / ".complete"
     if stamp.exists():
@@ -50,15 +64,26 @@ def fetch(cache_dir: Path = DEFAULT_CACHE) -> Path:
         raise BrokerError("Maven (mvn) is needed to fetch Kafka's jars from Maven Central")
     libs.mkdir(parents=True, exist_ok=True)
     cmd = [
-        "mvn", "-q", "-B", "-f", str(PACKAGE_DIR / "pom.xml"), "dependency:copy-dependencies",
+        "mvn", "-B", "-f", str(PACKAGE_DIR / "pom.xml"), "dependency:copy-dependencies",
         "-DincludeScope=runtime", f"-DoutputDirectory={libs.resolve()}",
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise BrokerError(f"mvn failed ({result.returncode}):\n{result.stdout[-4000:]}{result.stderr[-4000:]}")
+    progress(f"fetching Apache Kafka {KAFKA_VERSION}'s jars with Maven into {libs} (once)")
+    tail: deque[str] = deque(maxlen=200)  # Maven's last lines, for the error
+    jars = 0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as maven:
+        assert maven.stdout is not None
+        for line in maven.stdout:
+            tail.append(line)
+            downloaded = _DOWNLOADED.match(line)
+            if downloaded and downloaded[1].endswith(".jar"):
+                jars += 1
+                progress(f"  [{jars}] {downloaded[1].rsplit('/', 1)[-1]} ({downloaded[2]})")
+    if maven.returncode != 0:
+        raise BrokerError(f"mvn failed ({maven.returncode}):\n{''.join(tail)[-8000:]}")
     if not any(libs.glob("kafka_2.13-*.jar")):
         raise BrokerError(f"mvn ran but no kafka_2.13 jar is in {libs}")
     stamp.write_text(KAFKA_VERSION + "\n")
+    progress(f"Kafka's jars are in {libs} ({jars} downloaded, {len(list(libs.glob('*.jar')))} in all)")
     return libs
 
 

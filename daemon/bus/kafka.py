@@ -47,6 +47,8 @@ log = structlog.get_logger(__name__)
 ClientConfig = dict[str, str | int | float | bool]
 
 FETCH_QUEUE_BACKOFF_MS = 10  # see KafkaSource: how soon a full prefetch queue is looked at again
+# How long ensure_topics waits for a first answer from the bootstrap servers before it says none came.
+CONNECT_TIMEOUT_S = 5.0
 
 
 def _client_config(settings: KafkaSettings) -> ClientConfig:
@@ -126,10 +128,26 @@ class KafkaBus:
     def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None:
         """Create missing topics (one partition each for now); the compacted ones keep the latest per key."""
         admin = AdminClient(_client_config(self.settings), logger=KafkaLog())
+        self.reach(admin)
         try:
             self._create(admin, topics, compacted)
         except KafkaException as exc:
             raise BrokerError(f"cannot set up topics on Kafka at {self.settings.bootstrap_servers}: {exc}") from None
+
+    def reach(self, admin: AdminClient) -> None:
+        """Raise ``BrokerError`` naming the bootstrap servers when no broker answers within
+        ``CONNECT_TIMEOUT_S`` (librdkafka alone would retry in silence until a request timed out)."""
+        servers = self.settings.bootstrap_servers
+        log.info("connecting to Kafka", bootstrap_servers=servers)
+        try:
+            admin.list_topics(timeout=CONNECT_TIMEOUT_S)
+        except KafkaException as exc:
+            error = exc.args[0]
+            why = error.str() if isinstance(error, KafkaError) else str(exc)
+            raise BrokerError(
+                f"no Kafka broker answered at {servers} (kafka.bootstrap_servers) within {CONNECT_TIMEOUT_S:g} s:"
+                f" {why}; is the broker running and reachable from here?"
+            ) from None
 
     def _create(self, admin: AdminClient, topics: Sequence[str], compacted: Sequence[str]) -> None:
         wanted = [NewTopic(t, num_partitions=1, replication_factor=-1) for t in topics]

@@ -361,7 +361,12 @@ class MetricsServer:
     def __init__(self, metrics: DaemonMetrics, listen: str) -> None:
         host, _, port = listen.rpartition(":")
         self._httpd: WSGIServer
-        self._httpd, self._thread = start_http_server(int(port), host.strip("[]"), metrics.registry)
+        try:
+            self._httpd, self._thread = start_http_server(int(port), host.strip("[]"), metrics.registry)
+        except OSError as exc:  # a bare "[Errno 98] Address already in use" said nothing of where
+            raise OSError(
+                exc.errno, f"cannot serve metrics on {listen} (metrics.listen): {exc.strerror or exc}"
+            ) from None
         self.port: int = self._httpd.server_port
 
     def stop(self) -> None:

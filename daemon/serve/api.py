@@ -84,12 +84,26 @@ class _DeadlinePassedError(Exception):
     """The caller's deadline passed while the request waited for the daemon's lock."""
 
 
+def _gave_up(context: grpc.aio.ServicerContext[object, object]) -> bool:
+    """Whether the caller's deadline has passed."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 def _still_wanted(context: grpc.aio.ServicerContext[object, object]) -> None:
     """Raise ``_DeadlinePassedError`` when the caller has given up; called holding the lock, where the
     handler cannot await the abort."""
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if _gave_up(context):
         raise _DeadlinePassedError
+
+
+def _stopped_part_way(done: int, asked: int, dry_run: bool) -> str:
+    if dry_run:
+        return f"deadline passed after {done} of {asked} tasks of the dry run; nothing was decided"
+    return (
+        f"deadline passed after {done} of {asked} tasks were decided, highest priority first: those stand"
+        f" (the same batch again answers them), the other {asked - done} were not submitted"
+    )
 
 
 def _refusal_code(error: InvalidEventError) -> grpc.StatusCode:
@@ -115,6 +129,9 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self.lock = lock
         self.on_submitted = on_submitted
         self.staleness_ms: Callable[[], float] = lambda: -1.0
+        # The wake-up events of the open WatchPlacements streams; set once streams must end.
+        self._watchers: set[asyncio.Event] = set()
+        self._streams_ended = False
         # Why decisions are refused now (answered UNAVAILABLE), e.g. a replay after a restart that
         # has not caught up; None: served.
         self.refusal: Callable[[], str | None] = lambda: None
@@ -200,13 +217,20 @@ class SchedulerService(api_grpc.SchedulerServicer):
         await self._check_bounds(request, context)
         caller, cell = self.access.caller(context), self.scheduler.cell
         await self._permitted(context, lambda: self.access.check_read(caller, request.task_id, cell))
-        await self._check_serving(context)
+        why = self.refusal()
         await _check_deadline(context)
+        decision: Decision | None = None
         try:
             with self.lock:
-                decision = self.scheduler.lookup(request.task_id)
+                if why is None:
+                    decision = self.scheduler.lookup(request.task_id)
+                else:  # not serving (a replay after a start): what the ledger holds is answered
+                    placement = self.scheduler.ledger.get(request.task_id)
+                    decision = Decision(placement=placement) if placement is not None else None
         except UnknownTaskError as exc:
             await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        if decision is None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(why))
         if decision.placement is not None:
             await self._durable(context)
         if decision.placement is not None:
@@ -229,8 +253,12 @@ class SchedulerService(api_grpc.SchedulerServicer):
         next_sequence = max(1, request.from_sequence)
         with self.lock:
             unsubscribe = self.scheduler.ledger.subscribe(notify)
+        self._watchers.add(wake)
         try:
             while True:
+                if self._streams_ended:
+                    why = f"the daemon is stopping; watch again from sequence {next_sequence}"
+                    await _abort(context, grpc.StatusCode.UNAVAILABLE, why)
                 wake.clear()
                 with self.lock:
                     batch = self.scheduler.ledger.since(next_sequence)
@@ -241,8 +269,16 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 if not batch:
                     await wake.wait()
         finally:
+            self._watchers.discard(wake)
             with self.lock:
                 unsubscribe()
+
+    def end_streams(self) -> None:
+        """End every open ``WatchPlacements`` stream (``UNAVAILABLE``, saying where to watch again
+        from) and any opened from now on: at shutdown, so that none holds the grace period."""
+        self._streams_ended = True
+        for wake in self._watchers:
+            wake.set()
 
     async def GetClusterState(
         self, request: api.GetClusterStateRequest, context: grpc.aio.ServicerContext[object, object]
@@ -269,8 +305,9 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 new = [spec for spec in request.tasks if spec.id not in tasks]
                 if new and not dry_run:
                     self.tenant_backlog.admit(new, self.limits.max_pending_per_tenant)
-                decisions = self.scheduler.place_batch(request.tasks, dry_run=dry_run)
+                decisions = self.scheduler.place_batch(request.tasks, dry_run=dry_run, stop=lambda: _gave_up(context))
                 if not dry_run:
+                    new = [spec for spec in new if spec.id in tasks]  # a batch stopped part-way took these alone
                     for spec in new:
                         self.on_submitted(spec)
                         self.tenant_backlog.added(spec.id)
@@ -283,6 +320,9 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.UNAVAILABLE, taken_back)
         if not dry_run:
             await self._durable(context)  # one fsync for the whole batch
+        if len(decisions) < len(request.tasks):  # its caller gave up part-way: the rest was left alone
+            done, asked = len(decisions), len(request.tasks)
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _stopped_part_way(done, asked, dry_run))
         reply = api.PlaceBatchResponse()
         for decision in decisions:
             result = reply.results.add()
@@ -474,6 +514,7 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),  # type: ignore[type-arg]
     ) -> None:
         self.health = health_aio.HealthServicer()
+        self.service = service
         self.server = grpc.aio.server(
             interceptors=[*interceptors, RefuseMalformed()],  # innermost: the others see its refusals
             options=[
@@ -508,4 +549,6 @@ class GrpcServer:
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
+        if isinstance(self.service, SchedulerService):  # a watch would hold the whole grace period
+            self.service.end_streams()
         await self.server.stop(grace_s)

@@ -217,7 +217,8 @@ def check_id(value: str, what: str) -> None:
 
 def check_range(value: float, what: str, low: float, high: float) -> None:
     if not (math.isfinite(value) and low <= value <= high):
-        raise InvalidEventError(f"{what}={value!r} is outside [{low}, {high}]", "out_of_range")
+        # float(): a numpy scalar's repr is np.float64(7.0), which no reader wants.
+        raise InvalidEventError(f"{what}={float(value)!r} is outside [{float(low)}, {float(high)}]", "out_of_range")
 
 
 def check_ranges(values: NDArray[np.float64], ids: Sequence[str], what: str, low: float, high: Any) -> None:
@@ -225,8 +226,9 @@ def check_ranges(values: NDArray[np.float64], ids: Sequence[str], what: str, low
     bad = ~(np.isfinite(values) & (values >= low) & (values <= high))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        bound = high[i] if isinstance(high, np.ndarray) else high
-        raise InvalidEventError(f"device {ids[i]} {what}={values[i]!r} is outside [{low}, {bound}]", "out_of_range")
+        bound = float(high[i] if isinstance(high, np.ndarray) else high)
+        value = float(values[i])  # plain: a numpy scalar's repr is np.float64(7.0)
+        raise InvalidEventError(f"device {ids[i]} {what}={value!r} is outside [{float(low)}, {bound}]", "out_of_range")
 
 
 # -- inventory and telemetry -----------------------------------------------------------------------

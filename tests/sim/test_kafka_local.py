@@ -155,3 +155,32 @@ def _wait_for_exec(pid: int, marker: bytes) -> None:
     while cmdline.exists() and marker not in cmdline.read_bytes():
         assert time.monotonic() < deadline, f"process {pid} did not start its program"
         time.sleep(0.01)
+
+
+FAKE_MAVEN = """#!/bin/sh
+# Maven's batch-mode lines for two downloads, then the jar where copy-dependencies puts it.
+echo "[INFO] Downloading from central: https://repo.example/org/apache/kafka/kafka-clients-4.1.1.jar"
+echo "[INFO] Downloaded from central: https://repo.example/org/apache/kafka/kafka-clients-4.1.1.jar (12 MB at 3.1 MB/s)"
+echo "[INFO] Downloaded from central: https://repo.example/org/apache/kafka/kafka-4.1.1.pom (4.2 kB at 90 kB/s)"
+echo "[INFO] Downloaded from central: https://repo.example/org/apache/kafka/kafka_2.13-4.1.1.jar (6.1 MB at 2 MB/s)"
+for arg in "$@"; do
+  case "$arg" in -DoutputDirectory=*) touch "${arg#-DoutputDirectory=}/kafka_2.13-4.1.1.jar" ;; esac
+done
+"""
+
+
+def test_fetch_says_what_maven_downloads_while_it_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hlb broker fetch`` was silent for the minutes a cold Maven cache takes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    maven = bin_dir / "mvn"
+    maven.write_text(FAKE_MAVEN)
+    maven.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    lines: list[str] = []
+    libs = kafka_local.fetch(tmp_path / "cache", progress=lines.append)
+    assert lines[0].startswith(f"fetching Apache Kafka {kafka_local.KAFKA_VERSION}'s jars with Maven into ")
+    assert lines[1:3] == ["  [1] kafka-clients-4.1.1.jar (12 MB)", "  [2] kafka_2.13-4.1.1.jar (6.1 MB)"]
+    assert lines[3] == f"Kafka's jars are in {libs} (2 downloaded, 1 in all)"
+    assert kafka_local.fetch(tmp_path / "cache", progress=lines.append) == libs  # fetched once: nothing more said
+    assert len(lines) == 4
