@@ -65,6 +65,44 @@ def test_agent_tasks_are_placed_started_and_finished_through_the_bus() -> None:
     assert len(bus.read_all(TOPICS.inventory)) == len(inventory_events("c"))
 
 
+def test_the_executor_echoes_each_placements_token_and_reports_what_each_host_runs() -> None:
+    bus = MemoryBus()
+    clock = FakeClock()
+    scheduler = Scheduler(InfraGraph(), LeastLoaded(), PlacementLedger(), "c", clock=clock)
+    scheduler.ledger.subscribe(lambda p: bus.publish(TOPICS.placements, b"c", p.SerializeToString()))
+    ingestor = Ingestor(
+        bus.source([TOPICS.telemetry, TOPICS.tasks], "d"), bus, scheduler, threading.RLock(), TOPICS, 1 << 20
+    )
+    agent = Agent(bus, bus.source([TOPICS.placements], "a"), TOPICS, "c", seed=1, rate_per_s=5.0, clock=clock)
+    agent.publish_inventory()
+    tasks = bus.source([TOPICS.tasks, TOPICS.telemetry], "reader")
+    for _ in range(5):
+        agent.step()
+        drain(ingestor)
+        clock.now += 1.0
+    agent.step()
+    records = tasks.next_batch(100_000, 0.0)
+    starts = [e.started for e in (ev.TaskEvent.FromString(r.value or b"") for r in records if r.topic == TOPICS.tasks)
+              if e.HasField("started")]  # fmt: skip
+    assert starts
+    for started in starts:
+        placement = scheduler.ledger.get(started.task_id)
+        assert placement is not None
+        assert started.placement_sequence == placement.sequence
+    reports = [e.host_tasks for e in (ev.TelemetryEvent.FromString(r.value or b"") for r in records
+               if r.topic == TOPICS.telemetry) if e.HasField("host_tasks")]  # fmt: skip
+    hosts = {d.host_id for d in agent.devices}
+    assert {r.host_id for r in reports} == hosts  # every host reports, an idle one an empty list
+    last = {r.host_id: r for r in reports}  # the newest report of each host
+    listed = {(t.task_id, t.placement_sequence) for r in last.values() for t in r.tasks}
+    running = {(task_id, run[0]) for task_id, run in agent.executor.running.items()}
+    assert listed == running
+    for report in last.values():
+        for task in report.tasks:
+            assert {agent.executor.host_of[d] for d in task.device_ids} == {report.host_id}
+    assert ingestor.stats.rejected == {}
+
+
 def test_agent_is_deterministic_for_a_seed() -> None:
     def tasks(seed: int) -> list[ev.TaskSpec]:
         agent = Agent(MemoryBus(), MemoryBus().source([], "x"), TOPICS, "c", seed=seed, clock=lambda: 0.0)
