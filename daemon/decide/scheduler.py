@@ -20,18 +20,20 @@ own modules (``batch``, ``queue``, ``device_waits``, ``forgetting``).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+from sortedcontainers import SortedKeyList
 
 from hlb.daemon.decide.batch import BatchScores
 from hlb.daemon.decide.device_waits import DeviceWaits
 from hlb.daemon.decide.forgetting import DEFAULT_REMEMBER_ENDED, EndedTasks
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.leases import LeaseKeeper, LeaseTimeouts
-from hlb.daemon.decide.queue import PendingQueue
+from hlb.daemon.decide.queue import FitKey, PendingQueue, QueueKey
 from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
 from hlb.daemon.state.checks import check_task_progress, check_task_spec, check_task_specs
 from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion
@@ -42,6 +44,8 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
 Clock = Callable[[], float]  # seconds since the Unix epoch
+Shape = tuple[tuple[int, ...], tuple[str, ...], int]  # Task.fit_key's first part: kinds, models, gang
+STOP_CHECK_EVERY = 32  # tasks of a batch between two questions whether its caller still waits
 
 DEFAULT_TOP_K = 5
 
@@ -98,6 +102,11 @@ class Scheduler:
         # Of those, the tasks whose start was replayed before their devices: running once bound.
         self._started_unbound: set[str] = set()
         self._dirty = True  # something changed that may let a queued task fit
+        self._passes = 0  # passes so far: when a task's own pending reason was written (Task.reason_pass)
+        # Fit buckets that a full pass left whole, with the reason and the pass (see pending_reason).
+        self._bucket_refusals: dict[FitKey, tuple[str, int]] = {}
+        # Queued tasks parked (PendingQueue.park) by the dependency they wait for, by its id.
+        self._parked_on: dict[str, set[str]] = {}
         self._seen = (graph.version, graph.metrics_version)
         self._started_s: dict[str, float] = {}  # when each running task started (its run time, at the end)
         self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
@@ -218,6 +227,9 @@ class Scheduler:
         else:
             self.queue.add(task, self.graph, self._policy)
             self._arrived[task_id] = None
+            task.reason_pass = self._passes  # no bucket refused so far speaks for it
+        if self._parked_on:
+            self._dependency_moved(task_id)
         return task
 
     # -- decisions -------------------------------------------------------------------------
@@ -233,26 +245,81 @@ class Scheduler:
             return []
         self._dirty, self._seen = False, seen
         arrived, self._arrived = self._arrived, {}
-        if full:
-            tasks = list(self.queue.ordered(self.graph, self.policy))
-        else:
+        self._passes += 1
+        if not full:
             tasks = self.queue.in_order([*arrived, *self.device_waits.waiting], self.graph, self.policy)
+            return self._pass_over(tasks)
+        buckets = self.queue.buckets(self.graph, self.policy)
+        if buckets is None:  # ranks over the whole queue: no buckets to merge
+            return self._pass_over(self.queue.ordered(self.graph, self.policy))
+        return self._pass_by_bucket(buckets)
+
+    def _pass_over(self, tasks: Sequence[Task]) -> list[ev.Placement]:
+        """Try ``tasks`` in their order; returns the placements made."""
         placed: list[ev.Placement] = []
         # Feasible sets only shrink during a pass, so a shape (kinds, models, gang) that did not fit
         # with m GB does not fit with more: such tasks are skipped without a look at the devices.
-        refused: dict[tuple[tuple[int, ...], tuple[str, ...], int], tuple[float, str]] = {}
-        for task in tasks:
+        refused: dict[Shape, tuple[float, str]] = {}
+        for task in list(tasks):
             shape, memory_gb, has_dependencies = task.fit_key
             smaller = refused.get(shape)
             if smaller is not None and memory_gb >= smaller[0] and not has_dependencies:
-                task.pending_reason = smaller[1]
+                self._pend(task, smaller[1])
                 continue
             placement = self._try_place(task, dry_run=False)
             if placement is not None:
                 placed.append(placement)
-            elif not task.pending_reason.startswith("waiting for") and (smaller is None or memory_gb < smaller[0]):
-                refused[shape] = (memory_gb, task.pending_reason)
+            else:
+                _note_refusal(refused, task)
         return placed
+
+    def _pass_by_bucket(self, buckets: list[tuple[FitKey, SortedKeyList[str, QueueKey]]]) -> list[ev.Placement]:
+        """The whole queue in queue order, as :meth:`_pass_over` would try it, but by merging the
+        fit buckets: once a bucket's shape did not fit with its memory or less, the rest of the
+        bucket is left whole (its tasks read the reason through :meth:`pending_reason`)."""
+        placed: list[ev.Placement] = []
+        refused: dict[Shape, tuple[float, str]] = {}
+        queued, key = self.queue.tasks, self.queue.key
+        present = {fit for fit, _ in buckets}
+        self._bucket_refusals = {fit: why for fit, why in self._bucket_refusals.items() if fit in present}
+        heads = [(key(bucket[0]), n, 0) for n, (_, bucket) in enumerate(buckets) if bucket]
+        heapq.heapify(heads)
+        while heads:
+            _, n, i = heapq.heappop(heads)
+            fit, bucket = buckets[n]
+            if i >= len(bucket):
+                continue
+            task = queued[bucket[i]]
+            shape, memory_gb, has_dependencies = fit
+            smaller = refused.get(shape)
+            if smaller is not None and memory_gb >= smaller[0] and not has_dependencies:
+                self._bucket_refusals[fit] = (smaller[1], self._passes)
+                continue
+            placement = self._try_place(task, dry_run=False)
+            if placement is not None:
+                placed.append(placement)
+            else:
+                _note_refusal(refused, task)
+            if i < len(bucket) and bucket[i] == task.spec.id:  # else it left (placed or parked): the next is at i
+                i += 1
+            if i < len(bucket):
+                heapq.heappush(heads, (key(bucket[i]), n, i))
+        return placed
+
+    def pending_reason(self, task: Task) -> str:
+        """Why a queued task is pending: its own reason, or its bucket's when a later pass left the
+        bucket whole (:meth:`_pass_by_bucket`), or, parked, the dependency it waits for as it is now."""
+        if self.queue.is_parked(task.spec.id):  # its dependency may have moved on since (placed, running)
+            waiting_for = self._unfinished_dependency(task)
+            if waiting_for is not None:
+                return waiting_for[1]
+        refusal = self._bucket_refusals.get(task.fit_key)
+        if refusal is not None and refusal[1] > task.reason_pass:
+            return refusal[0]
+        return task.pending_reason
+
+    def _pend(self, task: Task, reason: str) -> None:
+        task.pending_reason, task.reason_pass = reason, self._passes
 
     def place(self, spec: ev.TaskSpec, dry_run: bool = False) -> Decision:
         """Decide for one task now (the gRPC ``Place``). Idempotent for a task already known."""
@@ -270,13 +337,17 @@ class Scheduler:
             return self.lookup(spec.id)
         return self._decision(task, self._try_place(task, dry_run=False))
 
-    def place_batch(self, specs: Sequence[ev.TaskSpec], dry_run: bool = False) -> list[Decision]:
+    def place_batch(
+        self, specs: Sequence[ev.TaskSpec], dry_run: bool = False, stop: Callable[[], bool] | None = None
+    ) -> list[Decision]:
         """Decide for many tasks jointly, highest priority first (request order within a priority).
 
         Later tasks see the reservations of earlier ones, with ``dry_run`` too: a dry run binds
         probes and releases them all before it returns, so nothing it did remains. Every spec is
         validated before any is placed (an error names the task's index, ``tasks[i]``); returns the
-        decisions in request order.
+        decisions in request order. ``stop``, asked every ``STOP_CHECK_EVERY`` tasks, ends the batch
+        early when it says so (its caller gave up): the tasks not reached are not submitted, and
+        only the decisions made are returned (fewer than ``specs``).
         """
         plain = check_task_specs(specs)
         seen: set[str] = set()
@@ -308,7 +379,9 @@ class Scheduler:
         probes: list[Task] = []
         cache = BatchScores(self.graph, self.policy)
         try:
-            for i in order:
+            for n, i in enumerate(order):
+                if stop is not None and n % STOP_CHECK_EVERY == 0 and n and stop():
+                    break
                 spec = specs[i]
                 if spec.id in tasks:
                     decisions[i] = self.lookup(spec.id)
@@ -512,7 +585,11 @@ class Scheduler:
             self.device_waits.stop(task_id)  # decided afresh: an earlier wait no longer holds a device
         waiting_for = None if task.plain or not spec.dependencies else self._unfinished_dependency(task)
         if waiting_for is not None:
-            task.pending_reason = waiting_for
+            dependency, reason = waiting_for
+            self._pend(task, reason)
+            if not dry_run:  # tried again once that dependency is submitted or ends, not every pass
+                self._parked_on.setdefault(dependency, set()).add(task_id)
+                self.queue.park(task_id)
             return None
         known = cache.choose(spec, task.plain) if cache is not None else None
         if known is None:
@@ -521,14 +598,14 @@ class Scheduler:
         else:
             feasible, gang, score = known
         if not len(gang):
-            task.pending_reason = self._why_unplaceable(task, len(feasible))
+            self._pend(task, self._why_unplaceable(task, len(feasible)))
             return None
         may_wait = self._may_wait
         if may_wait:
             now_ms = int(self.clock() * 1000.0)
             wait = self.policy.wait_for(spec, self.graph, gang, score, now_ms, self.device_waits.queued_s)
             if wait is not None:
-                task.pending_reason = wait.reason
+                self._pend(task, wait.reason)
                 if not dry_run:
                     self.device_waits.start(task_id, wait)
                 return None
@@ -554,18 +631,25 @@ class Scheduler:
             cache.bound(task.device_rows)
         return self.ledger.record(placement, owned=True)
 
-    def _unfinished_dependency(self, task: Task) -> str | None:
-        """Why the task must wait for a dependency, or None when all have finished."""
+    def _unfinished_dependency(self, task: Task) -> tuple[str, str] | None:
+        """The first dependency the task must wait for, and why; None when all have finished."""
         for dep in task.spec.dependencies:
             upstream = self.graph.tasks.get(dep.task_id)
             state = upstream.state if upstream is not None else self.forgotten.get(dep.task_id)
             if state is None:
-                return f"waiting for dependency {dep.task_id} (not submitted yet)"
+                return dep.task_id, f"waiting for dependency {dep.task_id} (not submitted yet)"
             if state in (TaskState.FAILED, TaskState.CANCELLED):
-                return f"waiting for dependency {dep.task_id}, which is {state.label}: it can never start"
+                return dep.task_id, f"waiting for dependency {dep.task_id}, which is {state.label}: it can never start"
             if state != TaskState.FINISHED:
-                return f"waiting for dependency {dep.task_id} ({state.label})"
+                return dep.task_id, f"waiting for dependency {dep.task_id} ({state.label})"
         return None
+
+    def _dependency_moved(self, task_id: str) -> None:
+        """``task_id`` was submitted or ended: the tasks parked on it are tried at the next pass."""
+        parked = self._parked_on.pop(task_id, None)
+        for dependent in parked or ():
+            if self.queue.unpark(dependent):
+                self._arrived[dependent] = None
 
     # -- taking back decisions that could not be made durable ----------------------------------
 
@@ -583,7 +667,7 @@ class Scheduler:
         self.ledger.forget([task_id])
         self.device_waits.ended(self.graph, task)  # its expected end no longer counts on its devices
         self.graph.unbind(task)
-        task.pending_reason = reason
+        self._pend(task, reason)
         self.queue.add(task, self.graph, self.policy)
         self._dirty = True  # decided afresh at the next pass
         return True
@@ -662,6 +746,8 @@ class Scheduler:
     def _task_ended(self, task: Task) -> None:
         self.leases.ended(task.spec.id)
         self.ended.task_ended(self.graph, task.spec, self.clock())
+        if self._parked_on:
+            self._dependency_moved(task.spec.id)
 
     def forget_ended(self, now: float, limit: int | None = None) -> int:
         """See :meth:`EndedTasks.forget_ended`."""
@@ -697,7 +783,7 @@ class Scheduler:
 
     def _pending_message(self, task: Task) -> api.Pending:
         return api.Pending(
-            task_id=task.spec.id, reason=task.pending_reason, queue_position=self.queue_position(task.spec.id)
+            task_id=task.spec.id, reason=self.pending_reason(task), queue_position=self.queue_position(task.spec.id)
         )
 
     def _bind_restored(self) -> None:
@@ -732,3 +818,12 @@ class Scheduler:
             ruled_out = ", ".join(f"{constraint} {n}" for constraint, n in counts.most_common())
             return f"no feasible device ({counts.total()} ruled out by {ruled_out})"
         return f"needs {task.gang_size} devices at once, {feasible} feasible now"
+
+
+def _note_refusal(refused: dict[Shape, tuple[float, str]], task: Task) -> None:
+    """``task`` did not fit, and not because it waits (for a busy device or a dependency): its shape
+    does not fit with its memory or more for the rest of the pass."""
+    shape, memory_gb, _ = task.fit_key
+    smaller = refused.get(shape)
+    if not task.pending_reason.startswith("waiting for") and (smaller is None or memory_gb < smaller[0]):
+        refused[shape] = (memory_gb, task.pending_reason)

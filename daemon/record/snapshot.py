@@ -139,7 +139,7 @@ def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
         [t.spec.SerializeToString(deterministic=True) for t in tasks]
     )
     _pack_str(arrays, "tasks.cell", [t.cell for t in tasks])
-    _pack_str(arrays, "tasks.reason", [t.pending_reason for t in tasks])
+    _pack_str(arrays, "tasks.reason", [scheduler.pending_reason(t) for t in tasks])
     arrays["tasks.ints"] = np.array([[t.arrival, t.row, int(t.state)] for t in tasks], dtype=np.int64).reshape(-1, 3)
     arrays["tasks.n_devices"] = np.array([len(t.device_rows) for t in tasks], dtype=np.int64)
     arrays["tasks.device_rows"] = np.array([r for t in tasks for r in t.device_rows], dtype=np.int64)

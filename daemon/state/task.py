@@ -51,6 +51,7 @@ class Task:
     device_ids: tuple[str, ...] = ()
     pending_reason: str = "not yet considered"
     lost: int = 0  # placements of the task whose lease expired (hlb.daemon.decide.leases)
+    reason_pass: int = 0  # the scheduling pass that wrote pending_reason (Scheduler.pending_reason)
     # The spec names no dependencies, allowed kinds or models, preferred models or labels, as
     # ``check_task_specs`` found (False: not known, so read them). Reading one of these repeated
     # fields costs as much as a few plain ones, and a batch decision would read each several times.

@@ -104,3 +104,73 @@ def test_held_passes_decide_nothing_until_released() -> None:
     scheduler.passes_held = False
     scheduler.reconsider()
     assert [p.task_id for p in scheduler.schedule_pending()] == ["t"]
+
+
+def _run(
+    ops: list[tuple[int, int, int, int, bool]], policy_name: str, bucketed: bool
+) -> tuple[list[str], dict[str, str]]:
+    """Submit, pass and finish as ``ops`` say; the placements in order and every pending reason."""
+    graph = InfraGraph()
+    for i in range(6):
+        device = ev.Device(
+            id=f"d{i}", host_id=f"h{i // 2}", kind=ev.DEVICE_KIND_GPU, model=MODELS[i % 3], memory_gb=16 * (1 + i % 2)
+        )
+        graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    scheduler = Scheduler(graph, make_policy(policy_name), PlacementLedger(), "c", clock=lambda: 1000.0)
+    if not bucketed:
+        scheduler.queue.buckets = lambda graph, policy: None  # type: ignore[method-assign]
+    placed: list[str] = []
+    for n, (priority, gang, memory, model, depends) in enumerate(ops):
+        spec = ev.TaskSpec(
+            id=f"t{n}", priority=priority, work_ref_s=60.0 * (1 + n % 5), num_devices=gang,
+            memory_per_device_gb=float(memory), allowed_models=[MODELS[model]] if model < 3 else [],
+        )  # fmt: skip
+        if depends and n:
+            spec.dependencies.add(task_id=f"t{n - 1}")
+        scheduler.submit(spec, "c")
+        if n % 3 == 2:
+            placed += [p.task_id for p in scheduler.schedule_pending()]
+        if n % 4 == 3:  # a release: the next pass tries the whole queue
+            running = sorted(t for t, task in graph.tasks.items() if task.state.holds_devices)
+            if running:
+                scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id=running[0])))
+            placed += [p.task_id for p in scheduler.schedule_pending()]
+    reasons = {t: scheduler.lookup(t).pending.reason for t in scheduler.queue.tasks}  # type: ignore[union-attr]
+    return placed, reasons
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.integers(0, 2), st.integers(1, 7), st.sampled_from([4, 16, 24, 40]), st.integers(0, 4), st.booleans()
+        ),
+        max_size=50,
+    ),
+    policy_name=st.sampled_from(["hetero-greedy", "rules"]),
+)
+def test_a_pass_by_fit_bucket_decides_and_explains_as_a_walk_over_the_whole_queue(
+    ops: list[tuple[int, int, int, int, bool]], policy_name: str
+) -> None:
+    assert _run(ops, policy_name, bucketed=True) == _run(ops, policy_name, bucketed=False)
+
+
+def test_a_full_pass_leaves_a_bucket_that_does_not_fit_whole() -> None:
+    graph = cluster()
+    scheduler = Scheduler(graph, make_policy("rules"), PlacementLedger(), "c", clock=lambda: 1000.0)
+    for n in range(1000):  # one fit bucket: four devices each, three in the cluster
+        scheduler.submit(ev.TaskSpec(id=f"big{n}", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=4), "c")
+    scheduler.submit(ev.TaskSpec(id="small", work_ref_s=600.0, memory_per_device_gb=1.0), "c")
+    scheduler.schedule_pending()
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id="small")))
+    tried: list[str] = []
+    try_place = scheduler._try_place
+
+    def counting(task, dry_run, cache=None):  # type: ignore[no-untyped-def]
+        tried.append(task.spec.id)
+        return try_place(task, dry_run, cache)
+
+    scheduler._try_place = counting  # type: ignore[method-assign]
+    assert scheduler.schedule_pending() == []
+    assert tried == ["big0"]  # the other 999 are left with their bucket
+    assert "needs 4 devices" in scheduler.lookup("big999").pending.reason  # type: ignore[union-attr]
