@@ -91,6 +91,7 @@ from hlb.daemon.runtime.reload import (
     token_bucket,
 )
 from hlb.daemon.runtime.restore import (
+    ReplayProgress,
     ReplayTargets,
     newest_snapshot,
     read_ledger,
@@ -188,6 +189,7 @@ class Daemon:
         self._server: GrpcServer | None = None
         # Input partitions -> the offset replay must reach before the daemon serves (see run()).
         self.replay_targets: ReplayTargets = {}
+        self.replay_progress = ReplayProgress()  # how fast replay goes: how long the rest should take
         self.ready = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
@@ -318,7 +320,10 @@ class Daemon:
             return None
         left = self.replay_left() if self.replay_targets else 0
         if left:
-            return f"replaying the inputs after a start: {left} records left before decisions are served"
+            return (
+                f"replaying the inputs after a start: {self.replay_progress.describe(left)} before decisions"
+                " are served (placements decided before the start are answered meanwhile)"
+            )
         return "the daemon is not serving (starting or stopping)"
 
     # -- state, durability and what is observed ---------------------------------------------
@@ -613,7 +618,9 @@ class Daemon:
         return taken.refusal() if taken else None
 
     async def _replay_until_caught_up(self, stop: asyncio.Event, ingest: IngestThread) -> bool:
-        return await wait_for_replay(self.replay_left, stop, ingest, self.notifier, self._monotonic)
+        return await wait_for_replay(
+            self.replay_left, stop, ingest, self.notifier, self._monotonic, self.replay_progress
+        )
 
     async def _journal_upkeep(self, journaled: JournaledPublisher, gate: AnswerGate) -> None:
         """Bring what ingest decided into the journal as an answer would (``gate``: written and

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
 import structlog
@@ -37,6 +39,7 @@ log = structlog.get_logger(__name__)
 ReplayTargets = dict[tuple[str, int], int]
 
 REPLAY_CHECK_S = 0.05
+LOG_EVERY_S = 10.0  # a log line on a replay's progress, at most this often
 
 
 def read_ledger(bus: EventBus, kafka: KafkaSettings) -> list[ev.Placement]:
@@ -173,31 +176,79 @@ def replay_targets(marks: Watermarks, start: Offsets | None, bus: EventBus, grou
     return targets
 
 
+class ReplayProgress:
+    """How a replay moves: records left over time, the rate over the last ``WINDOW_S`` and so how
+    long the rest should take; what the status line, the log and a refused request say."""
+
+    WINDOW_S = 30.0
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def note(self, now_s: float, left: int) -> None:
+        samples = self._samples
+        samples.append((now_s, left))
+        while len(samples) > 2 and now_s - samples[1][0] >= self.WINDOW_S:
+            samples.popleft()
+
+    def rate(self) -> float | None:
+        """Records replayed per second lately; None before it can be told (or while none move)."""
+        if len(self._samples) < 2:
+            return None
+        (first_s, first_left), (last_s, last_left) = self._samples[0], self._samples[-1]
+        if last_s <= first_s or first_left <= last_left:
+            return None
+        return (first_left - last_left) / (last_s - first_s)
+
+    def describe(self, left: int) -> str:
+        """``N records left``, and how long that should take at the rate seen lately."""
+        rate = self.rate()
+        if rate is None:
+            return f"{left} records left"
+        return f"{left} records left, about {_duration(left / rate)} at {rate:,.0f} records/s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 5400:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 async def wait_for_replay(
     left: Callable[[], int],
     stop: asyncio.Event,
     ingest: IngestThread,
     notifier: SystemdNotifier,
     monotonic: Callable[[], float],
+    progress: ReplayProgress | None = None,
 ) -> bool:
     """Wait until ingest has replayed to the start's end offsets (``left()`` records left reaches 0);
-    False when stopped (or ingest died) first. The watchdog is fed meanwhile, and systemd's start
-    timeout extended while records left keep falling: a long replay is progress, not a hang."""
+    False when stopped (or ingest died) first. The watchdog is fed meanwhile, systemd's start
+    timeout extended while records left keep falling (a long replay is progress, not a hang), and
+    ``progress`` told how records left fall, for the status line, the log every ``LOG_EVERY_S``
+    and the refusals meanwhile."""
     pinger = WatchdogPinger(notifier)
     extender = StartTimeoutExtender(notifier)
+    progress = progress if progress is not None else ReplayProgress()
     records_left = left()
     if records_left:
         log.info("replaying before serving", records_left=records_left)
-    reported = 0.0
+    reported, logged = -math.inf, monotonic()
     while records_left:
         if stop.is_set() or not ingest.is_alive():
             return False
         now = monotonic()
         pinger.tick(now)
         extender.tick(now, records_left)
+        progress.note(now, records_left)
         if now - reported >= 1.0:
-            notifier.status(f"replaying: {records_left} records left")
+            notifier.status(f"replaying: {progress.describe(records_left)}")
             reported = now
+        if now - logged >= LOG_EVERY_S:
+            log.info("replaying", progress=progress.describe(records_left))
+            logged = now
         await asyncio.sleep(REPLAY_CHECK_S)
         records_left = left()
     return not stop.is_set() and ingest.is_alive()

@@ -84,12 +84,26 @@ class _DeadlinePassedError(Exception):
     """The caller's deadline passed while the request waited for the daemon's lock."""
 
 
+def _gave_up(context: grpc.aio.ServicerContext[object, object]) -> bool:
+    """Whether the caller's deadline has passed."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 def _still_wanted(context: grpc.aio.ServicerContext[object, object]) -> None:
     """Raise ``_DeadlinePassedError`` when the caller has given up; called holding the lock, where the
     handler cannot await the abort."""
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if _gave_up(context):
         raise _DeadlinePassedError
+
+
+def _stopped_part_way(done: int, asked: int, dry_run: bool) -> str:
+    if dry_run:
+        return f"deadline passed after {done} of {asked} tasks of the dry run; nothing was decided"
+    return (
+        f"deadline passed after {done} of {asked} tasks were decided, highest priority first: those stand"
+        f" (the same batch again answers them), the other {asked - done} were not submitted"
+    )
 
 
 def _refusal_code(error: InvalidEventError) -> grpc.StatusCode:
@@ -203,13 +217,20 @@ class SchedulerService(api_grpc.SchedulerServicer):
         await self._check_bounds(request, context)
         caller, cell = self.access.caller(context), self.scheduler.cell
         await self._permitted(context, lambda: self.access.check_read(caller, request.task_id, cell))
-        await self._check_serving(context)
+        why = self.refusal()
         await _check_deadline(context)
+        decision: Decision | None = None
         try:
             with self.lock:
-                decision = self.scheduler.lookup(request.task_id)
+                if why is None:
+                    decision = self.scheduler.lookup(request.task_id)
+                else:  # not serving (a replay after a start): what the ledger holds is answered
+                    placement = self.scheduler.ledger.get(request.task_id)
+                    decision = Decision(placement=placement) if placement is not None else None
         except UnknownTaskError as exc:
             await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        if decision is None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(why))
         if decision.placement is not None:
             await self._durable(context)
         if decision.placement is not None:
@@ -284,8 +305,9 @@ class SchedulerService(api_grpc.SchedulerServicer):
                 new = [spec for spec in request.tasks if spec.id not in tasks]
                 if new and not dry_run:
                     self.tenant_backlog.admit(new, self.limits.max_pending_per_tenant)
-                decisions = self.scheduler.place_batch(request.tasks, dry_run=dry_run)
+                decisions = self.scheduler.place_batch(request.tasks, dry_run=dry_run, stop=lambda: _gave_up(context))
                 if not dry_run:
+                    new = [spec for spec in new if spec.id in tasks]  # a batch stopped part-way took these alone
                     for spec in new:
                         self.on_submitted(spec)
                         self.tenant_backlog.added(spec.id)
@@ -298,6 +320,9 @@ class SchedulerService(api_grpc.SchedulerServicer):
             await _abort(context, grpc.StatusCode.UNAVAILABLE, taken_back)
         if not dry_run:
             await self._durable(context)  # one fsync for the whole batch
+        if len(decisions) < len(request.tasks):  # its caller gave up part-way: the rest was left alone
+            done, asked = len(decisions), len(request.tasks)
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, _stopped_part_way(done, asked, dry_run))
         reply = api.PlaceBatchResponse()
         for decision in decisions:
             result = reply.results.add()

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hlb.daemon.bus.seam import MemoryBus, MemorySource, Offsets, RawEvent
 from hlb.daemon.config import Settings
 from hlb.daemon.record.journal import JOURNAL_NAME, RECORD_HEADER_BYTES
+from hlb.daemon.runtime.restore import ReplayProgress
 from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
@@ -75,6 +76,8 @@ def test_a_started_daemon_refuses_decisions_until_its_replay_reaches_the_start_w
     devices = _publish_inventory(bus, settings)
     submitted = ev.TaskEvent(cell=CELL, submitted=ev.TaskSpec(id="before-start", memory_per_device_gb=1.0))
     bus.publish(settings.kafka.topics.tasks, CELL.encode(), submitted.SerializeToString())
+    decided = ev.Placement(task_id="decided-earlier", cell=CELL, device_ids=["d0"], sequence=1, policy="rules")
+    bus.publish(settings.kafka.topics.placements, CELL.encode(), decided.SerializeToString())
     with BackgroundDaemon(settings, bus, wait_ready=False) as running:
         target = f"127.0.0.1:{settings.grpc.listen.rsplit(':', 1)[1]}"
         _wait(lambda: _health(target) is not None, "the gRPC server to listen")
@@ -89,10 +92,14 @@ def test_a_started_daemon_refuses_decisions_until_its_replay_reaches_the_start_w
                 with pytest.raises(grpc.RpcError) as refused:
                     call()
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "replaying the inputs" in (refused.value.details() or "")
+                details = refused.value.details() or ""
+                assert "replaying the inputs after a start: 68 records left before decisions are served" in details
+            # A placement decided before the start is answered meanwhile, from the ledger.
+            earlier = stub.GetPlacement(api.GetPlacementRequest(task_id="decided-earlier"), timeout=5)
+            assert list(earlier.placement.device_ids) == ["d0"]
             assert stub.GetClusterState(api.GetClusterStateRequest(), timeout=5).devices == 0  # nothing applied
             assert not running.daemon.ready.is_set()
-            assert not running.daemon.scheduler.ledger.since(1)  # nothing decided either
+            assert running.daemon.scheduler.ledger.since(1) == [decided]  # nothing decided either
 
             bus.release.set()
             _wait(lambda: _health(target) == health_pb2.HealthCheckResponse.SERVING, "SERVING after the replay")
@@ -228,3 +235,18 @@ def test_a_flipped_bit_in_one_journal_record_loses_that_record_only_and_no_seque
         ledger = [ev.Placement.FromString(r.value or b"").sequence for r in bus.read_all(topics.placements)]
         assert len(ledger) == len(set(ledger)) == 7  # 5 restored, the damaged task's and the later one: none twice
         assert second.daemon.metrics.registry.get_sample_value("hlb_journal_records_skipped_total") == 1.0
+
+
+def test_a_replay_says_how_long_the_rest_should_take_at_the_rate_seen_lately() -> None:
+    progress = ReplayProgress()
+    assert progress.describe(1000) == "1000 records left"  # nothing to tell a rate from yet
+    progress.note(0.0, 1000)
+    progress.note(10.0, 800)
+    assert progress.describe(800) == "800 records left, about 40 s at 20 records/s"
+    progress.note(40.0, 800)  # stalled: the window keeps its last 30 s, where nothing moved
+    progress.note(45.0, 800)
+    assert progress.describe(800) == "800 records left"
+    long = ReplayProgress()
+    long.note(0.0, 10_000_000)
+    long.note(10.0, 9_990_000)
+    assert long.describe(9_990_000) == "9990000 records left, about 2.8 h at 1,000 records/s"

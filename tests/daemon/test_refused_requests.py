@@ -20,6 +20,7 @@ import pytest
 
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Settings
+from hlb.daemon.decide.scheduler import STOP_CHECK_EVERY
 from hlb.daemon.serve.api import SchedulerService
 from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
@@ -276,6 +277,41 @@ def test_a_request_whose_deadline_passes_while_it_waits_for_its_turn_is_abandone
         assert "late" not in daemon.scheduler.graph.tasks
         assert daemon.ledger.last_sequence == 0
     assert served.placements() == []
+
+
+class _ExpiringContext(_Context):
+    """A servicer context whose deadline passes after ``answers`` questions about it."""
+
+    def __init__(self, answers: int) -> None:
+        super().__init__()
+        self.answers = answers
+
+    def time_remaining(self) -> float:
+        self.answers -= 1
+        return 5.0 if self.answers >= 0 else 0.0
+
+
+def test_a_batch_whose_deadline_passes_part_way_stops_there_and_says_what_stands(served: Served) -> None:
+    daemon = served.running.daemon
+    # Asked before the lock, under it, then every STOP_CHECK_EVERY tasks: gone at the second of those.
+    context: Any = _ExpiringContext(answers=3)
+    service = SchedulerService(daemon.scheduler, daemon.lock, lambda spec: None)
+    request = api.PlaceBatchRequest(tasks=[_spec(f"b{i}", devices=1000) for i in range(100)])  # all stay queued
+    with pytest.raises(AbortedError) as refused:
+        asyncio.run(service.PlaceBatch(request, context))
+    code, details = refused.value.args
+    decided = 2 * STOP_CHECK_EVERY
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert details == (
+        f"deadline passed after {decided} of 100 tasks were decided, highest priority first: those stand"
+        f" (the same batch again answers them), the other {100 - decided} were not submitted"
+    )
+    with daemon.lock:
+        known = [f"b{i}" for i in range(100) if f"b{i}" in daemon.scheduler.graph.tasks]
+    assert known == [f"b{i}" for i in range(decided)]  # one priority: request order
+    # The same batch again, with time to spare, answers the rest.
+    again = served.stub.PlaceBatch(request, timeout=10)
+    assert [r.pending.task_id for r in again.results] == [f"b{i}" for i in range(100)]
 
 
 # -- a bound on each tenant's pending tasks ----------------------------------------------------------
