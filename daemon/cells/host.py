@@ -49,7 +49,7 @@ from hlb.daemon.config import Settings
 from hlb.daemon.errors import AccessDeniedError
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, cluster_state
-from hlb.daemon.serve.auth import Access
+from hlb.daemon.serve.auth import ANONYMOUS, IDENTITY_HEADER, Access
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -346,7 +346,7 @@ class CellRouter(api_grpc.SchedulerServicer):
             response_deserializer=ev.Placement.FromString,
         )
         try:
-            async for placement in call(request, timeout=context.time_remaining(), metadata=self._forwarding()):
+            async for placement in call(request, timeout=context.time_remaining(), metadata=self._forwarding(context)):
                 yield placement
         except grpc.aio.AioRpcError as exc:
             await _abort(context, exc.code(), exc.details() or "")
@@ -370,7 +370,7 @@ class CellRouter(api_grpc.SchedulerServicer):
             response_deserializer=_UNARY[method],
         )
         try:
-            return await call(request, timeout=context.time_remaining(), metadata=self._forwarding())
+            return await call(request, timeout=context.time_remaining(), metadata=self._forwarding(context))
         except grpc.aio.AioRpcError as exc:
             await _abort(context, exc.code(), exc.details() or "")
 
@@ -424,8 +424,14 @@ class CellRouter(api_grpc.SchedulerServicer):
             )
         return claim.address
 
-    def _forwarding(self) -> tuple[tuple[str, str], ...]:
-        return ((FORWARDED, self.host.instance),)
+    def _forwarding(self, context: Context) -> tuple[tuple[str, str], ...]:
+        """Metadata of a forwarded request: that it was forwarded, and by whom it was asked (the
+        owner checks the same caller as the router would; forwarding runs without TLS only, where the
+        caller is named by the trusted identity header or is anonymous on both)."""
+        caller = self.host.access.caller(context)
+        if caller == ANONYMOUS:
+            return ((FORWARDED, self.host.instance),)
+        return ((FORWARDED, self.host.instance), (IDENTITY_HEADER, caller))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
