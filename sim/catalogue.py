@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hlb.sim.catalogue_sources import CATALOGUE_FORMAT, GANG_SIZES, PLACEMENTS, build_document
+from hlb.sim.catalogue_sources import (
+    CATALOGUE_FORMAT,
+    EFFICIENCY_BY_KIND,
+    GANG_SIZES,
+    PLACEMENTS,
+    build_document,
+    modelled_speedup,
+)
 
 DEFAULT_CATALOGUE_PATH = Path(__file__).parent / "data" / "devices.json"
 DEFAULT_PROFILES_PATH = Path(__file__).resolve().parent.parent / "daemon" / "data" / "profiles.json"
@@ -74,6 +81,7 @@ class DeviceProfile:
     task_kinds: tuple[str, ...]
     throughput: Mapping[tuple[str, int, str], float]
     colocation_model: str  # whose co-location pairs apply (its own, or the reference's)
+    from_nameplate: bool = False  # modelled from an inventory's nameplate, not a catalogue entry
 
     @property
     def modelled(self) -> bool:
@@ -89,6 +97,25 @@ class Catalogue:
     profiles: Mapping[str, DeviceProfile]
     # colocation[model][(class_a, class_b, gang)] = (steps/s of a, steps/s of b) when sharing
     colocation: Mapping[str, Mapping[tuple[str, str, int], tuple[float, float]]]
+    idle_fraction: float = 0.0  # idle power over TDP (the file's idle_power_rule)
+
+    def with_nameplates(self, nameplates: Mapping[str, Mapping[str, Any]]) -> Catalogue:
+        """This catalogue and a modelled profile per nameplate (model -> :data:`NAMEPLATE_FIELDS`),
+        by the catalogue's modelling rule (:func:`nameplate_profile`); itself when there is none."""
+        if not nameplates:
+            return self
+        profiles = dict(self.profiles)
+        for model, nameplate in nameplates.items():
+            known = self.profiles.get(model)
+            if known is not None and not known.from_nameplate:
+                raise ValueError(
+                    f"device model {model!r} is in the catalogue: use its entry, or name the nameplate otherwise"
+                )
+            profile = nameplate_profile(self, model, nameplate)
+            if known is not None and known != profile:
+                raise ValueError(f"device model {model!r} is described by two different nameplates")
+            profiles[model] = profile
+        return Catalogue(self.reference_model, self.classes, profiles, self.colocation, self.idle_fraction)
 
     def profile(self, model: str) -> DeviceProfile:
         try:
@@ -153,7 +180,51 @@ def load_catalogue(path: Path = DEFAULT_CATALOGUE_PATH) -> Catalogue:
         profiles[entry["model"]] = _profile_from_entry(entry, document["reference_model"])
         if isinstance(entry.get("colocation_steps_per_s"), dict):
             colocation[entry["model"]] = _colocation_from_entry(entry["colocation_steps_per_s"])
-    return Catalogue(document["reference_model"], classes, profiles, colocation)
+    idle_fraction = float(document["idle_power_rule"]["idle_fraction"])
+    return Catalogue(document["reference_model"], classes, profiles, colocation, idle_fraction)
+
+
+# What a nameplate gives: kind (gpu, tpu, fpga, asic), memory (GB), memory bandwidth (GB/s), dense
+# peak TFLOPS at the training precision, TDP (W); task_kinds is optional (default: both).
+NAMEPLATE_FIELDS: tuple[str, ...] = ("kind", "memory_gb", "memory_bandwidth_gbs", "peak_tflops", "tdp_w")
+
+
+def nameplate_profile(catalogue: Catalogue, model: str, nameplate: Mapping[str, Any]) -> DeviceProfile:
+    """A modelled profile from a device's nameplate, by the rule the catalogue's modelled entries
+    follow (``sim/data/README.md``, "Modelled devices"): the reference's throughput per class times
+    :func:`hlb.sim.catalogue_sources.modelled_speedup`, idle power ``idle_fraction * tdp_w``, peak
+    power the TDP, the reference's co-location fractions. ValueError naming what is wrong."""
+    missing = [f for f in NAMEPLATE_FIELDS if f not in nameplate]
+    unknown = sorted(set(nameplate) - {*NAMEPLATE_FIELDS, "task_kinds"})
+    if missing or unknown:
+        raise ValueError(
+            f"nameplate of {model!r}: needs {', '.join(NAMEPLATE_FIELDS)}; missing {missing}, unknown {unknown}"
+        )
+    kind = str(nameplate["kind"])
+    if kind not in EFFICIENCY_BY_KIND:
+        raise ValueError(f"nameplate of {model!r}: kind {kind!r} is not one of {sorted(EFFICIENCY_BY_KIND)}")
+    figures = {f: float(nameplate[f]) for f in NAMEPLATE_FIELDS if f != "kind"}
+    if not all(math.isfinite(v) and v > 0 for v in figures.values()):
+        raise ValueError(f"nameplate of {model!r}: every figure must be a number above 0, got {figures}")
+    task_kinds = tuple(str(k) for k in nameplate.get("task_kinds", ("training", "inference")))
+    reference = catalogue.profile(catalogue.reference_model)
+    reference_spec = {"peak_tflops": reference.peak_tflops, "memory_bandwidth_gbs": reference.memory_bandwidth_gbs}
+    spec = {"kind": kind, **figures}
+    speedup = {c.id: modelled_speedup(spec, reference_spec, c.family) for c in catalogue.classes.values()}
+    return DeviceProfile(
+        model=model,
+        kind=kind,
+        source="modelled",
+        memory_gb=figures["memory_gb"],
+        memory_bandwidth_gbs=figures["memory_bandwidth_gbs"],
+        peak_tflops=figures["peak_tflops"],
+        idle_power_w=round(catalogue.idle_fraction * figures["tdp_w"], 1),
+        peak_power_w=figures["tdp_w"],
+        task_kinds=task_kinds,
+        throughput={key: rate * speedup[key[0]] for key, rate in reference.throughput.items()},
+        colocation_model=catalogue.reference_model,
+        from_nameplate=True,
+    )
 
 
 def _profile_from_entry(entry: Mapping[str, Any], reference_model: str) -> DeviceProfile:

@@ -12,9 +12,10 @@ from Zeus (You et al., NSDI 2023); the A100 per-GPU power distribution of Acme's
 clusters (Hu et al., NSDI 2024); nameplate power from the mlco2 and Green Algorithms tables.
 
 Modelled entries (``"source": "modelled"``): devices without public per-workload measurements
-(A100, H100, T4, TPU v4, TPU v5e, Gaudi2, Alveo U280). Their spec-sheet figures are written in
-``MODELLED_SPECS`` below and copied into the file, and their throughput is the measured V100
-profile scaled by :func:`modelled_speedup`.
+(A100, H100, H200, A10, L4, L40S, T4, MI300X, TPU v4, TPU v5e, Gaudi2, Alveo U280). Their
+spec-sheet figures are written in ``MODELLED_SPECS`` below and copied into the file, and their
+throughput is the measured V100 profile scaled by :func:`modelled_speedup`. The same rule models
+a device an inventory describes by nameplate (:func:`hlb.sim.catalogue.nameplate_profile`).
 """
 
 from __future__ import annotations
@@ -114,6 +115,61 @@ MODELLED_SPECS: dict[str, dict[str, Any]] = {
         "tdp_w": 70.0,
         "task_kinds": ["training", "inference"],
         "spec_source": "NVIDIA T4 datasheet; TDP as in mlco2 and Green Algorithms",
+    },
+    "A10": {
+        "kind": "gpu",
+        "memory_gb": 24.0,
+        "memory_bandwidth_gbs": 600.0,
+        "peak_tflops": 125.0,
+        "peak_precision": "bf16-tensor",
+        "tdp_w": 150.0,
+        "task_kinds": ["training", "inference"],
+        "spec_source": "NVIDIA A10 Tensor Core GPU datasheet (24 GB GDDR6, 600 GB/s, BF16 tensor 125 TFLOPS "
+        "dense / 250 with sparsity, 150 W)",
+    },
+    "L4": {
+        "kind": "gpu",
+        "memory_gb": 24.0,
+        "memory_bandwidth_gbs": 300.0,
+        "peak_tflops": 121.0,
+        "peak_precision": "bf16-tensor",
+        "tdp_w": 72.0,
+        "task_kinds": ["training", "inference"],
+        "spec_source": "NVIDIA L4 Tensor Core GPU datasheet (24 GB GDDR6, 300 GB/s, BF16 tensor 242 TFLOPS "
+        "with sparsity, so 121 dense; 72 W)",
+    },
+    "L40S": {
+        "kind": "gpu",
+        "memory_gb": 48.0,
+        "memory_bandwidth_gbs": 864.0,
+        "peak_tflops": 362.0,
+        "peak_precision": "bf16-tensor",
+        "tdp_w": 350.0,
+        "task_kinds": ["training", "inference"],
+        "spec_source": "NVIDIA L40S GPU datasheet (48 GB GDDR6, 864 GB/s, BF16 tensor 362.05 TFLOPS dense / "
+        "733 with sparsity, 350 W)",
+    },
+    "H200-SXM-141GB": {
+        "kind": "gpu",
+        "memory_gb": 141.0,
+        "memory_bandwidth_gbs": 4800.0,
+        "peak_tflops": 989.0,
+        "peak_precision": "bf16-tensor",
+        "tdp_w": 700.0,
+        "task_kinds": ["training", "inference"],
+        "spec_source": "NVIDIA H200 Tensor Core GPU datasheet, SXM (141 GB HBM3e, 4.8 TB/s, BF16 tensor 1,979 "
+        "TFLOPS with sparsity, so 989 dense; up to 700 W)",
+    },
+    "MI300X": {
+        "kind": "gpu",
+        "memory_gb": 192.0,
+        "memory_bandwidth_gbs": 5300.0,
+        "peak_tflops": 1307.4,
+        "peak_precision": "bf16-matrix",
+        "tdp_w": 750.0,
+        "task_kinds": ["training", "inference"],
+        "spec_source": "AMD Instinct MI300X accelerator data sheet (192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS "
+        "dense / 2,614.9 with sparsity, 750 W peak board power)",
     },
     "TPU-v4": {
         "kind": "tpu",

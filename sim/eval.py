@@ -126,7 +126,8 @@ def replay_tasks(spec: RunSpec, capacity: float) -> tuple[list[Task], dict[str, 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """Simulate one run; returns its metrics, JCTs (s) and a timeline (for plots)."""
-    catalogue, inventory = _catalogue(), _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+    inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+    catalogue = inventory.catalogue(_catalogue())
     if spec.workload in WORKLOADS:
         tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     else:
@@ -440,8 +441,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     args.out.mkdir(parents=True, exist_ok=True)
     first = specs[0]
     inventory = _inventory(first.cluster, first.sample_devices, first.sample_seed)
-    catalogue = _catalogue()
+    catalogue = inventory.catalogue(_catalogue())
     modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
+    nameplate = sorted(m for m in modelled if catalogue.profile(m).from_nameplate)
     models = {m: inventory.device_count(m) for m in sorted({d.model for d in inventory.devices})}
     cluster: dict[str, Any] = {"spec": first.cluster, "devices": inventory.device_count(), "models": models}
     if first.sample_devices:
@@ -454,7 +456,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     document = {
         "format": "hlb-eval-results/1",
         "command": "hlb eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else "",
-        "cluster": cluster | {"modelled": modelled},
+        "cluster": cluster | {"modelled": modelled, "from_nameplate": nameplate},
         "config": asdict(first.config),
         "weights": asdict(first.weights),
         "seeds": sorted({s.seed for s in specs}),
@@ -500,7 +502,8 @@ def _replays(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
     for spec in specs:
         if spec.workload in WORKLOADS or (spec.workload, spec.load) in seen:
             continue
-        capacity = v100_equivalents(_catalogue(), _inventory(spec.cluster, spec.sample_devices, spec.sample_seed))
+        inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+        capacity = v100_equivalents(inventory.catalogue(_catalogue()), inventory)
         seen[(spec.workload, spec.load)] = replay_tasks(spec, capacity)[1]
     return list(seen.values())
 

@@ -300,7 +300,12 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
         f"Cluster `{cluster['spec']}`: {cluster['devices']} devices "
         + ", ".join(f"{n} {m}" for m, n in cluster["models"].items())
         + (
-            f". Modelled (not measured) device profiles: {', '.join(cluster['modelled'])}."
+            f". Modelled (not measured) device profiles: {', '.join(cluster['modelled'])}"
+            + (
+                f" ({', '.join(cluster['from_nameplate'])} from the inventory's nameplate, by the catalogue's rule)."
+                if cluster.get("from_nameplate")
+                else "."
+            )
             if cluster["modelled"]
             else "."
         )

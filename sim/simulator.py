@@ -148,6 +148,7 @@ class Simulation:
         config: SimConfig | None = None,
         decider: Decider | None = None,
     ) -> None:
+        catalogue = inventory.catalogue(catalogue)  # models described by nameplate get modelled profiles
         self.catalogue = catalogue
         self.inventory = inventory
         self.config = config or SimConfig()

@@ -121,12 +121,19 @@ class Link:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Switches (parents first), hosts, devices, and extra links beyond the tree."""
+    """Switches (parents first), hosts, devices, and extra links beyond the tree; ``nameplates``:
+    the models the catalogue lacks, described by nameplate (model -> figures,
+    :data:`hlb.sim.catalogue.NAMEPLATE_FIELDS`), whose profiles :meth:`catalogue` models."""
 
     switches: tuple[Switch, ...]
     hosts: tuple[Host, ...]
     devices: tuple[Device, ...]
     extra_links: tuple[Link, ...] = ()
+    nameplates: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def catalogue(self, catalogue: Catalogue) -> Catalogue:
+        """``catalogue`` with a modelled profile for each of this inventory's nameplates."""
+        return catalogue.with_nameplates(self.nameplates)
 
     def __post_init__(self) -> None:
         switch_ids = {s.id for s in self.switches}
@@ -253,6 +260,8 @@ def inventory_from_document(document: Mapping[str, Any], catalogue: Catalogue) -
         Switch(s["id"], s.get("parent", ""), _link_spec(s["uplink"]) if "uplink" in s else None)
         for s in document["switches"]
     )
+    nameplates = {str(model): dict(figures) for model, figures in document.get("nameplates", {}).items()}
+    catalogue = catalogue.with_nameplates(nameplates)
     hosts: list[Host] = []
     devices: list[Device] = []
     for entry in document["hosts"]:
@@ -280,7 +289,7 @@ def inventory_from_document(document: Mapping[str, Any], catalogue: Catalogue) -
                 for device_id in ids
             ]
     extra = tuple(Link(link["id"], link["src"], link["dst"], _link_spec(link)) for link in document.get("links", []))
-    return Inventory(switches, tuple(hosts), tuple(devices), extra)
+    return Inventory(switches, tuple(hosts), tuple(devices), extra, nameplates)
 
 
 def inventory_to_document(inventory: Inventory) -> dict[str, Any]:
@@ -314,7 +323,10 @@ def inventory_to_document(inventory: Inventory) -> dict[str, Any]:
         ]
         hosts.append(entry)
     links = [{"id": k.id, "src": k.src_id, "dst": k.dst_id, **_link_dict(k.spec)} for k in inventory.extra_links]
-    return {"format": INVENTORY_FORMAT, "switches": switches, "hosts": hosts, "links": links}
+    document: dict[str, Any] = {"format": INVENTORY_FORMAT}
+    if inventory.nameplates:
+        document["nameplates"] = {model: dict(figures) for model, figures in inventory.nameplates.items()}
+    return document | {"switches": switches, "hosts": hosts, "links": links}
 
 
 def _link_spec(entry: Mapping[str, Any]) -> LinkSpec:
@@ -340,8 +352,8 @@ class HostShape:
     uplink: LinkSpec
 
 
-# Typical server shapes per model (DGX-1/DGX A100/DGX H100-like for SXM parts, 4-8 card PCIe
-# servers otherwise, TPU v4/v5e hosts with 4 chips, Gaudi2 HLS with 8 OAMs).
+# Typical server shapes per model (DGX-1/DGX A100/DGX H100/HGX H200-like for SXM parts, 8-OAM
+# MI300X platforms, 4-8 card PCIe servers otherwise, TPU v4/v5e hosts with 4 chips, Gaudi2 HLS with 8 OAMs).
 STANDARD_HOST_SHAPES: dict[str, HostShape] = {
     "V100-SXM2-16GB": HostShape("V100-SXM2-16GB", 8, 64, 488, NVLINK2, INFINIBAND_100G),
     "V100-SXM2-32GB": HostShape("V100-SXM2-32GB", 8, 96, 768, NVLINK2, INFINIBAND_100G),
@@ -350,6 +362,13 @@ STANDARD_HOST_SHAPES: dict[str, HostShape] = {
     "A100-SXM4-80GB": HostShape("A100-SXM4-80GB", 8, 128, 2048, NVLINK3, INFINIBAND_200G),
     "H100-SXM5-80GB": HostShape("H100-SXM5-80GB", 8, 112, 2048, NVLINK4, INFINIBAND_400G),
     "T4": HostShape("T4", 4, 48, 192, PCIE3, ETHERNET_25G),
+    "A10": HostShape("A10", 4, 64, 512, PCIE4, ETHERNET_100G),
+    "L4": HostShape("L4", 8, 64, 512, PCIE4, ETHERNET_100G),
+    "L40S": HostShape("L40S", 8, 96, 1024, PCIE4, ETHERNET_100G),
+    "H200-SXM-141GB": HostShape("H200-SXM-141GB", 8, 112, 2048, NVLINK4, INFINIBAND_400G),
+    # Infinity Fabric (xGMI) joins the 8 OAMs at 896 GB/s per GPU; hlb.v1 has no kind for it, and it
+    # plays NVLink's part.
+    "MI300X": HostShape("MI300X", 8, 128, 2048, LinkSpec("nvlink", 7168.0, 1.0), INFINIBAND_400G),
     "TPU-v4": HostShape("TPU-v4", 4, 240, 400, PCIE4, ETHERNET_100G),
     "TPU-v5e": HostShape("TPU-v5e", 4, 112, 192, PCIE4, ETHERNET_100G),
     "Gaudi2-HL225H": HostShape("Gaudi2-HL225H", 8, 160, 1024, LinkSpec("ethernet", 2100.0, 2.0), ETHERNET_100G),
@@ -453,6 +472,7 @@ def sample_inventory(inventory: Inventory, devices: int, seed: int = 0) -> Inven
         hosts_kept,
         kept_devices,
         tuple(k for k in inventory.extra_links if k.src_id in endpoints and k.dst_id in endpoints),
+        inventory.nameplates,
     )
 
 

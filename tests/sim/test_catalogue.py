@@ -5,11 +5,19 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-from hlb.sim.catalogue import DEFAULT_CATALOGUE_PATH, Catalogue, load_catalogue, render_document, shared_data_dir
+from hlb.sim.catalogue import (
+    DEFAULT_CATALOGUE_PATH,
+    NAMEPLATE_FIELDS,
+    Catalogue,
+    load_catalogue,
+    render_document,
+    shared_data_dir,
+)
 from hlb.sim.catalogue_sources import (
     GAVEL_WORKER_MODELS,
     MODELLED_SPECS,
@@ -173,8 +181,8 @@ def test_modelled_devices_borrow_the_references_colocation(catalogue: Catalogue)
 
 
 def test_unknown_model_names_the_model(catalogue: Catalogue) -> None:
-    with pytest.raises(KeyError, match="MI300X"):
-        catalogue.profile("MI300X")
+    with pytest.raises(KeyError, match="MI400X"):
+        catalogue.profile("MI400X")
 
 
 def test_a_file_of_another_format_is_refused(tmp_path: Path) -> None:
@@ -218,3 +226,47 @@ def test_every_gavel_colocation_pair_is_in_the_catalogue(shared: Path, catalogue
                 ] == (tput, other_tput)
                 pairs += 1
     assert pairs > 5000
+
+
+@pytest.mark.parametrize("model", ["A10", "L4", "L40S", "H200-SXM-141GB", "MI300X"])
+def test_current_parts_are_modelled_from_their_datasheets(catalogue: Catalogue, model: str) -> None:
+    profile = catalogue.profile(model)
+    assert profile.modelled
+    assert "datasheet" in MODELLED_SPECS[model]["spec_source"] or "data sheet" in MODELLED_SPECS[model]["spec_source"]
+    assert profile.peak_power_w == MODELLED_SPECS[model]["tdp_w"]
+    assert catalogue.throughput(model, "resnet50-bs64") > 0
+
+
+def test_a_nameplate_is_modelled_by_the_rule_the_catalogues_entries_follow(catalogue: Catalogue) -> None:
+    figures = {k: MODELLED_SPECS["L40S"][k] for k in NAMEPLATE_FIELDS}
+    extended = catalogue.with_nameplates({"my-L40S": figures})
+    mine, listed = extended.profile("my-L40S"), catalogue.profile("L40S")
+    assert mine.modelled
+    assert mine.from_nameplate
+    assert not listed.from_nameplate
+    assert (mine.idle_power_w, mine.peak_power_w, mine.memory_gb) == (listed.idle_power_w, 350.0, 48.0)
+    assert mine.throughput.keys() == listed.throughput.keys()
+    for key, rate in listed.throughput.items():
+        assert mine.throughput[key] == pytest.approx(rate, rel=1e-5)  # the file rounds speedups to 6 places
+    assert catalogue.with_nameplates({}) is catalogue
+
+
+@pytest.mark.parametrize(
+    ("model", "figures", "message"),
+    [
+        ("L40S", {"kind": "gpu"}, "is in the catalogue"),
+        ("x", {"kind": "gpu", "memory_gb": 8}, "missing ['memory_bandwidth_gbs', 'peak_tflops', 'tdp_w']"),
+        ("x", {"kind": "npu", "memory_gb": 8, "memory_bandwidth_gbs": 1, "peak_tflops": 1, "tdp_w": 1}, "'npu'"),
+        ("x", {"kind": "gpu", "memory_gb": 8, "memory_bandwidth_gbs": 1, "peak_tflops": 0, "tdp_w": 1}, "above 0"),
+        (
+            "x",
+            {"kind": "gpu", "memory_gb": 8, "memory_bandwidth_gbs": 1, "peak_tflops": 1, "tdp_w": 1, "fp8": 2},
+            "fp8",
+        ),
+    ],
+)
+def test_a_bad_nameplate_is_refused_with_a_reason(
+    catalogue: Catalogue, model: str, figures: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        catalogue.with_nameplates({model: figures})

@@ -304,3 +304,25 @@ def test_paired_measures_a_learned_policy_against_both_controls_and_the_oracle_g
     assert "oracle_gap" not in against_table
     markdown = paired_markdown([against_rules, against_table])
     assert "| 20.0% | 67% |" in markdown
+
+
+def test_a_device_described_by_nameplate_runs_and_is_labelled_modelled(tmp_path: Path) -> None:
+    link = {"kind": "pcie", "bandwidth_gbps": 256, "latency_us": 1.5}
+    nameplate = {"kind": "gpu", "memory_gb": 48, "memory_bandwidth_gbs": 1000, "peak_tflops": 250, "tdp_w": 300}
+    inventory = {
+        "format": "hlb-inventory/1",
+        "nameplates": {"Acme-X1": nameplate},
+        "switches": [{"id": "rack"}],
+        "hosts": [
+            {"id": "h", "rack": "rack", "uplink": link, "devices": [{"model": "Acme-X1", "count": 4}]},
+            {"id": "v", "rack": "rack", "uplink": link, "devices": [{"model": "V100-SXM2-16GB", "count": 4}]},
+        ],
+    }
+    path = tmp_path / "inventory.json"
+    path.write_text(json.dumps(inventory))
+    out = tmp_path / "nameplate"
+    document = _evaluate(out, "--inventory", str(path), "--trace", TRACE, "--policies", "hetero-greedy", "--seeds", "1")
+    assert document["cluster"]["modelled"] == ["Acme-X1"]
+    assert document["cluster"]["from_nameplate"] == ["Acme-X1"]
+    assert document["runs"][0]["metrics"]["time_share:Acme-X1"] > 0
+    assert "Acme-X1 from the inventory's nameplate" in (out / "results.md").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from hlb.sim.topology import (
     PAI_MACHINE_SPEC_PATH,
     Inventory,
     homogeneous_cluster,
+    inventory_from_document,
     inventory_to_document,
     load_inventory,
     mixed_cluster,
@@ -93,7 +95,7 @@ def test_a_built_cluster_round_trips_too(catalogue: Catalogue, tmp_path: Path) -
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d["hosts"][0]["devices"].append({"id": "x", "model": "MI300X"}), "MI300X"),
+        (lambda d: d["hosts"][0]["devices"].append({"id": "x", "model": "MI400X"}), "MI400X"),
         (lambda d: d["hosts"][1].update(rack="rack-z"), "rack-z"),
         (lambda d: d["hosts"][1]["devices"].append({"id": "a1/dev0", "model": "T4"}), "duplicate"),
         (lambda d: d["hosts"][0]["uplink"].update(kind="carrier-pigeon"), "carrier-pigeon"),
@@ -214,3 +216,43 @@ def test_a_sample_of_the_pai_cluster_keeps_its_device_mix(catalogue: Catalogue) 
 def test_a_sample_larger_than_the_cluster_is_refused(small: Inventory) -> None:
     with pytest.raises(ValueError, match="1 to 8"):
         sample_inventory(small, 9)
+
+
+NAMEPLATE = {"kind": "gpu", "memory_gb": 32.0, "memory_bandwidth_gbs": 1000.0, "peak_tflops": 200.0, "tdp_w": 300.0}
+
+
+def nameplate_inventory() -> dict[str, Any]:
+    """One host of two devices of a model the catalogue lacks, described by nameplate, and one V100."""
+    link = {"kind": "pcie", "bandwidth_gbps": 256, "latency_us": 1.5}
+    return {
+        "format": "hlb-inventory/1",
+        "nameplates": {"Acme-X1": NAMEPLATE},
+        "switches": [{"id": "rack"}],
+        "hosts": [
+            {"id": "h", "rack": "rack", "uplink": link, "devices": [{"model": "Acme-X1", "count": 2}]},
+            {"id": "v", "rack": "rack", "uplink": link, "devices": [{"model": "V100-SXM2-16GB", "count": 1}]},
+        ],
+    }
+
+
+def test_a_device_described_by_nameplate_gets_a_modelled_profile(catalogue: Catalogue, tmp_path: Path) -> None:
+    path = tmp_path / "inventory.json"
+    path.write_text(json.dumps(nameplate_inventory()))
+    inventory = load_inventory(path, catalogue)
+    device = inventory.devices[0]
+    assert (device.model, device.memory_gb, device.peak_tflops, device.peak_power_w) == ("Acme-X1", 32.0, 200.0, 300.0)
+    profile = inventory.catalogue(catalogue).profile("Acme-X1")
+    assert profile.modelled
+    assert profile.from_nameplate
+    write_inventory(path, inventory)
+    assert load_inventory(path, catalogue) == inventory
+
+
+def test_a_nameplate_that_shadows_a_catalogue_model_is_refused(catalogue: Catalogue) -> None:
+    document = nameplate_inventory()
+    document["nameplates"] = {"T4": NAMEPLATE}
+    with pytest.raises(ValueError, match="'T4' is in the catalogue"):
+        inventory_from_document(document, catalogue)
+    document["nameplates"] = {}
+    with pytest.raises(KeyError, match="Acme-X1"):
+        inventory_from_document(document, catalogue)
