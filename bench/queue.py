@@ -2,14 +2,16 @@
 
 A scheduler (in process, no RPC: the queue's cost is what is measured) holds ``--devices`` devices
 and, in turn, 0 and each of ``--pending`` queued tasks that cannot be placed (each asks for more
-devices than the cluster has, so it stays queued, as a backlog does). At each queue length it
+devices than the cluster has, so it stays queued, as a backlog does; four memory sizes, and one in
+ten waits for a dependency that never comes). At each queue length it
 times:
 
 - ``place``: a ``Place`` of a one-device task that fits (each then finishes, off the clock);
 - ``place_batch``: a ``PlaceBatch`` of ``--batch`` such tasks;
 - ``submit``: a submission of one more queued task with the pass after it (what ingest does per
   record), per task, over ``--ops`` submissions;
-- ``release_pass``: the pass after a task finishes, which tries every queued task again;
+- ``release_pass``: the pass after a task finishes, which looks at the whole queue again (by fit
+  bucket: a bucket whose shape does not fit is left whole after its first task);
 - memory per queued task (RSS growth while filling the queue, divided by the tasks added).
 
 Each figure is also given as a ratio to the same figure with an empty queue, measured in the same
@@ -78,13 +80,17 @@ class _Bench:
         self.count = 0
 
     def backlog_spec(self) -> Any:
-        """A task that stays queued: it asks for more devices than the cluster has."""
+        """A task that stays queued: it asks for more devices than the cluster has, with one of four
+        memory sizes (four fit buckets); one in ten also waits for a task never submitted."""
         self.count += 1
         n = self.count
-        return self.ev.TaskSpec(
-            id=f"q{n}", priority=n % 3, work_ref_s=60.0 * (1 + n % 97), memory_per_device_gb=8.0,
+        spec = self.ev.TaskSpec(
+            id=f"q{n}", priority=n % 3, work_ref_s=60.0 * (1 + n % 97), memory_per_device_gb=8.0 * (1 + n % 4),
             num_devices=self.devices + 1,
         )  # fmt: skip
+        if n % 10 == 0:
+            spec.dependencies.add(task_id="never-submitted")
+        return spec
 
     def fitting_spec(self) -> Any:
         self.count += 1
