@@ -152,7 +152,7 @@ class Daemon:
         self.config_path = config_path
         self.lock = threading.RLock()
         self.ledger = PlacementLedger()
-        self.metrics = DaemonMetrics()
+        self.metrics = DaemonMetrics(input_topics=(settings.kafka.topics.telemetry, settings.kafka.topics.tasks))
         policy = build_policy(settings, self.metrics.record_fallback)
         self.scheduler = Scheduler(
             InfraGraph(settings.scheduler.max_tasks_per_device),

@@ -39,6 +39,7 @@ from hlb.daemon.bus.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
 from hlb.daemon.bus.seam import EventBus, MemoryBus
 from hlb.daemon.config import Settings
 from hlb.daemon.serve.interceptors import HandlerWrapper
+from hlb.v1 import scheduler_pb2 as api
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,19 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # The Scheduler RPCs that decide something; their latency is the decision latency.
 DECISION_RPCS = frozenset({"Place", "PlaceBatch", "ScoreDevices", "Explain"})
+
+# Every label value a counter is known to take, exported at 0 from the start: an alert on
+# increase() sees a counter's first step only when the series existed before it.
+SCHEDULER_RPCS: tuple[str, ...] = tuple(api.DESCRIPTOR.services_by_name["Scheduler"].methods_by_name)
+RELOAD_RESULTS = ("applied", "partial", "unchanged", "invalid")
+# The GNN's fallback reasons: the model's state (the daemon is degraded), or a device newer than
+# the cached embeddings (benign: the next refresh covers it).
+FALLBACK_REASONS = ("model_missing", "model_corrupt", "model_schema", "inference_error", "embeddings_stale")
+DECISION_KINDS = ("placement", "submission")
+REJECT_REASONS = (
+    "decode", "too_large", "out_of_range", "unknown_id", "inconsistent", "empty", "duplicate_id", "cycle",
+    "invalid_id", "missing_id", "clock_skew", "queue_full", "tenant_queue_full", "tenant_not_allowed", "wrong_cell",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -99,9 +113,11 @@ class DaemonMetrics:
     Args:
         state: called on every scrape; returns the daemon's current ``StateSample``. Until the
             daemon sets it (``observe``), only the instruments are exported.
+        input_topics: the topics whose records may be dead-lettered (``hlb_dlq_records_total``
+            starts at 0 for each).
     """
 
-    def __init__(self, state: StateProvider | None = None) -> None:
+    def __init__(self, state: StateProvider | None = None, input_topics: Sequence[str] = ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decision_latency = Histogram(
@@ -175,6 +191,17 @@ class DaemonMetrics:
         )
         self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
         self.start_time.set(time.time())
+        at_zero: list[tuple[Counter, str, Sequence[str]]] = [
+            (self.rate_limited, "rpc", SCHEDULER_RPCS),
+            (self.reloads, "result", RELOAD_RESULTS),
+            (self.fallbacks, "reason", FALLBACK_REASONS),
+            (self.decisions_withdrawn, "kind", DECISION_KINDS),
+            (self.decisions_unpublished, "kind", DECISION_KINDS),
+            (self.dead_letters, "topic", input_topics),
+        ]
+        for counter, label, values in at_zero:
+            for value in values:
+                counter.labels(**{label: value})
         self._state = _StateCollector(state)
         r.register(self._state)
 
@@ -222,7 +249,7 @@ class _StateCollector(Collector):
             ("hlb_tasks_held", "Tasks in memory: queued, holding devices, or ended not long ago.", s.tasks_held),
             ("hlb_ledger_sequence", "Sequence number of the newest placement in the ledger.", s.last_sequence),
             ("hlb_graph_staleness_seconds", "Age of the newest applied telemetry; -1 before any.", s.staleness_s),
-            ("hlb_mean_utilization", "Mean device load over the cluster, 0 to 1.", s.mean_utilization),
+            ("hlb_mean_utilization_ratio", "Mean device load over the cluster, 0 to 1.", s.mean_utilization),
             ("hlb_queue_limit", "The queue's bound (scheduler.max_pending); 0: none.", s.max_pending),
         ]
         metrics: list[Metric] = [GaugeMetricFamily(name, doc, value=value) for name, doc, value in gauges]
@@ -257,10 +284,10 @@ class _StateCollector(Collector):
         rejected = CounterMetricFamily(
             "hlb_events_rejected", "Events refused (sent to the dead-letter topic), by reason.", labels=["reason"]
         )
-        for reason, count in sorted(s.events_rejected.items()):
+        for reason, count in sorted({**dict.fromkeys(REJECT_REASONS, 0), **s.events_rejected}.items()):
             rejected.add_metric([reason], count)
         lag = GaugeMetricFamily(
-            "hlb_consumer_lag",
+            "hlb_consumer_lag_messages",
             "Messages in each input partition after the consumer group's committed offset.",
             labels=["topic", "partition"],
         )

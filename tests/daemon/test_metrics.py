@@ -88,13 +88,13 @@ def test_the_endpoint_follows_ingest_placements_and_rejections(running: Backgrou
             value(s, "hlb_devices") == DEVICES
             and value(s, "hlb_events_rejected_total", reason="decode") == 1.0
             and value(s, "hlb_dlq_records_total", topic=topics.telemetry) == 1.0
-            and value(s, "hlb_consumer_lag", topic=topics.telemetry, partition="0") == 0.0
+            and value(s, "hlb_consumer_lag_messages", topic=topics.telemetry, partition="0") == 0.0
         ),
     )
     assert value(ingested, "hlb_events_applied_total") == len(inventory)
     assert value(ingested, "hlb_dlq_records_total", topic=topics.telemetry) == 1.0
     assert value(ingested, "hlb_graph_staleness_seconds") == 2.5
-    assert value(ingested, "hlb_consumer_lag", topic=topics.tasks, partition="0") == 0.0
+    assert value(ingested, "hlb_consumer_lag_messages", topic=topics.tasks, partition="0") == 0.0
 
     with grpc.insecure_channel(running.target) as channel:
         stub = api_grpc.SchedulerStub(channel)
@@ -137,9 +137,10 @@ def test_consumer_lag_counts_records_not_yet_committed(running: BackgroundDaemon
     for _ in range(3):
         running.bus.publish(topics.tasks, b"default", ev.TaskEvent(cell="default").SerializeToString())
     samples = wait_for(
-        running.daemon.metrics_port, lambda s: value(s, "hlb_consumer_lag", topic=topics.tasks, partition="0") == 3.0
+        running.daemon.metrics_port,
+        lambda s: value(s, "hlb_consumer_lag_messages", topic=topics.tasks, partition="0") == 3.0,
     )
-    assert value(samples, "hlb_consumer_lag", topic=topics.telemetry, partition="0") == 0.0
+    assert value(samples, "hlb_consumer_lag_messages", topic=topics.telemetry, partition="0") == 0.0
 
 
 def test_fallbacks_are_counted_by_reason() -> None:
@@ -179,3 +180,29 @@ def test_a_full_queue_shows_its_bound_and_counts_its_refusals(running: Backgroun
         ),
     )
     assert value(full, "hlb_queue_limit") == 1.0
+
+
+def test_every_counter_an_alert_reads_is_there_at_zero_before_its_first_event(running: BackgroundDaemon) -> None:
+    """A counter that appears only at its first event has no earlier sample, so ``increase()``
+    over it stays empty and HlbReloadRefused, HlbDeadLetters, HlbRateLimited and the like never
+    fire on a first occurrence."""
+    samples = scrape(running.daemon.metrics_port)
+    topics = running.daemon.settings.kafka.topics
+    expected = [
+        ("hlb_config_reloads_total", {"result": result}) for result in ("applied", "partial", "unchanged", "invalid")
+    ]
+    expected += [("hlb_dlq_records_total", {"topic": topic}) for topic in (topics.telemetry, topics.tasks)]
+    expected += [("hlb_rpc_rate_limited_total", {"rpc": rpc}) for rpc in ("Place", "PlaceBatch", "Explain")]
+    expected += [("hlb_policy_fallbacks_total", {"reason": r}) for r in ("model_missing", "embeddings_stale")]
+    expected += [("hlb_decisions_unpublished_total", {"kind": k}) for k in ("placement", "submission")]
+    expected += [("hlb_events_rejected_total", {"reason": r}) for r in ("decode", "out_of_range", "wrong_cell")]
+    found = {(name, *labels.values()): value(samples, name, **labels) for name, labels in expected}
+    assert found == {(name, *labels.values()): 0.0 for name, labels in expected}
+
+
+def test_unit_names_follow_prometheus_conventions(running: BackgroundDaemon) -> None:
+    """A ratio says ``_ratio``, a count of messages ``_messages`` (renamed: docs/monitoring.md)."""
+    samples = scrape(running.daemon.metrics_port)
+    assert value(samples, "hlb_mean_utilization_ratio") == 0.0
+    names = {name for name, _ in samples}
+    assert not {"hlb_mean_utilization", "hlb_consumer_lag"} & names

@@ -186,7 +186,7 @@ def wait_drained(daemon: Daemon, published: int) -> list[int]:
         return applied == published
 
     def committed_all() -> bool:  # as the broker sees it: messages after the group's committed offsets
-        broker_lags.append(sum(v for k, v in daemon.metrics().items() if k.startswith("hlb_consumer_lag{")))
+        broker_lags.append(sum(v for k, v in daemon.metrics().items() if k.startswith("hlb_consumer_lag_messages{")))
         return broker_lags[-1] == 0
 
     wait_until(applied_all, 120, lambda: f"the daemon to apply every event (lag {lags[-3:]})", step_s=0.25)

@@ -38,13 +38,13 @@ def produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
 
 
 def lag(metrics_port: int) -> dict[str, float]:
-    """hlb_consumer_lag by topic, scraped from the daemon's /metrics."""
+    """hlb_consumer_lag_messages by topic, scraped from the daemon's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return {
         sample.labels["topic"]: sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "hlb_consumer_lag"
+        if family.name == "hlb_consumer_lag_messages"
         for sample in family.samples
     }
 
