@@ -329,8 +329,10 @@ class Attempts:
             self._task_event(progress=progress)
 
     def device_speed_changed(self, row: int) -> None:
-        """Device ``row``'s hidden speed changed: re-time what runs there, and its power."""
-        self._update_rows((row,))
+        """Device ``row``'s hidden speed changed: re-time what runs there, and its power (an idle
+        device draws idle power at any speed: nothing to do)."""
+        if self._devices.running[row]:
+            self._update_rows((row,))
 
     def _uplink_rows(self, attempt: Attempt) -> set[int]:
         """``attempt``'s rows and, for a spread gang under link sharing, those of the spread gangs
@@ -367,7 +369,7 @@ class Attempts:
         for row in touched:
             share = sum(self._attempts[a].busy for a in devices.running[row])
             devices.util[row] = min(1.0, share)
-        devices.refresh_power()
+        devices.refresh_power(touched)
 
     def _update_service(self, attempt: Attempt) -> None:
         task = attempt.task

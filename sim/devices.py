@@ -16,7 +16,8 @@ Units: W, J, GB, s, °C; utilization and speed 0..1.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -59,7 +60,9 @@ class Devices:
         self._reported_s = np.full(n, -math.inf)
         self._reported_speed = np.ones(n)
         self.energy_j = 0.0
+        self.row_power_w = self.idle_w.copy()  # each device's draw now
         self.power_w = float(self.idle_w.sum())  # whole cluster, now
+        self._mean_utilization: float | None = None  # cached until utilization may have changed
         self._last_s = 0.0
 
     def reserve(self, attempt_id: str, rows: Iterable[int], memory_per_device_gb: float) -> None:
@@ -83,10 +86,19 @@ class Devices:
             self.running[row].discard(attempt_id)
             self.mem_used[row] = max(0.0, self.mem_used[row] - memory_per_device_gb)
 
-    def refresh_power(self) -> None:
-        """Recompute the cluster's power draw from utilization and health."""
-        power = (self.idle_w + (self.peak_w - self.idle_w) * self.util * self.speed) * ~self.failed
-        self.power_w = float(power.sum())
+    def refresh_power(self, rows: Iterable[int] | None = None) -> None:
+        """Recompute the cluster's power draw from utilization, speed and health after they changed
+        on ``rows`` (None: anywhere). Rows alone cost their own number, not the cluster's."""
+        self._mean_utilization = None
+        if rows is None:
+            self.row_power_w = (self.idle_w + (self.peak_w - self.idle_w) * self.util * self.speed) * ~self.failed
+            self.power_w = float(self.row_power_w.sum())
+            return
+        index = np.fromiter(rows, dtype=np.int64)
+        idle = self.idle_w[index]
+        power = (idle + (self.peak_w[index] - idle) * self.util[index] * self.speed[index]) * ~self.failed[index]
+        self.power_w += float(power.sum() - self.row_power_w[index].sum())
+        self.row_power_w[index] = power
 
     def advance(self, t_s: float) -> None:
         """Add the energy drawn at the current power up to ``t_s``."""
@@ -94,7 +106,10 @@ class Devices:
         self._last_s = t_s
 
     def mean_utilization(self) -> float:
-        return float(self.util.mean()) if len(self.util) else 0.0
+        """Mean utilization over the devices, recomputed only after :meth:`refresh_power`."""
+        if self._mean_utilization is None:
+            self._mean_utilization = float(self.util.mean()) if len(self.util) else 0.0
+        return self._mean_utilization
 
     def allocated_share(self) -> float:
         """The share of devices holding at least one attempt."""
@@ -129,5 +144,25 @@ class Devices:
             temperature_c=IDLE_TEMPERATURE_C + BUSY_HEAT_C * util + SLOW_HEAT_C * (1.0 - speed),
             failed=failed,
         )
-        ids = [self.ids[r] for r in rows]
-        return noisy_report(telemetry, rng, rows, ids, self.memory_gb[rows], state, now_ms)
+        return noisy_report(telemetry, rng, rows, RowIds(self.ids, rows), self.memory_gb[rows], state, now_ms)
+
+
+class RowIds(Sequence[str]):
+    """The ids of ``rows`` of ``ids``, looked up only when read (a report's ids name devices in
+    error messages; building the list for thousands of rows per report cost more than the rest)."""
+
+    def __init__(self, ids: Sequence[str], rows: np.ndarray) -> None:
+        self._ids = ids
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return [self._ids[r] for r in self._rows[i]]
+        return self._ids[int(self._rows[i])]

@@ -14,6 +14,7 @@ device reports failed, but the scheduler only learns it when the report arrives.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +66,7 @@ class MetricsReport:
     simulator's device rows (inventory order), ``ids`` their device ids."""
 
     rows: NDArray[np.int64]
-    ids: list[str]
+    ids: Sequence[str]
     utilization: NDArray[np.float64]
     memory_used_gb: NDArray[np.float64]
     power_w: NDArray[np.float64]
@@ -97,7 +98,7 @@ def noisy_report(
     config: TelemetryConfig,
     rng: np.random.Generator,
     rows: NDArray[np.int64],
-    device_ids: list[str],
+    device_ids: Sequence[str],
     memory_gb: NDArray[np.float64],
     state: DeviceState,
     event_time_ms: int,
