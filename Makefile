@@ -53,6 +53,8 @@ tools:
 		done; \
 	else echo "go not found: grpcurl and ghz are not built (the tests that drive them skip)"; fi
 	@command -v promtool >/dev/null 2>&1 || echo "promtool not found: the alert rules' tests skip (Debian: apt-get install prometheus)"
+	@command -v prometheus-node-exporter >/dev/null 2>&1 || command -v node_exporter >/dev/null 2>&1 || \
+		echo "node_exporter not found: the agent's live tests skip (Debian: apt-get install prometheus-node-exporter)"
 
 lint: install-export
 	$(PY) -m ruff check .

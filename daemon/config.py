@@ -385,6 +385,31 @@ class SnapshotSettings(_Section):
     keep: int = Field(3, ge=1, le=100)  # newest snapshots kept; an older one is the fallback for a corrupt one
 
 
+AgentSource = Literal["nvml", "dcgm", "node"]
+
+
+class AgentSettings(_Section):
+    """``hlb agent`` on a host (docs/agents.md, hlb.agent): which sources it reads and how often."""
+
+    # nvml: the GPUs through NVML (the nvml extra); dcgm: DCGM exporter's /metrics; node:
+    # node_exporter's /metrics (the host, and its CPUs as a device). A device several sources
+    # report is taken from the first listed.
+    sources: list[AgentSource] = Field(default_factory=lambda: list[AgentSource](["nvml"]), min_length=1)
+    host_id: str = Field("", max_length=256)  # empty: node_exporter's nodename, else this machine's hostname
+    rack_id: str = Field("", max_length=256)  # the switch or rack the host hangs off; empty: none
+    interval_s: float = Field(10.0, gt=0, le=3600)  # metrics and running tasks; keep it under leases.report_timeout_s
+    inventory_interval_s: float = Field(300.0, gt=0, le=86400)  # the whole inventory again, at least this often
+    dcgm_url: str = "http://127.0.0.1:9400/metrics"
+    node_url: str = "http://127.0.0.1:9100/metrics"
+    scrape_timeout_s: float = Field(5.0, gt=0, le=60)
+    # Where executors write a file per task they run here ({"task_id", "placement_sequence",
+    # "device_ids"}); empty: none.
+    tasks_dir: Path | None = None
+    report_tasks: bool = True  # publish HostTasks (what keeps running tasks' leases)
+    # Peak TFLOPS of device models not in the catalogue, by the vendor's name.
+    nameplates: dict[str, float] = Field(default_factory=dict)
+
+
 class LeaseSettings(_Section):
     """Leases on placements (docs/agents.md, hlb.daemon.decide.leases): a placement not confirmed
     started within ``start_timeout_s``, or a running task its host has not reported for
@@ -459,6 +484,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
     leases: LeaseSettings = LeaseSettings()
+    agent: AgentSettings = AgentSettings()
     journal: JournalSettings = JournalSettings()
     model: ModelSettings = ModelSettings()
     cells: CellsSettings = CellsSettings()

@@ -36,6 +36,8 @@ log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 
+EX_USAGE = 64  # sysexits: a command used wrongly
+
 DEFAULT_PROGRESS_INTERVAL_S = 5.0  # demo tasks run 5 to 90 s
 
 # The demo cluster: four accelerator models of two kinds on standard hosts (sim/topology.py),
@@ -324,9 +326,23 @@ duration_s = float_in(0.0, expected="seconds, 0 (until Ctrl-C) or more")
 progress_interval = float_in(0.0, expected="seconds, 0 (never) or more")
 
 
+SOURCES = ("sim", "host", "nvml", "dcgm", "node")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Publish a small heterogeneous cluster's inventory, telemetry and tasks to Kafka."
+    parser.description = (
+        "Publish a host's inventory, metrics and running tasks to Kafka (--source nvml, dcgm, node, or host: "
+        "the config's agent.sources; docs/agents.md), or a simulated heterogeneous cluster with its tasks "
+        "(sim, the default)."
+    )
     parser.add_argument("--config", type=Path, default=Path("config.yaml"), help="hlb config (Kafka and topics)")
+    parser.add_argument(
+        "--source",
+        choices=SOURCES,
+        action="append",
+        help="what to read; repeat for several (default: sim; host: agent.sources of the config)",
+    )
+    parser.add_argument("--once", action="store_true", help="a host agent publishes one round and exits")
     parser.add_argument(
         "--rate", type=submission_rate, default=1.0, help="task submissions per second (Poisson; default: %(default)s)"
     )
@@ -354,6 +370,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"hlb agent: {exc}")
         return EX_CONFIG
     configure_logging(settings.log.level, settings.log.format)
+    sources = args.source or ["sim"]
+    if sources != ["sim"]:
+        if "sim" in sources:
+            print("hlb agent: --source sim simulates a whole cluster and is not combined with a host's sources")
+            return EX_USAGE
+        from hlb.agent.command import run_host_agent
+
+        names = [n for n in sources if n != "host"] or list(settings.agent.sources)
+        return run_host_agent(settings, names, args.duration, args.once)
     agent = make_agent(
         make_bus(settings),
         settings.kafka.topics,
