@@ -47,6 +47,9 @@ log = structlog.get_logger(__name__)
 ClientConfig = dict[str, str | int | float | bool]
 
 FETCH_QUEUE_BACKOFF_MS = 10  # see KafkaSource: how soon a full prefetch queue is looked at again
+# The ledger (the placements topic) is read back at every start: it keeps every record. Compaction
+# would keep one per key, the cell (hlb.daemon.bus.topics says what each topic must keep).
+LEDGER_CONFIG = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
 # How long ensure_topics waits for a first answer from the bootstrap servers before it says none came.
 CONNECT_TIMEOUT_S = 5.0
 
@@ -126,7 +129,8 @@ class KafkaBus:
         self.settings = settings
 
     def ensure_topics(self, topics: Sequence[str], compacted: Sequence[str] = ()) -> None:
-        """Create missing topics (one partition each for now); the compacted ones keep the latest per key."""
+        """Create missing topics (one partition each for now); the compacted ones keep the latest per
+        key, the ledger (``topics.placements``) every record (``LEDGER_CONFIG``)."""
         admin = AdminClient(_client_config(self.settings), logger=KafkaLog())
         self.reach(admin)
         try:
@@ -150,7 +154,11 @@ class KafkaBus:
             ) from None
 
     def _create(self, admin: AdminClient, topics: Sequence[str], compacted: Sequence[str]) -> None:
-        wanted = [NewTopic(t, num_partitions=1, replication_factor=-1) for t in topics]
+        ledger = self.settings.topics.placements
+        wanted = [
+            NewTopic(t, num_partitions=1, replication_factor=-1, config=LEDGER_CONFIG if t == ledger else {})
+            for t in topics
+        ]
         wanted += [
             NewTopic(t, num_partitions=1, replication_factor=-1, config={"cleanup.policy": "compact"})
             for t in compacted

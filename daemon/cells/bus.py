@@ -32,7 +32,15 @@ import structlog
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from hlb.daemon.bus.kafka import ClientConfig, KafkaBus, KafkaPublisher, KafkaSource, _client_config, produce
+from hlb.daemon.bus.kafka import (
+    LEDGER_CONFIG,
+    ClientConfig,
+    KafkaBus,
+    KafkaPublisher,
+    KafkaSource,
+    _client_config,
+    produce,
+)
 from hlb.daemon.bus.kafkalog import KafkaLog
 from hlb.daemon.bus.seam import Offsets, RawEvent
 from hlb.daemon.config import KafkaSettings
@@ -80,7 +88,11 @@ def ensure_cell_topics(
     from confluent_kafka.cimpl import NewTopic
 
     admin = AdminClient(_client_config(settings), logger=KafkaLog())
-    wanted = [NewTopic(t, num_partitions=partitions, replication_factor=-1) for t in topics]
+    ledger = settings.topics.placements  # read back at every start: it keeps every record
+    wanted = [
+        NewTopic(t, num_partitions=partitions, replication_factor=-1, config=LEDGER_CONFIG if t == ledger else {})
+        for t in topics
+    ]
     wanted += [
         NewTopic(t, num_partitions=partitions, replication_factor=-1, config={"cleanup.policy": "compact"})
         for t in compacted

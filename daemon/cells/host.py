@@ -36,6 +36,7 @@ import grpc
 import structlog
 
 from hlb.daemon.bus.kafka import KafkaBus, KafkaPublisher
+from hlb.daemon.bus.topics import require_kept
 from hlb.daemon.cells.bus import (
     CellGroup,
     Claim,
@@ -191,6 +192,7 @@ class CellHost:
             self.partitions,
         )
         await asyncio.to_thread(KafkaBus(s.kafka).ensure_topics, [topics.dlq])
+        await asyncio.to_thread(require_kept, s)  # the ledger must keep what the next start reads back
         if s.metrics.listen:
             log.warning("metrics.listen is not served with cells.enabled yet", listen=s.metrics.listen)
         self._announcer = KafkaPublisher(s.kafka)

@@ -234,6 +234,16 @@ class Daemon:
 
     # -- restoring (hlb.daemon.runtime.restore) ----------------------------------------------
 
+    def set_up_topics(self) -> None:
+        """Create the missing topics; on Kafka, refuse (``ConfigError``, naming the setting) topics
+        that would lose what a start reads back: the ledger's decisions, the compacted inventory."""
+        topics = self.settings.kafka.topics
+        self.bus.ensure_topics([topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory])
+        if self.settings.bus == "kafka":
+            from hlb.daemon.bus.topics import require_kept  # librdkafka loads only when Kafka is used
+
+            require_kept(self.settings)
+
     def restore_ledger(self) -> int:
         """Load earlier decisions so that a replayed submission is not placed twice."""
         placements = read_ledger(self.bus, self.settings.kafka)
@@ -535,9 +545,7 @@ class Daemon:
         self.port = server.port
         self._server = server
         self.access.announce()
-        await asyncio.to_thread(
-            self.bus.ensure_topics, [topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory]
-        )
+        await asyncio.to_thread(self.set_up_topics)
         restored = await asyncio.to_thread(self.restore_ledger)
         log.info("ledger restored", placements=restored, last_sequence=self.ledger.last_sequence)
         if self.journal_enabled:
