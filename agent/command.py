@@ -18,6 +18,7 @@ from hlb.agent.prometheus import http_fetch
 from hlb.agent.readings import Source, SourceError
 from hlb.daemon.bus.seam import Publisher
 from hlb.daemon.config import AgentSettings, Settings
+from hlb.daemon.runtime.sdnotify import SystemdNotifier
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +80,7 @@ def run_host_agent(settings: Settings, names: Sequence[str], duration_s: float =
     if duration_s > 0:
         threading.Timer(duration_s, stop.set).start()
     try:
-        agent.run(stop, settings.agent.interval_s)
+        agent.run(stop, settings.agent.interval_s, SystemdNotifier())
     except KeyboardInterrupt:
         stop.set()
     log.info("agent stopped")

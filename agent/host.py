@@ -31,6 +31,7 @@ from hlb.agent.models import ModelCatalogue
 from hlb.agent.readings import DeviceReading, HostReading, RunningTask, Source, SourceError
 from hlb.daemon.bus.seam import Publisher
 from hlb.daemon.config import Topics
+from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -125,12 +126,27 @@ class HostAgent:
         self.publisher.flush(10.0)
         return len(devices)
 
-    def run(self, stop: threading.Event, interval_s: float) -> None:
-        """Step every ``interval_s`` until ``stop`` is set."""
+    def run(
+        self,
+        stop: threading.Event,
+        interval_s: float,
+        notifier: SystemdNotifier | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Step every ``interval_s`` until ``stop`` is set. Under systemd (``notifier``): READY=1
+        after the first round, WATCHDOG=1 from this loop, STOPPING=1 at the end."""
+        notifier = notifier if notifier is not None else SystemdNotifier({})
+        pinger = WatchdogPinger(notifier)
+        ready = False
         while not stop.is_set():
-            started = self.clock()
-            self.step()
-            stop.wait(max(0.0, interval_s - (self.clock() - started)))
+            started = monotonic()
+            devices = self.step()
+            if not ready:
+                notifier.ready(f"publishing {devices} devices every {interval_s:g} s")
+                ready = True
+            pinger.tick(monotonic())
+            stop.wait(max(0.0, interval_s - (monotonic() - started)))
+        notifier.stopping()
         self.publisher.flush(10.0)
 
     def _read(self) -> tuple[HostReading | None, list[DeviceReading]]:

@@ -19,12 +19,14 @@ from hlb.daemon.config import Topics
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.ingest.pipeline import Ingestor, drain
+from hlb.daemon.runtime.sdnotify import SystemdNotifier
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 from tests.agent.exporter import node_exporter
 from tests.agent.test_sources import DCGM_TEXT, GPU0, GPU1, GPU2, NODE_TEXT
 from tests.daemon.clock import Clock
+from tests.systemd.notify_socket import NotifySocket
 
 TOPICS = Topics()
 
@@ -141,3 +143,29 @@ def test_a_live_node_exporter_reads_as_this_host_and_its_cpus() -> None:
     assert cpu.kind == ev.DEVICE_KIND_CPU
     assert 0.0 <= cpu.utilization <= 1.0
     assert 0.0 <= cpu.memory_used_gb <= cpu.memory_gb
+
+
+def test_under_systemd_the_agent_says_ready_after_its_first_round_and_pings_the_watchdog(tmp_path: Path) -> None:
+    listener = NotifySocket(tmp_path / "notify")
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "2000000"})
+    bus, clock = MemoryBus(), Clock()
+    stop = threading.Event()
+    rounds = 0
+
+    class Counting:
+        name = "counting"
+
+        def read(self) -> Reading:
+            nonlocal rounds
+            rounds += 1
+            if rounds == 3:
+                stop.set()
+            return DcgmSource(lambda: DCGM_TEXT).read()
+
+    agent = HostAgent([Counting()], bus, TOPICS, "c", ModelCatalogue.load({}), host_id="h", clock=clock)
+    agent.run(stop, 0.01, notifier)
+    messages = listener.drain()
+    assert messages[0] == "READY=1\nSTATUS=publishing 3 devices every 0.01 s"
+    assert "WATCHDOG=1" in messages
+    assert messages[-1].startswith("STOPPING=1")
+    assert rounds == 3
