@@ -40,7 +40,8 @@ kafka: install
 	@if command -v java >/dev/null 2>&1; then $(PY) -m hlb.sim.kafka_local fetch; \
 	else echo "java not found: the Kafka broker cannot run here"; fi
 
-# Clients some tests drive, built with Go into .cache/tools/bin: grpcurl and ghz (reflection).
+# Clients some tests drive, built with Go into .cache/tools/bin: grpcurl and ghz (reflection);
+# and the Go modules of tests/extender (kube-scheduler's extender types).
 # promtool (the alert rules' tests) comes from Debian's prometheus package (.ci/run installs it).
 # Where Go is missing nothing is built, and the tests that need a tool skip saying which.
 TOOLS_BIN := $(CURDIR)/.cache/tools/bin
@@ -51,6 +52,7 @@ tools:
 			name=$${tool%%@*}; name=$${name##*/}; \
 			[ -x "$(TOOLS_BIN)/$$name" ] || { echo "building $$name"; GOBIN="$(TOOLS_BIN)" go install "$$tool"; }; \
 		done; \
+		(cd tests/extender && go mod download); \
 	else echo "go not found: grpcurl and ghz are not built (the tests that drive them skip)"; fi
 	@command -v promtool >/dev/null 2>&1 || echo "promtool not found: the alert rules' tests skip (Debian: apt-get install prometheus)"
 	@command -v prometheus-node-exporter >/dev/null 2>&1 || command -v node_exporter >/dev/null 2>&1 || \

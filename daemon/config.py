@@ -251,6 +251,18 @@ class MetricsSettings(_Section):
     _listen = field_validator("listen")(_empty_or_host_port)
 
 
+class ExtenderSettings(_Section):
+    """A Kubernetes scheduler extender over HTTP (``hlb.daemon.serve.extender``; docs/clients.md)."""
+
+    listen: str = ""  # host:port kube-scheduler posts filter and prioritize to; empty: off
+    # The extended resources whose requests count a pod's devices (its gang).
+    device_resources: list[str] = Field(
+        default_factory=lambda: ["nvidia.com/gpu", "amd.com/gpu", "google.com/tpu"], min_length=1
+    )
+
+    _listen = field_validator("listen")(_empty_or_host_port)
+
+
 class ObjectiveWeightsSettings(_Section):
     """Relative weights of the objectives; only their ratios matter."""
 
@@ -482,6 +494,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = SchedulerSettings()
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
+    extender: ExtenderSettings = ExtenderSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
     leases: LeaseSettings = LeaseSettings()
     agent: AgentSettings = AgentSettings()

@@ -103,6 +103,7 @@ from hlb.daemon.runtime.restore import (
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, SchedulerService, cluster_state
 from hlb.daemon.serve.auth import Access
+from hlb.daemon.serve.extender import Extender, ExtenderServer
 from hlb.daemon.serve.interceptors import OwnCellOnly
 from hlb.daemon.serve.ratelimit import RateLimitInterceptor
 from hlb.daemon.state.graph import InfraGraph
@@ -152,6 +153,7 @@ class Daemon:
         self.config_path = config_path
         self.lock = threading.RLock()
         self.ledger = PlacementLedger()
+        self.extender_server: ExtenderServer | None = None  # the Kubernetes scheduler extender, when on
         self.metrics = DaemonMetrics(input_topics=(settings.kafka.topics.telemetry, settings.kafka.topics.tasks))
         policy = build_policy(settings, self.metrics.record_fallback)
         self.scheduler = Scheduler(
@@ -586,7 +588,7 @@ class Daemon:
             await asyncio.to_thread(self._start_policy)
             await server.start()  # health NOT_SERVING until the replay below has caught up
             ingest.start()
-            metrics_server = self._start_metrics(inputs)
+            metrics_server = self._start_endpoints(inputs)
             if await self._replay_until_caught_up(stop, ingest):
                 # Leases come due only once the replay has rebuilt every placement and start.
                 self._spawn(self._expire_leases_every(self.settings.leases.check_interval_s))
@@ -703,6 +705,8 @@ class Daemon:
                 await asyncio.to_thread(self.journal.close, False)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.stop)
+        if self.extender_server is not None:
+            await asyncio.to_thread(self.extender_server.stop)
         applied = self._ingestor.stats.applied if self._ingestor is not None else 0
         log.info("stopped", undelivered=undelivered, applied=applied)
         if snapshot_error is not None:
@@ -718,6 +722,22 @@ class Daemon:
             except OSError as exc:
                 await self._journal_failed(exc)
         await asyncio.to_thread(self._withdraw_uncommitted)
+
+    def _start_endpoints(self, inputs: Sequence[str]) -> MetricsServer | None:
+        """The HTTP endpoints beside gRPC: ``/metrics`` (returned) and the scheduler extender."""
+        self.extender_server = self._start_extender()
+        return self._start_metrics(inputs)
+
+    def _start_extender(self) -> ExtenderServer | None:
+        """The Kubernetes scheduler extender on ``extender.listen`` (None: off), answered by this
+        daemon's scheduler under its lock."""
+        settings = self.settings.extender
+        if not settings.listen:
+            return None
+        extender = Extender(self.scheduler, self.lock, self.refusal, settings.device_resources)
+        server = ExtenderServer(extender, settings.listen)
+        log.info("scheduler extender serving", listen=settings.listen, port=server.port)
+        return server
 
     def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
         self.metrics.observe(self.metrics_sample)
