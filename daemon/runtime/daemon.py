@@ -210,9 +210,10 @@ class Daemon:
             "grpc.max_requests_per_s": reload_rate_limit,
             "grpc.request_burst": reload_rate_limit,
             "auth.": self.access.reload,
+            "leases.": self._reload_leases,
         }
         # Keys under a reloader's section that it cannot apply: the graph is built with them.
-        self.restart_only = {"scheduler.max_tasks_per_device"}
+        self.restart_only = {"scheduler.max_tasks_per_device", "leases.check_interval_s"}
         self._monotonic = monotonic
         self._ingestor: Ingestor | None = None
         self.snapshots: snapshot.SnapshotStore | None = (
@@ -514,6 +515,15 @@ class Daemon:
         if placed:
             log.info("placed", count=len(placed), sequence=placed[-1].sequence)
         return len(lost)
+
+    def _reload_leases(self, new: Settings) -> None:
+        """New lease timeouts and retries, for the leases granted from now on (those held keep
+        their deadlines)."""
+        leases = new.leases
+        with self.lock:
+            self.scheduler.leases.timeouts = LeaseTimeouts(
+                leases.start_timeout_s, leases.report_timeout_s, leases.retries
+            )
 
     async def _expire_leases_every(self, interval_s: float) -> None:
         while True:

@@ -4,13 +4,19 @@ exactly once; a start from a stale placement is refused. No I/O, an injected clo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import load_settings
 from hlb.daemon.decide.leases import STALE_PLACEMENT, LeaseTimeouts
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.record import snapshot
+from hlb.daemon.runtime.daemon import Daemon
+from hlb.daemon.runtime.reload import reloader_for
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.leases import LeaseKind, LeaseTable
 from hlb.daemon.state.ledger import PlacementLedger
@@ -320,3 +326,15 @@ def test_the_lease_table_finds_due_leases_by_deadline_without_a_scan() -> None:
     assert [lease.task_id for lease in table.due(1099.0)] == [f"t{i}" for i in range(503, 1000, 2)]
     assert len(table.due(1100.0)) == 500
     assert len(table) == 0
+
+
+def test_a_reload_sets_the_timeouts_of_leases_granted_after_it(tmp_path: Path) -> None:
+    settings = load_settings(None, bus="memory", state_dir=str(tmp_path))
+    daemon = Daemon(settings, MemoryBus(), Clock())
+    assert daemon.scheduler.leases.timeouts == LeaseTimeouts(120.0, 60.0, 2)  # the documented defaults
+    new = load_settings(None, bus="memory", state_dir=str(tmp_path), leases={"start_timeout_s": 5, "retries": 0})
+    reload = reloader_for(daemon.reloaders, daemon.restart_only, "leases.start_timeout_s")
+    assert reload is not None
+    reload(new)
+    assert daemon.scheduler.leases.timeouts == LeaseTimeouts(5.0, 60.0, 0)
+    assert reloader_for(daemon.reloaders, daemon.restart_only, "leases.check_interval_s") is None  # a restart
