@@ -312,7 +312,7 @@ def test_a_timeout_of_zero_turns_that_lease_off() -> None:
     assert len(scheduler.leases.table) == 0
 
 
-def test_the_lease_table_finds_due_leases_by_deadline_without_a_scan() -> None:
+def test_the_lease_table_gives_due_leases_by_deadline_skipping_renewed_and_dropped_ones() -> None:
     table = LeaseTable()
     for i in range(1000):
         table.grant(f"t{i}", i + 1, LeaseKind.REPORT, 0.0, 10.0 + i)
