@@ -32,12 +32,14 @@ from hlb.daemon.decide.framework import ObjectiveWeights
 from hlb.daemon.state.profiles import PROFILE_KINDS
 from hlb.sim.catalogue import Catalogue, load_catalogue
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, HiddenConfig
+from hlb.sim.lookahead import LookaheadPolicy
 from hlb.sim.metrics import compute_metrics, job_outcomes, longest_jobs
 from hlb.sim.policies import (
     GNN_VARIANTS,
     LEARNED_POLICIES,
     NO_GRAPH,
     NO_GRAPH_MODEL_DIR,
+    LookaheadSettings,
     check_gnn_model,
     make_sim_policy,
 )
@@ -79,6 +81,7 @@ class RunSpec:
     cut: TraceCut = field(default_factory=TraceCut)  # which part of a trace to replay
     load_basis: str = DEFAULT_LOAD_BASIS  # what ``load`` measures for a trace (hlb.sim.replay.LOAD_BASES)
     longest: int = 10  # jobs with the most work flagged in the metrics
+    lookahead: LookaheadSettings = field(default_factory=LookaheadSettings)  # policy lookahead's bounds
 
 
 @lru_cache(maxsize=1)
@@ -133,10 +136,14 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     else:
         tasks, _ = replay_tasks(spec, v100_equivalents(catalogue, inventory))
     started = time.perf_counter()
-    policy = make_sim_policy(spec.policy, spec.seed, spec.model, spec.refresh_rows, spec.weights, spec.profiles)
+    policy = make_sim_policy(
+        spec.policy, spec.seed, spec.model, spec.refresh_rows, spec.weights, spec.profiles, spec.lookahead
+    )
     sim = Simulation(catalogue, inventory, tasks, policy, spec.seed, spec.config)
     result = sim.run()
     metrics = compute_metrics(result, spec.longest)
+    if isinstance(policy, LookaheadPolicy):
+        metrics |= policy.cost()
     timeline = result.timeline
     return {
         "workload": spec.workload if spec.workload in WORKLOADS else Path(spec.workload).name,
@@ -267,6 +274,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="objective weights of hetero-greedy, heft and the GNN (the others ignore them), as "
         "scheduler.weights: completion_time, utilization, energy, each in [0, 1000], one above 0; "
         "unnamed ones are 0 (default: completion_time=1)",
+    )
+    bounds = LookaheadSettings()
+    parser.add_argument(
+        "--lookahead-candidates",
+        type=int,
+        metavar="K",
+        help=f"policy lookahead: gangs rolled out per decision, the base's and K - 1 drawn from the best of each "
+        f"model (default: {bounds.candidates})",
+    )
+    parser.add_argument(
+        "--lookahead-horizon-tasks",
+        type=int,
+        metavar="N",
+        help="policy lookahead: each rollout runs until N more tasks have arrived (0: no such bound; "
+        f"default: {bounds.horizon_tasks})",
+    )
+    parser.add_argument(
+        "--lookahead-horizon-h",
+        type=float,
+        metavar="H",
+        help=f"policy lookahead: and for at most H hours (default: {bounds.horizon_s / 3600.0:g})",
     )
     parser.add_argument("--seeds", default="10", help="N (seeds 0..N-1), A-B, or a comma-separated list")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (1: run in this process)")
@@ -535,7 +563,8 @@ def _progress_line(done: int, total: int, run_result: dict[str, Any], started: f
 # Options without a default value (None until given), so that one that does not apply can be refused.
 RUN_OPTIONS = (
     "cluster", "inventory", "sample_devices", "sample_seed", "workload", "trace", "load", "jobs", "window",
-    "tasks", "load_basis", "model", "model_no_graph", "refresh_rows", "weights",
+    "tasks", "load_basis", "model", "model_no_graph", "refresh_rows", "weights", "lookahead_candidates",
+    "lookahead_horizon_tasks", "lookahead_horizon_h",
 )  # fmt: skip
 
 
@@ -584,6 +613,11 @@ def _refuse_inapplicable(args: argparse.Namespace, traces: bool, generated: bool
         refusals.append("--refresh-rows is for the GNN policies, and none runs")
     if args.weights is not None and all(p in UNWEIGHED_POLICIES for p in policies):
         refusals.append(f"--weights: none of {', '.join(policies)} weighs objectives")
+    if "lookahead" not in policies:
+        refusals += [
+            f"{flag} is for policy lookahead, which does not run"
+            for flag in _given(args, ["lookahead_candidates", "lookahead_horizon_tasks", "lookahead_horizon_h"])
+        ]
     if refusals:
         raise ValueError("; ".join(refusals))
 
@@ -597,6 +631,23 @@ def _trace_cut(args: argparse.Namespace) -> TraceCut:
         first, last = _pair(args.tasks, "--tasks", int)
         return TraceCut(tasks=(int(first), int(last)))
     return TraceCut()
+
+
+def _lookahead(args: argparse.Namespace) -> LookaheadSettings:
+    """The lookahead's bounds from its flags (defaults where not given)."""
+    default = LookaheadSettings()
+    bounds = LookaheadSettings(
+        default.candidates if args.lookahead_candidates is None else args.lookahead_candidates,
+        default.horizon_tasks if args.lookahead_horizon_tasks is None else args.lookahead_horizon_tasks,
+        default.horizon_s if args.lookahead_horizon_h is None else args.lookahead_horizon_h * 3600.0,
+    )
+    if (
+        bounds.candidates < 1
+        or bounds.horizon_tasks < 0
+        or not (math.isfinite(bounds.horizon_s) and bounds.horizon_s > 0)
+    ):
+        raise ValueError("lookahead needs --lookahead-candidates >= 1, --lookahead-horizon-tasks >= 0 and hours > 0")
+    return bounds
 
 
 def _specs(args: argparse.Namespace) -> list[RunSpec]:
@@ -632,6 +683,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     if NO_GRAPH in policies:
         check_gnn_model(no_graph or str(NO_GRAPH_MODEL_DIR))
     seeds = _seeds(args.seeds)
+    lookahead = _lookahead(args)
     refresh_rows = 1 if args.refresh_rows is None else args.refresh_rows
     if refresh_rows < 1:
         raise ValueError("--refresh-rows needs at least 1")
@@ -677,6 +729,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
             cut if workload not in WORKLOADS else TraceCut(),
             args.load_basis or DEFAULT_LOAD_BASIS,
             args.longest,
+            lookahead,
         )
         for workload in workloads
         for load in (loads or [DEFAULT_LOAD] if workload in WORKLOADS else loads or [0.0])

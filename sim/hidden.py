@@ -31,9 +31,12 @@ Units: s; speeds are multipliers of the catalogue's rate (1 = as catalogued).
 
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -121,18 +124,28 @@ class HiddenTruth:
             self.persistent_speed = np.where(slow, speeds, 1.0)
         self.speed: NDArray[np.float64] = self.persistent_speed.copy()
         # One stream per device: its episodes do not depend on when other devices' events are handled.
-        self._throttle_rngs = (
+        self._throttle_rngs = DeviceStreams(
             [np.random.default_rng(s) for s in throttle_seed.spawn(num_devices)] if config.throttling else []
         )
         self.episodes: list[Episode] = []
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> HiddenTruth:
+        """A fork's copy: what never changes after the start is shared, the episodes (immutable) are
+        listed anew, and the device streams are copied when first drawn from (:class:`DeviceStreams`)."""
+        twin = copy.copy(self)
+        twin.speed = self.speed.copy()
+        twin.episodes = list(self.episodes)
+        twin._throttle_rngs = self._throttle_rngs.fork()
+        memo[id(self)] = twin
+        return twin
+
     def first_throttle_s(self, row: int) -> float:
         """When device ``row``'s first throttling episode begins (s from the start)."""
-        return float(self._throttle_rngs[row].exponential(self.config.throttle_every_s))
+        return float(self._throttle_rngs.draw(row).exponential(self.config.throttle_every_s))
 
     def begin_throttle(self, row: int, now_s: float) -> float:
         """Device ``row`` throttles from ``now_s``: its speed drops; returns when the episode ends (s)."""
-        rng = self._throttle_rngs[row]
+        rng = self._throttle_rngs.draw(row)
         end_s = now_s + float(rng.exponential(self.config.throttle_duration_s))
         episode = Episode(row, now_s, end_s, float(rng.uniform(*self.config.throttle_speed)))
         self.episodes.append(episode)
@@ -142,4 +155,45 @@ class HiddenTruth:
     def end_throttle(self, row: int, now_s: float) -> float:
         """Device ``row``'s episode ends at ``now_s``: its speed recovers; returns when the next begins (s)."""
         self.speed[row] = self.persistent_speed[row]
-        return now_s + float(self._throttle_rngs[row].exponential(self.config.throttle_every_s))
+        return now_s + float(self._throttle_rngs.draw(row).exponential(self.config.throttle_every_s))
+
+
+class DeviceStreams:
+    """One random generator per device, shared with forks until one side draws.
+
+    Copying thousands of generators made forking a simulation slow, and a fork draws from few of
+    them. A fork (:meth:`fork`) starts with none of its own and reads its parent's; before either
+    side draws from a device's stream, the side that has no copy of its own gets one taken from
+    the current state, so that no draw of one is seen by the other. Children are held weakly: a
+    fork that is dropped costs nothing.
+    """
+
+    def __init__(self, generators: list[np.random.Generator], parent: DeviceStreams | None = None) -> None:
+        self._own: dict[int, np.random.Generator] = dict(enumerate(generators))
+        self._parent = parent
+        self._children: weakref.WeakSet[DeviceStreams] = weakref.WeakSet()
+
+    def fork(self) -> DeviceStreams:
+        child = DeviceStreams([], self)
+        self._children.add(child)
+        return child
+
+    def _current(self, row: int) -> np.random.Generator:
+        """The generator whose state this side would draw from next (its own or an ancestor's)."""
+        streams: DeviceStreams | None = self
+        while streams is not None:
+            own = streams._own.get(row)
+            if own is not None:
+                return own
+            streams = streams._parent
+        raise IndexError(f"no stream for device row {row}")
+
+    def draw(self, row: int) -> np.random.Generator:
+        """The generator to draw device ``row``'s next values from (this side's own)."""
+        own = self._own.get(row)
+        if own is None:
+            own = self._own[row] = copy.deepcopy(self._current(row))
+        for child in list(self._children):  # they have not seen this draw: they keep the state before it
+            if row not in child._own:
+                child._own[row] = copy.deepcopy(own)
+        return own

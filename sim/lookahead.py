@@ -1,18 +1,30 @@
-"""The lookahead oracle: tries the best few gangs for a task in the future, keeps the best.
+"""The lookahead oracle: tries a few candidate gangs for a task in the future, keeps the best.
 
 An expensive policy, used as an upper reference in evaluation. It is an ordinary daemon policy
 (``score(task, graph, rows)``), so it decides through the same scheduler, graph and ledger as
 every other policy. For each decision it:
 
+0. with a horizon in tasks, leaves the decision to the base when the base's choice leaves enough
+   devices of its model free for every task that could want them within the horizon (the queued
+   ones and the next ``horizon_tasks``, each at the largest gang): no other candidate could then
+   serve the horizon better, and on thousands of devices most decisions are such;
 1. ranks the feasible rows (the base policy's shortlist of them, if it narrows them) with the base
-   policy and forms up to ``k`` candidate gangs: the base policy's own choice, then the best
-   ``gang`` rows of each device model, best first;
+   policy and forms the candidate gangs: the base policy's own choice, then the best ``gang`` rows
+   of each device model; when more than ``k - 1`` others are left, ``k - 1`` of them are drawn
+   (uniformly, from the policy's seeded stream), so that the work per decision is bounded;
 2. for each candidate, forks the whole simulation (scheduler included), pins this task to the
-   candidate, and rolls the fork forward ``horizon_s`` with the base policy deciding;
+   candidate, and rolls the fork forward with the base policy deciding, up to the arrival of the
+   ``horizon_tasks``-th task after now (a horizon in tasks, so that a rollout's work does not grow
+   with the gaps between arrivals; 0: none) and at most ``horizon_s``;
 3. keeps the candidate with the least total flow time in the fork: the sum over tasks that have
    arrived by the horizon's end of ``finish - arrival`` (s), where a task still running then is
    projected to finish at its current rate and a queued one after its ideal run time
    (:meth:`hlb.sim.simulator.Simulation.projected_finish_s`).
+
+A fork costs a copy of the simulation's state; the immutable parts (catalogue, inventory,
+network, tasks, the hidden truth's draws until one side draws) are shared, not copied. Its cost
+per decision is counted (:meth:`LookaheadPolicy.cost`: decisions, rollouts, seconds) and
+``hlb eval`` reports it.
 
 The base is hetero-greedy by default; any policy object can be, one that may wait for a busy device
 included (the GNN): the base's own candidate is then not pinned, so its fork decides the task as
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -39,8 +52,11 @@ from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
+from hlb.sim.catalogue_sources import GANG_SIZES
 from hlb.sim.simulator import Simulation, SimulationAware
 from hlb.v1 import events_pb2 as ev
+
+MAX_GANG = max(GANG_SIZES)  # the largest gang a task may ask for
 
 
 class PinnedPolicy(Policy):
@@ -111,17 +127,39 @@ class LookaheadPolicy(Policy):
 
     name = "lookahead"
 
-    def __init__(self, base: str | Policy = "hetero-greedy", k: int = 3, horizon_s: float = 6 * 3600.0) -> None:
-        if k < 1 or horizon_s <= 0:
-            raise ValueError("lookahead needs k >= 1 and horizon_s > 0")
+    def __init__(
+        self,
+        base: str | Policy = "hetero-greedy",
+        k: int = 3,
+        horizon_s: float = 6 * 3600.0,
+        horizon_tasks: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if k < 1 or horizon_s <= 0 or horizon_tasks < 0:
+            raise ValueError("lookahead needs k >= 1, horizon_s > 0 and horizon_tasks >= 0")
         self.base = make_policy(base) if isinstance(base, str) else base
         self.k = k
         self.horizon_s = horizon_s
+        self.horizon_tasks = horizon_tasks
+        self._rng = np.random.default_rng(seed)  # draws the candidates when there are more than k
         self._sim: Simulation | None = None
         self._taken: set[str] = set()  # tasks whose rolled-out winner is taken now: no wait for them
         self.rollouts = 0
         self.decisions = 0  # decisions with at least two candidates
         self.changed = 0  # of those, decided otherwise than the base policy would have
+        self.decision_s = 0.0  # wall-clock seconds spent in those decisions (forks and rollouts)
+        self.skipped = 0  # decisions left to the base: its model had room for the whole horizon
+
+    def cost(self) -> dict[str, float]:
+        """What the rolled-out decisions cost: how many, rollouts per decision, wall ms per decision."""
+        decisions = max(1, self.decisions)
+        return {
+            "lookahead_decisions": float(self.decisions),
+            "lookahead_skipped": float(self.skipped),
+            "lookahead_rollouts_per_decision": self.rollouts / decisions,
+            "lookahead_ms_per_decision": 1000.0 * self.decision_s / decisions,
+            "lookahead_changed_share": self.changed / decisions,
+        }
 
     @property
     def waits(self) -> bool:
@@ -155,6 +193,10 @@ class LookaheadPolicy(Policy):
         base_choice = self.base.choose_gang(spec, graph, feasible)
         if self._sim is None or not len(base_choice[0]):
             return base_choice
+        started = time.perf_counter()
+        if self.uncontended(spec, graph, feasible, base_choice[0]):
+            self.skipped += 1
+            return base_choice
         rows = self.base.shortlist(spec, graph, feasible)
         candidates = self.candidates(spec, graph, rows, self.base.score(spec, graph, rows), base_choice[0])
         if len(candidates) < 2:
@@ -163,6 +205,7 @@ class LookaheadPolicy(Policy):
         own = None if self.base.waits else candidates[0]
         costs = [self.rollout_cost(spec.id, own)] + [self.rollout_cost(spec.id, c) for c in candidates[1:]]
         best = int(np.argmin(costs))
+        self.decision_s += time.perf_counter() - started
         self.decisions += 1
         self.changed += best > 0
         self.decided(spec, graph, rows, candidates, costs)
@@ -193,8 +236,22 @@ class LookaheadPolicy(Policy):
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
         return self.base.rank(graph, tasks)
 
+    def uncontended(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, choice: Rows) -> bool:
+        """Whether the base's ``choice`` leaves enough devices of its model free for every task that
+        could want them within the horizon (the queued ones and the next ``horizon_tasks``, each
+        counted at the largest gang, :data:`MAX_GANG`): then no other candidate can serve the
+        horizon better, and no rollout is needed. Only with a horizon in tasks."""
+        if not self.horizon_tasks or self._sim is None:
+            return False
+        models = graph.devices.model
+        chosen = np.unique(models[choice])
+        free = int(np.count_nonzero(np.isin(models[feasible], chosen))) - len(choice)
+        wanting = self._sim.scheduler.pending_count + self.horizon_tasks
+        return free >= wanting * MAX_GANG
+
     def candidates(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores, first: Rows) -> list[Rows]:
-        """Up to ``k`` distinct gangs: ``first`` (the base policy's choice), then the best of each model."""
+        """Up to ``k`` distinct gangs: ``first`` (the base policy's choice), then the best of each
+        model, best first; ``k - 1`` of those drawn at random when there are more."""
         gang = max(1, spec.num_devices)
         if len(rows) < gang:
             return []
@@ -210,14 +267,33 @@ class LookaheadPolicy(Policy):
         for _, gang_rows in found:
             if not any(np.array_equal(gang_rows, d) for d in distinct):
                 distinct.append(gang_rows)
-        return distinct[: self.k]
+        if len(distinct) > self.k:
+            drawn = np.sort(self._rng.choice(len(distinct) - 1, size=self.k - 1, replace=False)) + 1
+            distinct = [distinct[0], *(distinct[i] for i in drawn)]
+        return distinct
 
     def rollout_cost(self, task_id: str, rows: Rows | None) -> float:
         """Projected total flow time (s) at the horizon in a fork where ``task_id`` goes to ``rows``
         (None: as the base policy decides)."""
         assert self._sim is not None
         self.rollouts += 1
-        return rollout_flow_time_s(self._sim, PinnedPolicy(task_id, rows, self.copy_base()), self.horizon_s)
+        policy = PinnedPolicy(task_id, rows, self.copy_base())
+        return rollout_flow_time_s(self._sim, policy, self.horizon_end_s() - self._sim.now_s)
+
+    def horizon_end_s(self) -> float:
+        """When this decision's rollouts stop: the arrival of the ``horizon_tasks``-th task after now
+        (none left: the last arrival, or now), and at most ``horizon_s`` from now (s)."""
+        assert self._sim is not None
+        now = self._sim.now_s
+        if not self.horizon_tasks:
+            return now + self.horizon_s
+        arrivals = self._sim.arrivals_s()
+        after = int(np.searchsorted(arrivals, now, side="right"))
+        index = min(after + self.horizon_tasks - 1, len(arrivals) - 1)
+        horizon = float(arrivals[index]) if index >= after else now
+        # A rollout always sees a little of the future: at least its next telemetry delivery.
+        floor = self._sim.config.telemetry.interval_s + self._sim.config.telemetry.delay_s
+        return min(now + self.horizon_s, max(horizon, now + floor))
 
 
 def rollout_flow_time_s(sim: Simulation, policy: Policy, horizon_s: float) -> float:

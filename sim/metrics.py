@@ -71,6 +71,12 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("jct_p50_s_rest", "JCT median, longest left out", "s", "lower"),
     MetricInfo("jct_p99_s_rest", "JCT p99, longest left out", "s", "lower"),
     MetricInfo("queue_mean_s_rest", "queueing delay mean, longest left out", "s", "lower"),
+    # The lookahead's cost (hlb.sim.lookahead.LookaheadPolicy.cost), in its runs only.
+    MetricInfo("lookahead_decisions", "decisions rolled out", "", ""),
+    MetricInfo("lookahead_skipped", "decisions left to the base (room for the horizon)", "", ""),
+    MetricInfo("lookahead_rollouts_per_decision", "rollouts per decision", "", ""),
+    MetricInfo("lookahead_ms_per_decision", "wall time per rolled-out decision", "ms", ""),
+    MetricInfo("lookahead_changed_share", "rolled-out decisions changed", "share", ""),
     MetricInfo("slo_attainment", "SLO attainment", "share", "higher"),
     MetricInfo("jct_gap", "JCT / lower bound", "x", "lower"),
     MetricInfo("makespan_gap", "makespan / lower bound", "x", "lower"),

@@ -7,6 +7,7 @@ the same rules, is measured. ``lookahead`` is the simulator's oracle.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,17 @@ NO_GRAPH_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "model-no-graph"
 LEARNED_POLICIES = (*GNN_VARIANTS, NO_GRAPH)
 
 
+@dataclass(frozen=True)
+class LookaheadSettings:
+    """How much the ``lookahead`` policy may do per decision (:class:`hlb.sim.lookahead.LookaheadPolicy`):
+    ``candidates`` gangs rolled out (the base's and ones drawn from the best of each model), each
+    until ``horizon_tasks`` more tasks have arrived (0: no such bound) and for at most ``horizon_s``."""
+
+    candidates: int = 3
+    horizon_tasks: int = 16
+    horizon_s: float = 6 * 3600.0
+
+
 def make_sim_policy(
     name: str,
     seed: int = 0,
@@ -48,6 +60,7 @@ def make_sim_policy(
     refresh_rows: int = 1,
     weights: ObjectiveWeights | None = None,
     profiles: str = "exact",
+    lookahead: LookaheadSettings | None = None,
 ) -> Policy:
     """A daemon policy by name (``POLICY_NAMES``, ``gnn``), or one the simulator adds (``lookahead``).
 
@@ -67,7 +80,10 @@ def make_sim_policy(
     if name == "lookahead":
         from hlb.sim.lookahead import LookaheadPolicy
 
-        return LookaheadPolicy()
+        bounds = lookahead or LookaheadSettings()
+        return LookaheadPolicy(
+            k=bounds.candidates, horizon_s=bounds.horizon_s, horizon_tasks=bounds.horizon_tasks, seed=seed
+        )
     told = profiles_of(profiles)
     if name == "oracle-speeds":
         return make_policy("rules", weights, profiles=profiles_of("exact"))

@@ -292,6 +292,10 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
     shares = sorted({k for row in document["summary"] for k in row["metrics"] if k.startswith("time_share:")})
     if shares:
         table += "\n## Device time by model\n\n" + table_markdown(document["summary"], shares, ": share of device time")
+    costs = [row for row in document["summary"] if "lookahead_decisions" in row["metrics"]]
+    if costs:
+        keys = [m.key for m in METRICS if m.key.startswith("lookahead_")]
+        table += "\n## What the lookahead cost\n\n" + table_markdown(costs, keys)
     against = paired_markdown(document["paired"])
     if against:
         table += "\n## The learned policies against their controls, seed by seed\n\n" + against

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -51,6 +52,12 @@ class Timeline:
     utilization: list[float] = field(default_factory=list)  # mean over devices, 0..1
     power_w: list[float] = field(default_factory=list)  # whole cluster
     allocated: list[float] = field(default_factory=list)  # share of devices holding a task
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Timeline:
+        """Lists of floats copied as lists (floats are immutable): a fork's copy costs a list copy."""
+        twin = Timeline(list(self.t_s), list(self.utilization), list(self.power_w), list(self.allocated))
+        memo[id(self)] = twin
+        return twin
 
     def record(self, t_s: float, utilization: float, power_w: float, allocated: float) -> None:
         """The state at ``t_s``: replaces a step at the same instant; kept only when it changed."""

@@ -211,6 +211,7 @@ class Simulation:
         self.timeline = Timeline()
         self._started = False
         self._graph_rows = np.zeros(0, dtype=np.int64)  # the graph's row of each device, from the start
+        self._arrivals_s: np.ndarray | None = None
         if isinstance(self.policy, SimulationAware):
             self.policy.attach(self)
 
@@ -274,6 +275,12 @@ class Simulation:
     @property
     def now_s(self) -> float:
         return self.clock.t_s
+
+    def arrivals_s(self) -> np.ndarray:
+        """Every task's arrival time (s), ascending. Shape [T]."""
+        if self._arrivals_s is None:
+            self._arrivals_s = np.sort(np.fromiter((t.arrival_s for t in self._tasks.values()), dtype=np.float64))
+        return self._arrivals_s
 
     def running_tasks(self, device_id: str) -> set[str]:
         """Attempt ids computing on a device now (not those still waiting for their inputs)."""

@@ -78,6 +78,10 @@ def test_eval_replays_an_inventory_and_a_trace_file(tmp_path: Path) -> None:
     )  # fmt: skip
     finished = {r["policy"]: r["metrics"]["jobs_finished"] for r in document["runs"]}
     assert finished == {"least-loaded": 3, "lookahead": 3}
+    cost = document["runs"][1]["metrics"]
+    assert cost["lookahead_rollouts_per_decision"] >= 2
+    assert cost["lookahead_ms_per_decision"] > 0
+    assert "## What the lookahead cost" in (out / "results.md").read_text()
     assert (out / "jct_cdf_small_trace.png").exists()
 
 
@@ -128,6 +132,9 @@ TRACE = str(FIXTURES / "small_trace.csv")
         (["--model-no-graph", "somewhere"], "--model-no-graph is for policy gnn-no-graph"),
         (["--refresh-rows", "4"], "--refresh-rows is for the GNN policies"),
         (["--weights", "energy=1", "--policies", "random,best-fit"], "--weights: none of random, best-fit"),
+        (["--lookahead-candidates", "2"], "--lookahead-candidates is for policy lookahead"),
+        (["--lookahead-horizon-tasks", "2"], "--lookahead-horizon-tasks is for policy lookahead"),
+        (["--policies", "lookahead", "--lookahead-candidates", "0"], "lookahead needs --lookahead-candidates >= 1"),
     ],
 )
 def test_an_option_that_does_not_apply_is_refused(

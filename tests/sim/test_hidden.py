@@ -307,3 +307,26 @@ def test_hlb_eval_hides_the_truth_by_default_and_each_flag_sets_its_own_part() -
     with pytest.raises(ValueError, match="slow_device_share"):
         _hidden(eval_flags("--slow-devices", "2"))
     assert _hidden(eval_flags("--slow-devices", "0.1"))[0].job_speed_sigma == HIDDEN_DEFAULTS.job_speed_sigma
+
+
+def test_a_fork_draws_the_same_throttling_as_its_parent_and_leaves_the_parent_as_it_was(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:24", catalogue)
+    tasks = build_workload("gavel", 5, 40, catalogue, inventory, 1.2)
+    config = SimConfig(hidden=replace(HIDDEN_DEFAULTS, throttle_every_s=4 * 3600.0))
+    alone = Simulation(catalogue, inventory, tasks, "hetero-greedy", 5, config).run()
+    sim = Simulation(catalogue, inventory, tasks, "hetero-greedy", 5, config)
+    sim.run_until(3 * 3600.0)
+    fork = sim.fork()
+    grandchild = fork.fork()
+    from_fork = fork.run()  # draws first on every stream the parent has not drawn from since
+    from_grandchild = grandchild.run()
+    from_parent = sim.run()
+    assert len(alone.timeline.t_s) > 10
+    for result in (from_fork, from_grandchild, from_parent):
+        assert result.end_s == alone.end_s
+        assert result.energy_j == pytest.approx(alone.energy_j, rel=1e-9)
+        assert [(t.task_id, t.finish_s, t.device_ids) for t in result.tasks] == [
+            (t.task_id, t.finish_s, t.device_ids) for t in alone.tasks
+        ]
+    assert sim.hidden.episodes == fork.hidden.episodes == grandchild.hidden.episodes
+    assert len(sim.hidden.episodes) > 20

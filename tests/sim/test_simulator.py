@@ -495,3 +495,56 @@ def test_telemetry_reaches_the_scheduler_late_and_noisy(catalogue: Catalogue) ->
         seen.append(scheduler_view(sim))
     assert all(0.0 <= u <= 1.0 for u in seen)
     assert any(u < 1.0 for u in seen)  # noise, clipped at the top
+
+
+def test_a_lookahead_horizon_in_tasks_ends_at_the_nth_next_arrival(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:8", catalogue)
+    tasks = [task(f"t{i}", 600.0, arrival_s=1000.0 * i) for i in range(10)]
+    policy = LookaheadPolicy(k=2, horizon_tasks=3, horizon_s=6 * 3600.0)
+    sim = Simulation(catalogue, inventory, tasks, policy, seed=1)
+    sim.run_until(2500.0)
+    assert 2000.0 < sim.now_s <= 2500.0
+    assert policy.horizon_end_s() == 5000.0  # the next three arrivals: 3,000, 4,000, 5,000
+    policy.horizon_s = 1000.0
+    assert policy.horizon_end_s() == sim.now_s + 1000.0  # at most horizon_s
+    sim.run_until(9500.0)
+    policy.horizon_s = 6 * 3600.0
+    assert sim.now_s >= 9000.0
+    assert policy.horizon_end_s() == sim.now_s + 330.0  # none left: the next telemetry delivery
+
+
+def test_lookahead_draws_its_candidates_when_there_are_more_than_k(catalogue: Catalogue) -> None:
+    inventory = build_cluster("mixed:20", catalogue)
+    tasks = build_workload("gavel", 2, 10, catalogue, inventory, 0.9)
+    picks = []
+    for _ in range(2):
+        policy = LookaheadPolicy(k=2, horizon_tasks=4, seed=7)
+        sim = Simulation(catalogue, inventory, tasks, policy, seed=2)
+        sim.run_until(tasks[0].arrival_s)
+        graph = sim.scheduler.graph
+        rows = np.flatnonzero(graph.devices.alive)
+        spec = sim.scheduler.graph.tasks[tasks[0].id].spec
+        scores = policy.base.score(spec, graph, rows)
+        every = LookaheadPolicy(k=10).candidates(spec, graph, rows, scores, rows[:1])
+        chosen = policy.candidates(spec, graph, rows, scores, rows[:1])
+        picks.append([tuple(c) for c in chosen])
+        assert len(every) > 2
+        assert len(chosen) == 2
+        assert np.array_equal(chosen[0], every[0])
+        assert any(np.array_equal(chosen[1], c) for c in every[1:])
+    assert picks[0] == picks[1]  # the same seed draws the same
+
+
+def test_lookahead_rolls_out_only_where_the_bases_model_could_run_short(catalogue: Catalogue) -> None:
+    tasks = build_workload("gavel", 1, 12, catalogue, build_cluster("mixed:8", catalogue), 0.9)
+    roomy = LookaheadPolicy(k=3, horizon_tasks=2)
+    Simulation(catalogue, build_cluster("mixed:400", catalogue), tasks, roomy, seed=1).run()
+    assert roomy.rollouts == 0
+    assert roomy.skipped == len(tasks)
+    tight = LookaheadPolicy(k=3, horizon_tasks=2)
+    Simulation(catalogue, build_cluster("mixed:8", catalogue), tasks, tight, seed=1).run()
+    assert tight.rollouts > 0
+    cost = tight.cost()
+    assert cost["lookahead_decisions"] == tight.decisions > 0
+    assert cost["lookahead_ms_per_decision"] > 0
+    assert 2 <= cost["lookahead_rollouts_per_decision"] <= 3
