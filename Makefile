@@ -41,11 +41,14 @@ kafka: install
 	else echo "java not found: the Kafka broker cannot run here"; fi
 
 # Clients some tests drive, built with Go into .cache/tools/bin: grpcurl and ghz (reflection);
-# and the Go modules of tests/extender (kube-scheduler's extender types).
+# the generators of docs/clients.md's Go example; and the Go modules of tests/extender
+# (kube-scheduler's extender types). With npm, the Node example's packages into .cache/tools/node.
 # promtool (the alert rules' tests) comes from Debian's prometheus package (.ci/run installs it).
 # Where Go is missing nothing is built, and the tests that need a tool skip saying which.
 TOOLS_BIN := $(CURDIR)/.cache/tools/bin
-GO_TOOLS := github.com/fullstorydev/grpcurl/cmd/grpcurl@v1.9.3 github.com/bojand/ghz/cmd/ghz@v0.121.0
+GO_TOOLS := github.com/fullstorydev/grpcurl/cmd/grpcurl@v1.9.3 github.com/bojand/ghz/cmd/ghz@v0.121.0 \
+	google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.5 google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
+NODE_TOOLS := $(CURDIR)/.cache/tools/node
 tools:
 	@if command -v go >/dev/null 2>&1; then \
 		for tool in $(GO_TOOLS); do \
@@ -54,6 +57,10 @@ tools:
 		done; \
 		(cd tests/extender && go mod download); \
 	else echo "go not found: grpcurl and ghz are not built (the tests that drive them skip)"; fi
+	@if command -v npm >/dev/null 2>&1; then \
+		[ -d "$(NODE_TOOLS)/node_modules/@grpc/proto-loader" ] || { mkdir -p "$(NODE_TOOLS)" && \
+			npm install --prefix "$(NODE_TOOLS)" --no-audit --no-fund --silent @grpc/grpc-js@1 @grpc/proto-loader@0.8; }; \
+	else echo "npm not found: the Node client example's test skips"; fi
 	@command -v promtool >/dev/null 2>&1 || echo "promtool not found: the alert rules' tests skip (Debian: apt-get install prometheus)"
 	@command -v prometheus-node-exporter >/dev/null 2>&1 || command -v node_exporter >/dev/null 2>&1 || \
 		echo "node_exporter not found: the agent's live tests skip (Debian: apt-get install prometheus-node-exporter)"
