@@ -85,7 +85,8 @@ class Daemon:
         return state
 
     def metrics(self) -> dict[str, float]:
-        """The Prometheus samples on ``/metrics``, by name with labels (``hlb_consumer_lag_messages{partition="0",...}``)."""
+        """The Prometheus samples on ``/metrics``, by name with labels
+        (``hlb_consumer_lag_messages{partition="0",...}``)."""
         return scrape_metrics(self.metrics_port)
 
     def rss_bytes(self) -> int:
