@@ -431,8 +431,8 @@ class LeaseSettings(_Section):
     start_timeout_s: float = Field(120.0, ge=0, le=7 * 86400)
     report_timeout_s: float = Field(60.0, ge=0, le=7 * 86400)
     retries: int = Field(2, ge=0, le=1000)
-    # How often the daemon looks for leases that came due (a heap by deadline: the cost is that of
-    # the leases due, not of the tasks held).
+    # How often the daemon looks for leases that came due (leases are filed by deadline: a check
+    # costs the leases due, not the tasks held; hlb bench leases).
     check_interval_s: float = Field(1.0, gt=0, le=3600)
 
 

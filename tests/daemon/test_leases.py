@@ -338,3 +338,16 @@ def test_a_reload_sets_the_timeouts_of_leases_granted_after_it(tmp_path: Path) -
     reload(new)
     assert daemon.scheduler.leases.timeouts == LeaseTimeouts(5.0, 60.0, 0)
     assert reloader_for(daemon.reloaders, daemon.restart_only, "leases.check_interval_s") is None  # a restart
+
+
+def test_a_lease_is_due_at_its_deadline_and_a_clock_jump_finds_every_lease() -> None:
+    table = LeaseTable(resolution_s=0.1)
+    table.grant("a", 1, LeaseKind.START, 100.0, 2.5)  # due at 102.5
+    table.grant("b", 2, LeaseKind.START, 100.0, 1e6)
+    assert table.due(102.49) == []
+    assert [lease.task_id for lease in table.due(102.5)] == ["a"]
+    assert table.due(102.5) == []  # taken once
+    table.grant("c", 3, LeaseKind.REPORT, 102.5, 0.01)  # due within the bucket already taken: the next one
+    assert [lease.task_id for lease in table.due(102.6)] == ["c"]
+    assert [lease.task_id for lease in table.due(1e9)] == ["b"]  # far ahead: only the buckets there are
+    assert len(table) == 0
