@@ -12,7 +12,11 @@ times:
   record), per task, over ``--ops`` submissions;
 - ``release_pass``: the pass after a task finishes, which looks at the whole queue again (by fit
   bucket: a bucket whose shape does not fit is left whole after its first task);
-- memory per queued task (RSS growth while filling the queue, divided by the tasks added).
+- ``snapshot_capture``: what a snapshot holds the daemon's lock for (``snapshot.capture``; the
+  packing and writing happen after the lock is released);
+- memory per queued task (RSS growth while filling the queue, divided by the tasks added);
+- with ``--restart``, a start from a snapshot of that queue: decode and restore, install, and the
+  first pass, which rebuilds the queue's order and fit buckets (before the daemon serves).
 
 Each figure is also given as a ratio to the same figure with an empty queue, measured in the same
 run, so that it means the same on any machine.
@@ -40,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="rules", help="policy preset (default: %(default)s)")
     parser.add_argument("--ops", type=int, default=200, help="timed Place calls and submissions (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=100, help="tasks per PlaceBatch (default: %(default)s)")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="also time a start from a snapshot of each queue: restore, install, first pass (memory-hungry)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
 
 
@@ -65,6 +74,7 @@ class _Bench:
 
         self.ev = ev
         self.devices = args.devices
+        self.policy = args.policy
         policy = make_policy(args.policy)
         self.scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "bench", clock=lambda: 1_000_000.0)
         for host in range((args.devices + DEVICES_PER_HOST - 1) // DEVICES_PER_HOST):
@@ -115,6 +125,33 @@ class _Bench:
         # no growth is 0, not a negative cost per task.
         return added, max(_rss_mb() - before, 0.0)
 
+    def restart(self) -> dict[str, float]:
+        """A start from a snapshot of the scheduler as it is: seconds to decode and restore it, to
+        install it in a fresh scheduler, and for the first pass (queue order and fit buckets rebuilt)."""
+        from hlb.daemon.decide.presets import make_policy
+        from hlb.daemon.decide.scheduler import Scheduler
+        from hlb.daemon.record import snapshot
+        from hlb.daemon.state.graph import InfraGraph
+        from hlb.daemon.state.ledger import PlacementLedger
+
+        data = snapshot.encode(snapshot.pack(snapshot.capture(self.scheduler, {})))
+        start = time.perf_counter()
+        restored = snapshot.restore_state(snapshot.decode(data))
+        decoded = time.perf_counter()
+        ledger = PlacementLedger()
+        ledger.restore(self.scheduler.ledger.since(1))  # read back from the placements topic at a start
+        fresh = Scheduler(InfraGraph(), make_policy(self.policy), ledger, "bench", clock=lambda: 1_000_000.0)
+        snapshot.install(restored, fresh)
+        installed = time.perf_counter()
+        fresh.schedule_pending()
+        passed = time.perf_counter()
+        return {
+            "snapshot_mb": round(len(data) / 2**20, 1),
+            "restore_s": round(decoded - start, 2),
+            "install_s": round(installed - decoded, 2),
+            "first_pass_s": round(passed - installed, 2),
+        }
+
     def measure(self, length: int, ops: int, batch: int) -> dict[str, Any]:
         added, grown_mb = self.fill(length)
         scheduler, queued = self.scheduler, self.scheduler.pending_count
@@ -135,6 +172,12 @@ class _Bench:
         batch_s = time.perf_counter() - start
         self.finish([d.placement.task_id for d in decisions if d.placement is not None])
         scheduler.schedule_pending()
+        from hlb.daemon.record import snapshot
+
+        start = time.perf_counter()
+        captured = snapshot.capture(scheduler, {})
+        capture_s = time.perf_counter() - start
+        del captured
         submit_s: list[float] = []
         for _ in range(ops):
             spec = self.backlog_spec()
@@ -149,16 +192,19 @@ class _Bench:
             "place_batch_ms": round(batch_s * 1e3, 2),
             "submit_mean_ms": round(statistics.fmean(submit_s) * 1e3, 4),
             "release_pass_ms": round(release_pass_s * 1e3, 2),
+            "snapshot_capture_ms": round(capture_s * 1e3, 1),
             "kb_per_queued_task": round(grown_mb * 1024 / added, 2) if added else None,
         }
 
 
 def run(args: argparse.Namespace) -> int:
     bench = _Bench(args)
-    rows = [
-        bench.measure(length, args.ops, args.batch)
-        for length in (0, *sorted(int(n) for n in args.pending.split(",") if n.strip()))
-    ]
+    rows = []
+    for length in (0, *sorted(int(n) for n in args.pending.split(",") if n.strip())):
+        row = bench.measure(length, args.ops, args.batch)
+        if args.restart:
+            row["restart"] = bench.restart()
+        rows.append(row)
     empty = rows[0]
     for row in rows:
         row["ratio_to_empty"] = {

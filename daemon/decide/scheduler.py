@@ -318,6 +318,11 @@ class Scheduler:
             return refusal[0]
         return task.pending_reason
 
+    def bucket_refusals(self) -> dict[FitKey, tuple[str, int]]:
+        """The fit buckets that passes left whole, with the reason and the pass (a copy), for a
+        snapshot: a task whose own reason is older than its bucket's reads the bucket's."""
+        return dict(self._bucket_refusals)
+
     def _pend(self, task: Task, reason: str) -> None:
         task.pending_reason, task.reason_pass = reason, self._passes
 

@@ -26,6 +26,7 @@ format version is reported in a log line and skipped, never trusted.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import os
@@ -33,6 +34,7 @@ import struct
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,47 +120,119 @@ def _unpack_str_required(arrays: Arrays, name: str) -> list[str]:
 # -- state to arrays and back --------------------------------------------------------------------
 
 
-def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
-    """The scheduler's state as named arrays (copies: safe to write out after the lock is released)."""
+# What changes of a task after it is known (its spec, cell and arrival do not): read under the lock.
+_TASK_NOW = attrgetter("row", "state", "device_rows", "device_ids", "pending_reason", "reason_pass", "lost")
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The scheduler's state as taken under the daemon's lock (``capture``): numpy copies and
+    references to what no longer changes, cheap to take; ``pack`` turns it into arrays after."""
+
+    tables: dict[str, tuple[NDArray[np.bool_], list[int], list[str | None], dict[str, Any]]]
+    model_names: list[str]
+    counters: NDArray[np.int64]
+    tasks: list[Task]
+    now: list[tuple[int, TaskState, tuple[int, ...], tuple[str, ...], str, int, int]]
+    bucket_refusals: dict[Any, tuple[str, int]]
+    pending: list[str]
+    unbound: list[str]
+    forgotten: dict[str, TaskState]
+    last_sequence: int
+    lost: tuple[tuple[int, str, str], ...]
+    offsets: Offsets
+
+
+def capture(scheduler: Scheduler, offsets: Offsets) -> Captured:
+    """Take the state under the daemon's lock: O(tasks) in C-level copies (a list of each task's
+    changing fields), no serialization, so that the lock is held briefly even with a long queue."""
+    collecting = gc.isenabled()
+    gc.disable()  # a million tuples made here would set off full collections (seconds) under the lock
+    try:
+        return _capture(scheduler, offsets)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _capture(scheduler: Scheduler, offsets: Offsets) -> Captured:
     graph = scheduler.graph
-    arrays: Arrays = {}
+    tables = {}
     for name in TABLES:
         table: Table = getattr(graph, name)
-        arrays[f"{name}.alive"] = table.alive.copy()
-        arrays[f"{name}.free"] = np.array(table._free, dtype=np.int64)
-        _pack_str(arrays, f"{name}.ids", table.ids)
-        for column in table.COLUMNS:
-            arrays[f"{name}.col.{column}"] = getattr(table, column).copy()
-    _pack_str(arrays, "model_names", graph.model_names)
-    arrays["graph.counters"] = np.array(
-        [graph.newest_telemetry_ms, graph.version, graph.metrics_version, graph.changes, graph._arrivals],
-        dtype=np.int64,
-    )
+        columns = {column: getattr(table, column).copy() for column in table.COLUMNS}
+        tables[name] = (table.alive.copy(), list(table._free), list(table.ids), columns)
     tasks = list(graph.tasks.values())
+    return Captured(
+        tables=tables,
+        model_names=list(graph.model_names),
+        counters=np.array(
+            [graph.newest_telemetry_ms, graph.version, graph.metrics_version, graph.changes, graph._arrivals],
+            dtype=np.int64,
+        ),
+        tasks=tasks,
+        now=list(map(_TASK_NOW, tasks)),
+        bucket_refusals=scheduler.bucket_refusals(),
+        pending=list(scheduler.queue.tasks),
+        unbound=list(scheduler._unbound),
+        forgotten=dict(scheduler.forgotten),
+        last_sequence=scheduler.ledger.last_sequence,
+        lost=tuple(scheduler.ledger.lost_placements()),
+        offsets=dict(offsets),
+    )
+
+
+def pack(state: Captured) -> Arrays:
+    """``state`` as named arrays; runs outside the lock (a task's spec, cell and arrival never change)."""
+    arrays: Arrays = {}
+    for name, (alive, free, ids, columns) in state.tables.items():
+        arrays[f"{name}.alive"] = alive
+        arrays[f"{name}.free"] = np.array(free, dtype=np.int64)
+        _pack_str(arrays, f"{name}.ids", ids)
+        for column, values in columns.items():
+            arrays[f"{name}.col.{column}"] = values
+    _pack_str(arrays, "model_names", state.model_names)
+    arrays["graph.counters"] = state.counters
+    tasks, now, refusals = state.tasks, state.now, state.bucket_refusals
     arrays["tasks.spec.blob"], arrays["tasks.spec.len"] = pack_bytes(
         [t.spec.SerializeToString(deterministic=True) for t in tasks]
     )
     _pack_str(arrays, "tasks.cell", [t.cell for t in tasks])
-    _pack_str(arrays, "tasks.reason", [scheduler.pending_reason(t) for t in tasks])
-    arrays["tasks.ints"] = np.array([[t.arrival, t.row, int(t.state)] for t in tasks], dtype=np.int64).reshape(-1, 3)
-    arrays["tasks.n_devices"] = np.array([len(t.device_rows) for t in tasks], dtype=np.int64)
-    arrays["tasks.device_rows"] = np.array([r for t in tasks for r in t.device_rows], dtype=np.int64)
-    _pack_str(arrays, "tasks.device_ids", [d for t in tasks for d in t.device_ids])
+    reasons = [n[4] for n in now]
+    if refusals:  # a bucket left whole by a pass speaks for its tasks that pass did not try
+        for i, (t, n) in enumerate(zip(tasks, now, strict=True)):
+            refusal = refusals.get(t.fit_key)
+            if refusal is not None and refusal[1] > n[5]:
+                reasons[i] = refusal[0]
+    _pack_str(arrays, "tasks.reason", reasons)
+    count = len(tasks)
+    arrays["tasks.ints"] = np.array(
+        [v for t, n in zip(tasks, now, strict=True) for v in (t.arrival, n[0], int(n[1]))], dtype=np.int64
+    ).reshape(count, 3)
+    arrays["tasks.n_devices"] = np.fromiter((len(n[2]) for n in now), dtype=np.int64, count=count)
+    arrays["tasks.device_rows"] = np.array([r for n in now for r in n[2]], dtype=np.int64)
+    _pack_str(arrays, "tasks.device_ids", [d for n in now for d in n[3]])
     # The scheduler's queue and restored-but-unbound placements (its private state, by design here).
-    _pack_str(arrays, "scheduler.pending", list(scheduler.queue.tasks))
-    _pack_str(arrays, "scheduler.unbound", list(scheduler._unbound))
-    _pack_str(arrays, "scheduler.forgotten", list(scheduler.forgotten))
-    arrays["scheduler.forgotten_state"] = np.array([int(v) for v in scheduler.forgotten.values()], dtype=np.int8)
-    arrays["ledger.sequence"] = np.array([scheduler.ledger.last_sequence], dtype=np.int64)
-    arrays["tasks.lost"] = np.array([t.lost for t in tasks], dtype=np.int64)
-    lost = scheduler.ledger.lost_placements()
+    _pack_str(arrays, "scheduler.pending", state.pending)
+    _pack_str(arrays, "scheduler.unbound", state.unbound)
+    _pack_str(arrays, "scheduler.forgotten", list(state.forgotten))
+    arrays["scheduler.forgotten_state"] = np.array([int(v) for v in state.forgotten.values()], dtype=np.int8)
+    arrays["ledger.sequence"] = np.array([state.last_sequence], dtype=np.int64)
+    arrays["tasks.lost"] = np.fromiter((n[6] for n in now), dtype=np.int64, count=count)
+    lost = state.lost
     arrays["ledger.lost.sequence"] = np.array([sequence for sequence, _, _ in lost], dtype=np.int64)
     _pack_str(arrays, "ledger.lost.task", [task_id for _, task_id, _ in lost])
     _pack_str(arrays, "ledger.lost.reason", [reason for _, _, reason in lost])
+    offsets = state.offsets
     keys = sorted(offsets)
     _pack_str(arrays, "offsets.topic", [t for t, _ in keys])
     arrays["offsets.partition_next"] = np.array([[p, offsets[(t, p)]] for t, p in keys], dtype=np.int64).reshape(-1, 2)
     return arrays
+
+
+def state_arrays(scheduler: Scheduler, offsets: Offsets) -> Arrays:
+    """The scheduler's state as named arrays (copies: safe to write out after the lock is released)."""
+    return pack(capture(scheduler, offsets))
 
 
 def _restore_table(table: Table, arrays: Arrays, name: str) -> bool:
@@ -428,10 +502,10 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def take(store: SnapshotStore, scheduler: Scheduler, offsets: Offsets, lock: Any) -> str:
-    """Copy the state under ``lock``, then encode and store it outside; returns the snapshot's name."""
+    """Capture the state under ``lock``, then pack, encode and store it outside; returns the snapshot's name."""
     with lock:
-        arrays = state_arrays(scheduler, dict(offsets))
-    name = store.save(encode(arrays))
+        state = capture(scheduler, offsets)
+    name = store.save(encode(pack(state)))
     log.info("snapshot written", name=name, devices=len(scheduler.graph.devices), offsets=len(offsets))
     return name
 

@@ -164,3 +164,13 @@ def test_queue_prints_each_length_against_the_empty_queue(capsys: pytest.Capture
     assert empty["ratio_to_empty"]["place_p99_ms"] == 1.0
     assert long["kb_per_queued_task"] >= 0  # memory freed earlier in the process may take them all
     assert all(long[name] > 0 for name in ("place_p99_ms", "place_batch_ms", "submit_mean_ms", "release_pass_ms"))
+
+
+def test_queue_times_a_start_from_a_snapshot_of_each_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--devices", "16", "--pending", "300", "--ops", "5", "--batch", "4", "--restart"]
+    assert main(["bench", "queue", *args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]  # JSON alone: the restore logs no warning
+    long = rows[1]
+    assert long["restart"]["snapshot_mb"] > rows[0]["restart"]["snapshot_mb"]  # 300 queued tasks more
+    assert all(long["restart"][name] >= 0 for name in ("restore_s", "install_s", "first_pass_s"))
+    assert long["snapshot_capture_ms"] > 0
