@@ -40,6 +40,7 @@ ALLOWED = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,  # a request naming a cell other than the daemon's own
 }
 INVENTORY = inventory_events("default")
 DEVICES = {e.device_upsert.id: e.device_upsert for e in INVENTORY if e.HasField("device_upsert")}
