@@ -4,7 +4,7 @@ Each round (``HostAgent.step``):
 
 - inventory, when a device or the host is new or changed, and all of it again every
   ``inventory_interval_s`` (a daemon that lost it learns it back): the host, then each device
-  (``hlb.agent.models``: a catalogue model, or its nameplate);
+  (``hlb.agent.models``: a catalogue model, or its nameplate), then the links between them;
 - one ``metrics_batch`` of every device's metrics;
 - one ``HostTasks`` listing the hlb tasks running here (from the sources: NVML's process
   environments, DCGM's ``hpc_job`` label; and from the executor's task files in ``tasks_dir``),
@@ -28,7 +28,7 @@ from pathlib import Path
 import structlog
 
 from hlb.agent.models import ModelCatalogue
-from hlb.agent.readings import DeviceReading, HostReading, RunningTask, Source, SourceError
+from hlb.agent.readings import DeviceReading, HostReading, LinkReading, RunningTask, Source, SourceError
 from hlb.daemon.bus.seam import Publisher
 from hlb.daemon.config import Topics
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
@@ -101,7 +101,7 @@ class HostAgent:
     def step(self) -> int:
         """Read every source and publish; returns how many devices were reported."""
         now = self.clock()
-        host, devices = self._read()
+        host, devices, links = self._read()
         if host is None:
             if not self.host_id:
                 log.warning("no host id: set agent.host_id, or add the node source")
@@ -118,6 +118,12 @@ class HostAgent:
             spec = self.catalogue.describe(device, host.id)
             self._warn_unknown_speed(spec)
             self._inventory(ev.TelemetryEvent(device_upsert=spec), device.id, full)
+        known = {d.id for d in devices}
+        for link in links:  # after the devices and the host they join
+            if link.src_id in known and (not link.dst_id or link.dst_id in known):
+                upsert = ev.Link(id=link.id, src_id=link.src_id, dst_id=link.dst_id or host.id, kind=link.kind,
+                                 bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us)  # fmt: skip
+                self._inventory(ev.TelemetryEvent(link_upsert=upsert), link.id, full)
         if devices:
             batch = ev.MetricsBatch(devices=[_metrics(d) for d in devices])
             self._publish(ev.TelemetryEvent(metrics_batch=batch), now)
@@ -149,9 +155,10 @@ class HostAgent:
         notifier.stopping()
         self.publisher.flush(10.0)
 
-    def _read(self) -> tuple[HostReading | None, list[DeviceReading]]:
+    def _read(self) -> tuple[HostReading | None, list[DeviceReading], list[LinkReading]]:
         host: HostReading | None = None
         devices: dict[str, DeviceReading] = {}
+        links: dict[str, LinkReading] = {}
         for source in self.sources:
             try:
                 reading = source.read()
@@ -167,7 +174,9 @@ class HostAgent:
                 host = reading.host
             for device in reading.devices:
                 devices.setdefault(device.id, device)
-        return host, list(devices.values())
+            for link in reading.links:
+                links.setdefault(link.id, link)
+        return host, list(devices.values()), list(links.values())
 
     def _host_tasks(self, host_id: str, devices: list[DeviceReading]) -> ev.HostTasks:
         on: dict[tuple[str, int], list[str]] = {}

@@ -3,11 +3,11 @@
 NVML needs no root: any user that may open ``/dev/nvidia*`` reads it (docs/agents.md). Read per
 GPU, units converted: the UUID (the device's id) and PCI bus id, the name, memory total and used
 (bytes -> GiB), utilization (% -> fraction), power and its enforced limit (mW -> W), temperature
-(°C), uncorrectable volatile ECC errors and the clock event (throttle) reasons (health), and the
-compute processes: a process whose environment names ``HLB_TASK_ID`` (and
-``HLB_PLACEMENT_SEQUENCE``), as hlb's executors set it, runs that task on the GPU. An environment
-the agent may not read (another user's process) names no task; the executor's task files
-(``agent.tasks_dir``) say it instead.
+(°C), uncorrectable volatile ECC errors and the clock event (throttle) reasons (health), the
+NVLinks between GPUs and each GPU's PCIe link (generation x width, Gbit/s), and the compute
+processes: a process whose environment names ``HLB_TASK_ID`` (and ``HLB_PLACEMENT_SEQUENCE``), as
+hlb's executors set it, runs that task on the GPU. An environment the agent may not read (another
+user's process) names no task; the executor's task files (``agent.tasks_dir``) say it instead.
 
 The library is passed in (``nvml``), so that tests drive the source with a fake one.
 """
@@ -22,6 +22,7 @@ from typing import Any
 from hlb.agent.readings import (
     BYTES_PER_GIB,
     DeviceReading,
+    LinkReading,
     Reading,
     RunningTask,
     SourceError,
@@ -29,6 +30,12 @@ from hlb.agent.readings import (
     health_of,
 )
 from hlb.v1 import events_pb2 as ev
+
+# One NVLink's bandwidth, both directions, Gbit/s, by NVML's version number: 1.0 (P100) 40 GB/s,
+# 2.x to 4.0 (V100, A100, H100) 50 GB/s, 5.0 (B200) and later 100 GB/s.
+NVLINK_GBPS = {1: 320.0, 2: 400.0, 3: 400.0, 4: 400.0, 5: 400.0, 6: 400.0, 7: 800.0, 8: 800.0}
+# One PCIe lane, one direction, Gbit/s (rounded as the inventory counts them: gen3 x16 = 128).
+PCIE_LANE_GBPS = {1: 2.0, 2: 4.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
 
 TASK_VARIABLE = b"HLB_TASK_ID"
 SEQUENCE_VARIABLE = b"HLB_PLACEMENT_SEQUENCE"
@@ -72,10 +79,48 @@ class NvmlSource:
     def read(self) -> Reading:
         nvml = self.nvml
         try:
-            count = nvml.nvmlDeviceGetCount()
-            return Reading(devices=[self._device(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)])
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            devices = [self._device(handle) for handle in handles]
+            return Reading(devices=devices, links=self._links(handles, devices))
         except nvml.NVMLError as exc:
             raise SourceError(f"NVML: {exc}") from None
+
+    def _links(self, handles: list[Any], devices: list[DeviceReading]) -> list[LinkReading]:
+        """NVLink between GPUs (direct, or through NVSwitches: every pair of switched GPUs, at the
+        smaller one's links), and each GPU's PCIe link to the host, at its current generation
+        and width. A GPU or board without NVLink or PCIe queries adds none."""
+        nvml = self.nvml
+        by_bus = {d.labels.get("pci_bus_id", "").upper(): d.id for d in devices}
+        direct: dict[tuple[str, str], float] = {}  # (uuid, uuid), sorted -> Gbit/s
+        switched: dict[str, float] = {}  # uuid -> Gbit/s of its links to NVSwitches
+        links: list[LinkReading] = []
+        for handle, device in zip(handles, devices, strict=True):
+            for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 0))):
+                if self._optional(nvml.nvmlDeviceGetNvLinkState, handle, link) != nvml.NVML_FEATURE_ENABLED:
+                    continue
+                gbps = NVLINK_GBPS.get(int(self._optional(nvml.nvmlDeviceGetNvLinkVersion, handle, link)), 400.0)
+                kind = self._optional(nvml.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link, default=None)
+                if kind == nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH:
+                    switched[device.id] = switched.get(device.id, 0.0) + gbps
+                    continue
+                remote = self._optional(nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link, default=None)
+                peer = by_bus.get(_text(remote.busId).upper()) if remote is not None else None
+                if peer is not None and peer != device.id:
+                    pair = (min(device.id, peer), max(device.id, peer))
+                    direct[pair] = direct.get(pair, 0.0) + gbps / 2  # each end counts the link once
+            generation = self._optional(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)
+            width = self._optional(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
+            if generation in PCIE_LANE_GBPS and width:
+                gbps = PCIE_LANE_GBPS[generation] * width
+                links.append(LinkReading(f"pcie:{device.id}", device.id, "", ev.LINK_KIND_PCIE, gbps, 1.5))
+        gpus = sorted(switched)
+        for i, a in enumerate(gpus):
+            for b in gpus[i + 1 :]:
+                pair = (a, b)
+                direct[pair] = direct.get(pair, 0.0) + min(switched[a], switched[b])
+        for (a, b), gbps in sorted(direct.items()):
+            links.append(LinkReading(f"nvlink:{a}:{b}", a, b, ev.LINK_KIND_NVLINK, gbps, 1.0))
+        return links
 
     def _optional(self, call: Callable[..., Any], *args: Any, default: Any = 0) -> Any:
         """A query some GPUs do not support (ECC on consumer cards, power on some boards)."""

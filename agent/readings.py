@@ -54,6 +54,20 @@ class DeviceReading:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LinkReading:
+    """An interconnect link a source found: between two devices (NVLink), or from a device to its
+    host (PCIe; ``dst_id`` empty: the host the agent reports). Bandwidth in Gbit/s, both
+    directions, as the inventory counts it."""
+
+    id: str
+    src_id: str
+    dst_id: str
+    kind: ev.LinkKind.ValueType
+    bandwidth_gbps: float
+    latency_us: float
+
+
 @dataclass
 class HostReading:
     id: str
@@ -67,6 +81,7 @@ class Reading:
 
     host: HostReading | None = None
     devices: list[DeviceReading] = field(default_factory=list)
+    links: list[LinkReading] = field(default_factory=list)
 
 
 class Source(Protocol):

@@ -12,6 +12,7 @@ from hlb.agent.dcgm import DcgmSource
 from hlb.agent.host import HostAgent
 from hlb.agent.models import ModelCatalogue
 from hlb.agent.node import NodeSource
+from hlb.agent.nvml import NvmlSource
 from hlb.agent.prometheus import http_fetch
 from hlb.agent.readings import Reading, Source, SourceError
 from hlb.daemon.bus.seam import MemoryBus
@@ -24,7 +25,7 @@ from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 from tests.agent.exporter import node_exporter
-from tests.agent.test_sources import DCGM_TEXT, GPU0, GPU1, GPU2, NODE_TEXT
+from tests.agent.test_sources import DCGM_TEXT, GPU0, GPU1, GPU2, NODE_TEXT, FakeNvml
 from tests.daemon.clock import Clock
 from tests.systemd.notify_socket import NotifySocket
 
@@ -169,3 +170,18 @@ def test_under_systemd_the_agent_says_ready_after_its_first_round_and_pings_the_
     assert "WATCHDOG=1" in messages
     assert messages[-1].startswith("STOPPING=1")
     assert rounds == 3
+
+
+def test_nvml_links_reach_the_graph_between_known_endpoints() -> None:
+    fake = FakeNvml()
+    fake.gpus[0]["nvlinks"] = [("00000000:0F:00.0", 6)] * 2
+    fake.gpus[1]["nvlinks"] = [("00000000:07:00.0", 6)] * 2
+    bus, clock = MemoryBus(), Clock()
+    daemon = Daemon(bus, clock)
+    agent = HostAgent([NvmlSource(fake)], bus, TOPICS, "c", ModelCatalogue.load({}), host_id="gpu-1", clock=clock)
+    agent.step()
+    daemon.apply()
+    assert daemon.ingestor.stats.rejected == {}
+    links = daemon.scheduler.graph.links
+    assert set(links.index) == {"nvlink:GPU-1111:GPU-2222", "pcie:GPU-1111", "pcie:GPU-2222"}
+    assert payloads(bus, "p")[:5] == ["host_upsert", "device_upsert", "device_upsert", "link_upsert", "link_upsert"]

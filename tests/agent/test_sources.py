@@ -167,6 +167,38 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, h: dict[str, Any]) -> list[SimpleNamespace]:  # noqa: N802
         return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in h["pids"]]
 
+    # NVLink and PCIe: ``nvlinks`` lists (remote bus id or "switch", NVML's version number) per link.
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_DEVICE_TYPE_GPU = 0
+    NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
+
+    def _nvlink(self, h: dict[str, Any], link: int) -> tuple[str, int]:
+        links: list[tuple[str, int]] = h.get("nvlinks", [])
+        if link >= len(links):
+            raise FakeNvmlError("Not Supported")
+        return links[link]
+
+    def nvmlDeviceGetNvLinkState(self, h: dict[str, Any], link: int) -> int:  # noqa: N802
+        self._nvlink(h, link)
+        return self.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetNvLinkVersion(self, h: dict[str, Any], link: int) -> int:  # noqa: N802
+        return self._nvlink(h, link)[1]
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: dict[str, Any], link: int) -> int:  # noqa: N802
+        switch = self._nvlink(h, link)[0] == "switch"
+        return self.NVML_NVLINK_DEVICE_TYPE_SWITCH if switch else self.NVML_NVLINK_DEVICE_TYPE_GPU
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h: dict[str, Any], link: int) -> SimpleNamespace:  # noqa: N802
+        return SimpleNamespace(busId=self._nvlink(h, link)[0])
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: dict[str, Any]) -> int:  # noqa: N802
+        return int(h.get("pcie", (4, 16))[0])
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: dict[str, Any]) -> int:  # noqa: N802
+        return int(h.get("pcie", (4, 16))[1])
+
 
 def test_nvml_readings_are_converted_and_tasks_found_by_process() -> None:
     fake = FakeNvml()
@@ -186,6 +218,34 @@ def test_nvml_readings_are_converted_and_tasks_found_by_process() -> None:
     assert second.health == ev.HEALTH_DEGRADED  # hardware thermal slowdown; no ECC support is no error
     fake.gpus[0]["ecc"] = 2
     assert NvmlSource(fake, tasks.get).read().devices[0].health == ev.HEALTH_FAILED
+
+
+def test_nvml_finds_nvlinks_between_gpus_and_each_gpus_pcie_link() -> None:
+    fake = FakeNvml()
+    fake.gpus[0]["nvlinks"] = [("00000000:0F:00.0", 6)] * 4  # four NVLink 4.0 links to the other GPU
+    fake.gpus[1]["nvlinks"] = [("00000000:07:00.0", 6)] * 4
+    fake.gpus[1]["pcie"] = (3, 8)
+    links = {link.id: link for link in NvmlSource(fake).read().links}
+    nvlink = links["nvlink:GPU-1111:GPU-2222"]
+    assert (nvlink.src_id, nvlink.dst_id, nvlink.kind) == ("GPU-1111", "GPU-2222", ev.LINK_KIND_NVLINK)
+    assert nvlink.bandwidth_gbps == 4 * 400.0  # 50 GB/s a link, both directions
+    assert links["pcie:GPU-1111"].bandwidth_gbps == 256.0  # gen4 x16
+    assert links["pcie:GPU-2222"].bandwidth_gbps == 64.0  # gen3 x8
+    assert links["pcie:GPU-1111"].dst_id == ""  # the host
+    assert len(links) == 3
+
+
+def test_gpus_behind_nvswitches_are_linked_pairwise_at_the_smaller_ones_links() -> None:
+    fake = FakeNvml()
+    fake.gpus.append({**fake.gpus[1], "uuid": "GPU-3333", "bus": "00000000:1A:00.0"})
+    for gpu, count in zip(fake.gpus, (18, 18, 12), strict=True):
+        gpu["nvlinks"] = [("switch", 6)] * count
+    links = {link.id: link.bandwidth_gbps for link in NvmlSource(fake).read().links if link.kind == ev.LINK_KIND_NVLINK}
+    assert links == {
+        "nvlink:GPU-1111:GPU-2222": 7200.0,  # H100 SXM: 18 links, 900 GB/s
+        "nvlink:GPU-1111:GPU-3333": 4800.0,
+        "nvlink:GPU-2222:GPU-3333": 4800.0,
+    }
 
 
 def test_an_nvml_error_is_a_source_error() -> None:
