@@ -76,9 +76,9 @@ def inventory_events(cell: str, devices_per_model: Mapping[str, int] = DEMO_DEVI
 class SimExecutor:
     """Runs the tasks it is given (``expect``) where the ledger places them, as an executor would:
     a start echoing the placement's sequence, each host's running tasks listed at each ``report``,
-    a finish once the task's run time (its ``work_ref_s``, in seconds) has passed. A placement of
-    a task it already runs is ignored; one of a task it does not run (a first placement, or a
-    later one after the daemon took the first back) is started."""
+    a finish once the task's run time (its ``work_ref_s``, in seconds) has passed. A later
+    placement of a task it runs means the daemon took the earlier one back (its lease lapsed): the
+    old run stops and the task starts again where the new placement says."""
 
     def __init__(
         self,
@@ -121,8 +121,13 @@ class SimExecutor:
             except EventError:
                 continue
             spec = self.specs.get(placement.task_id)
-            if spec is None or placement.task_id in self.running:
+            if spec is None:
                 continue
+            run = self.running.get(spec.id)
+            if run is not None:
+                if placement.sequence <= run[0]:
+                    continue  # read twice
+                self._abandon(spec)  # placed again: the daemon took the old placement back
             devices = tuple(placement.device_ids)
             for device_id in devices:
                 self.busy[device_id] = self.busy.get(device_id, 0.0) + spec.memory_per_device_gb
@@ -134,6 +139,12 @@ class SimExecutor:
         if records:
             self.placements.commit(records)
         return begun
+
+    def _abandon(self, spec: ev.TaskSpec) -> None:
+        """Stop running ``spec`` under its current placement (its lease was lost): its devices free."""
+        _, devices, _, _ = self.running.pop(spec.id)
+        for device_id in devices:
+            self.busy[device_id] = max(0.0, self.busy.get(device_id, 0.0) - spec.memory_per_device_gb)
 
     def finish_due(self, now: float) -> None:
         while self._finishing and self._finishing[0][0] <= now:

@@ -15,7 +15,7 @@ from hlb.daemon.ingest.pipeline import Ingestor, drain
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.task import TaskState
-from hlb.sim.agent import Agent, inventory_events
+from hlb.sim.agent import Agent, SimExecutor, inventory_events
 from hlb.v1 import events_pb2 as ev
 
 TOPICS = Topics()
@@ -194,3 +194,27 @@ def test_the_agent_reports_the_progress_of_the_tasks_it_runs_at_its_interval() -
     assert {at_s % 5.0 for at_s, _ in reports} == {0.0}  # every 5 s from the first step
     with pytest.raises(ValueError, match="progress_interval_s"):
         Agent(MemoryBus(), MemoryBus().source([], "x"), TOPICS, "c", progress_interval_s=-1.0)
+
+
+def test_a_later_placement_of_a_running_task_restarts_it_there() -> None:
+    bus = MemoryBus()
+    clock = FakeClock()
+    devices = [ev.Device(id=f"g{i}", host_id="h0") for i in range(2)]
+    executor = SimExecutor(bus, bus.source([TOPICS.placements], "x"), TOPICS, "c", devices, clock)
+    executor.expect(ev.TaskSpec(id="t", memory_per_device_gb=8, work_ref_s=100))
+    for sequence, device in ((3, "g0"), (3, "g0"), (7, "g1")):  # the first read twice, then placed again
+        placement = ev.Placement(sequence=sequence, task_id="t", device_ids=[device])
+        bus.publish(TOPICS.placements, b"c", placement.SerializeToString())
+    executor.follow_placements(clock())
+    starts = [
+        ev.TaskEvent.FromString(r.value or b"").started for r in bus.source([TOPICS.tasks], "r").next_batch(10, 0)
+    ]
+    assert [(s.placement_sequence, list(s.device_ids)) for s in starts] == [(3, ["g0"]), (7, ["g1"])]
+    assert executor.running["t"][:2] == (7, ("g1",))
+    assert executor.busy == {"g0": 0.0, "g1": 8.0}
+    (report,) = executor.host_reports()
+    assert [(t.task_id, t.placement_sequence) for t in report.host_tasks.tasks] == [("t", 7)]
+    clock.now += 100
+    executor.finish_due(clock())
+    assert executor.running == {}
+    assert executor.busy == {"g0": 0.0, "g1": 0.0}
