@@ -11,7 +11,7 @@ every other policy. For each decision it:
 1. ranks the feasible rows (the base policy's shortlist of them, if it narrows them) with the base
    policy and forms the candidate gangs: the base policy's own choice, then the best ``gang`` rows
    of each device model; when more than ``k - 1`` others are left, ``k - 1`` of them are drawn
-   (uniformly, from the policy's seeded stream), so that the work per decision is bounded;
+   (uniformly, from the policy's seeded stream; without a horizon in tasks, the best ``k - 1``);
 2. for each candidate, forks the whole simulation (scheduler included), pins this task to the
    candidate, and rolls the fork forward with the base policy deciding, up to the arrival of the
    ``horizon_tasks``-th task after now (a horizon in tasks, so that a rollout's work does not grow
@@ -251,7 +251,8 @@ class LookaheadPolicy(Policy):
 
     def candidates(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores, first: Rows) -> list[Rows]:
         """Up to ``k`` distinct gangs: ``first`` (the base policy's choice), then the best of each
-        model, best first; ``k - 1`` of those drawn at random when there are more."""
+        model, best first; with a horizon in tasks, ``k - 1`` of those drawn at random when there
+        are more, else the best ``k - 1``."""
         gang = max(1, spec.num_devices)
         if len(rows) < gang:
             return []
@@ -267,10 +268,10 @@ class LookaheadPolicy(Policy):
         for _, gang_rows in found:
             if not any(np.array_equal(gang_rows, d) for d in distinct):
                 distinct.append(gang_rows)
-        if len(distinct) > self.k:
+        if len(distinct) > self.k and self.horizon_tasks:
             drawn = np.sort(self._rng.choice(len(distinct) - 1, size=self.k - 1, replace=False)) + 1
             distinct = [distinct[0], *(distinct[i] for i in drawn)]
-        return distinct
+        return distinct[: self.k]  # without a horizon in tasks: the best k (the lookahead of before)
 
     def rollout_cost(self, task_id: str, rows: Rows | None) -> float:
         """Projected total flow time (s) at the horizon in a fork where ``task_id`` goes to ``rows``
