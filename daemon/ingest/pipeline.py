@@ -276,17 +276,17 @@ class Ingestor:
         self.pipelines: dict[str, list[Step]] = {
             topics.telemetry: [
                 decoder(ev.TelemetryEvent, max_event_bytes),
-                *([of_cell(cell)] if cell else []),
                 require_payload,
                 bounded(self.limits),
+                *([of_cell(cell)] if cell else []),  # of a well-formed event: a malformed one says so first
                 timely(self.now_ms, self.limits.clock_skew_s),
                 applier(self._apply_telemetry),
             ],
             topics.tasks: [
                 decoder(ev.TaskEvent, max_event_bytes),
-                *([of_cell(cell)] if cell else []),
                 require_payload,
                 bounded(self.limits),
+                *([of_cell(cell)] if cell else []),
                 *([allowed_tenant(tenants)] if tenants is not None else []),
                 no_dependency_cycle(lambda: scheduler.graph.tasks),
                 *([within_backlog(backlog, lambda: self.limits.max_pending_per_tenant)] if backlog else []),
