@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 
 from hlb.daemon.bus.seam import MemoryBus
-from hlb.daemon.config import load_settings
+from hlb.daemon.config import KafkaSettings, Topics, load_settings
 from hlb.daemon.decide.leases import STALE_PLACEMENT, LeaseTimeouts
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.record import snapshot
+from hlb.daemon.record.journal import JournalRecord
 from hlb.daemon.runtime.daemon import Daemon
 from hlb.daemon.runtime.reload import reloader_for
+from hlb.daemon.runtime.restore import restore_journal
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.leases import LeaseKind, LeaseTable
 from hlb.daemon.state.ledger import PlacementLedger
@@ -351,3 +353,20 @@ def test_a_lease_is_due_at_its_deadline_and_a_clock_jump_finds_every_lease() -> 
     assert [lease.task_id for lease in table.due(102.6)] == ["c"]
     assert [lease.task_id for lease in table.due(1e9)] == ["b"]  # far ahead: only the buckets there are
     assert len(table) == 0
+
+
+def test_the_journal_restores_a_placement_made_after_a_lost_one_over_the_topics_older_one() -> None:
+    """The ledger topic has placement 5 of a task; the journal also has 9, made once 5 was lost
+    (the daemon stopped before the producer had it): 9 is restored and published again."""
+    topics = Topics()
+    old = ev.Placement(sequence=5, task_id="t", device_ids=["g0"])
+    again = ev.Placement(sequence=9, task_id="t", device_ids=["g1"])
+    ledger = PlacementLedger()
+    ledger.restore([old, ev.Placement(sequence=7, task_id="u", device_ids=["g2"])])
+    bus = MemoryBus()
+    records = [JournalRecord(topics.placements, b"c", p.SerializeToString(), p.sequence) for p in (old, again)]
+    assert restore_journal(records, ledger, bus, KafkaSettings()) == 1
+    assert ledger.get("t") == again
+    assert ledger.since(0) == [ledger.get("u"), again]
+    republished = bus.source([topics.placements], "r").next_batch(10, 0)
+    assert [ev.Placement.FromString(r.value or b"").sequence for r in republished] == [9]
