@@ -196,6 +196,8 @@ def test_every_counter_an_alert_reads_is_there_at_zero_before_its_first_event(ru
     expected += [("hlb_policy_fallbacks_total", {"reason": r}) for r in ("model_missing", "embeddings_stale")]
     expected += [("hlb_decisions_unpublished_total", {"kind": k}) for k in ("placement", "submission")]
     expected += [("hlb_events_rejected_total", {"reason": r}) for r in ("decode", "out_of_range", "wrong_cell")]
+    expected += [("hlb_leases_expired_total", {"kind": k}) for k in ("start", "report")]
+    expected += [("hlb_tasks_reconciled_total", {"outcome": o}) for o in ("resubmitted", "failed")]
     found = {(name, *labels.values()): value(samples, name, **labels) for name, labels in expected}
     assert found == {(name, *labels.values()): 0.0 for name, labels in expected}
 
