@@ -35,6 +35,7 @@ from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, HiddenConfig
 from hlb.sim.lookahead import LookaheadPolicy
 from hlb.sim.metrics import compute_metrics, job_outcomes, longest_jobs
 from hlb.sim.policies import (
+    EXPECTED,
     GNN_VARIANTS,
     LEARNED_POLICIES,
     NO_GRAPH,
@@ -452,6 +453,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     for about in replays:
         say(_replay_line(about))
+    if replays:
+        say(seed_effect(specs[0].config, [s.policy for s in specs]))
     started = time.perf_counter()
     done: dict[int, dict[str, Any]] = {}
     if args.workers > 1 and len(specs) > 1:
@@ -468,23 +471,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     summary = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     first = specs[0]
-    inventory = _inventory(first.cluster, first.sample_devices, first.sample_seed)
-    catalogue = inventory.catalogue(_catalogue())
-    modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
-    nameplate = sorted(m for m in modelled if catalogue.profile(m).from_nameplate)
-    models = {m: inventory.device_count(m) for m in sorted({d.model for d in inventory.devices})}
-    cluster: dict[str, Any] = {"spec": first.cluster, "devices": inventory.device_count(), "models": models}
-    if first.sample_devices:
-        cluster["sample"] = {
-            "devices_asked": first.sample_devices,
-            "seed": first.sample_seed,
-            "of_devices": _inventory(first.cluster).device_count(),
-            "rule": "whole hosts drawn per kind of host (models and counts), each kind keeping its share",
-        }
     document = {
         "format": "hlb-eval-results/1",
         "command": "hlb eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else "",
-        "cluster": cluster | {"modelled": modelled, "from_nameplate": nameplate},
+        "cluster": _cluster_document(first),
         "config": asdict(first.config),
         "weights": asdict(first.weights),
         "seeds": sorted({s.seed for s in specs}),
@@ -505,6 +495,27 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     return 0
 
 
+def _cluster_document(spec: RunSpec) -> dict[str, Any]:
+    """What results.json says of the cluster: its devices per model, which are modelled (and which of
+    those from the inventory's nameplates), and how it was sampled."""
+    inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+    catalogue = inventory.catalogue(_catalogue())
+    modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
+    models = {m: inventory.device_count(m) for m in sorted({d.model for d in inventory.devices})}
+    cluster: dict[str, Any] = {"spec": spec.cluster, "devices": inventory.device_count(), "models": models}
+    if spec.sample_devices:
+        cluster["sample"] = {
+            "devices_asked": spec.sample_devices,
+            "seed": spec.sample_seed,
+            "of_devices": _inventory(spec.cluster).device_count(),
+            "rule": "whole hosts drawn per kind of host (models and counts), each kind keeping its share",
+        }
+    return cluster | {
+        "modelled": modelled,
+        "from_nameplate": sorted(m for m in modelled if catalogue.profile(m).from_nameplate),
+    }
+
+
 def seed_effect(config: SimConfig, policies: Sequence[str]) -> str:
     """What a seed changes in a replayed trace, said for this configuration."""
     drawn = ["telemetry noise"] if config.telemetry.utilization_noise > 0 or config.telemetry.power_noise > 0 else []
@@ -517,9 +528,10 @@ def seed_effect(config: SimConfig, policies: Sequence[str]) -> str:
         drawn.append("the hidden truth (per-job speeds, slow and throttling devices)")
     if "random" in policies:
         drawn.append("the random policy's choices")
+    listed = ", ".join(drawn[:-1]) + " and " + drawn[-1] if len(drawn) > 1 else "".join(drawn)
     return (
         "A trace is replayed as given under every seed: the same tasks, arrivals and work. A seed draws only "
-        + (", ".join(drawn) if drawn else "nothing here: every seed gives the same run")
+        + (listed or "nothing here: every seed gives the same run")
         + "."
     )
 
@@ -677,7 +689,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     model = str(args.model) if args.model else None
     for policy in policies:
         make_sim_policy(policy, model=model)
-    if any(p in GNN_VARIANTS for p in policies):
+    if any(p in GNN_VARIANTS or p == EXPECTED for p in policies):
         check_gnn_model(model)
     no_graph = str(args.model_no_graph) if args.model_no_graph else None
     if NO_GRAPH in policies:
@@ -720,7 +732,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
             policy,
             seed,
             config,
-            model if policy in GNN_VARIANTS else no_graph if policy == NO_GRAPH else None,
+            model if policy in GNN_VARIANTS or policy == EXPECTED else no_graph if policy == NO_GRAPH else None,
             refresh_rows,
             args.weights or ObjectiveWeights(),
             args.profiles,

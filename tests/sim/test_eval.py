@@ -170,6 +170,7 @@ def test_a_trace_window_is_replayed_at_a_load_with_its_definition_and_the_seeds_
     assert 4 <= document["cluster"]["devices"] <= 12
     assert document["seed_effect"].endswith("A seed draws only telemetry noise.")
     assert "recorded load" in lines[0]
+    assert lines[1] == document["seed_effect"]
     assert len([line for line in lines if line.startswith("[")]) == 2
     metrics = document["runs"][0]["metrics"]
     assert 0 < metrics["utilization_arrivals"] <= 1
