@@ -9,6 +9,13 @@ import pytest
 from hlb.cli import main
 
 
+@pytest.fixture(autouse=True)
+def no_logging_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hlb agent`` sets up logging to stdout, which here is the test's captured stream, closed
+    after it: later tests would log into it. The commands below run without that setup."""
+    monkeypatch.setattr("hlb.daemon.logs.configure_logging", lambda *args, **kwargs: None)
+
+
 def config(tmp_path: Path) -> str:
     path = tmp_path / "config.yaml"
     path.write_text("cell: c\nlog:\n  format: json\n")
