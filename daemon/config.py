@@ -326,6 +326,10 @@ class ModelSettings(_Section):
     # Reload the model when its files change (checked by the refresh thread), besides on SIGHUP.
     watch: bool = True
     refresh: ModelRefreshSettings = ModelRefreshSettings()
+    # The run time the policy reads from the model's prediction of log(speed ratio), mean m and
+    # standard deviation s: median, the run time at the predicted median speed (exp(-m)); mean,
+    # the expected run time (exp(-m + s**2/2)), longer where the model is less sure.
+    estimate: Literal["median", "mean"] = "median"
 
     @model_validator(mode="before")
     @classmethod

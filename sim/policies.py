@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hlb.daemon.config import DEFAULT_MODEL_DIR, ModelRefreshSettings, ModelSettings, RulesSettings
 from hlb.daemon.decide.framework import ObjectiveWeights, Policy
@@ -39,7 +39,9 @@ RULES_VARIANTS = tuple(f"rules{suffix}" for suffix in RULE_VARIANTS if suffix !=
 # what the graph adds to the learned prediction. Its model ships beside the GNN's.
 NO_GRAPH = "gnn-no-graph"
 NO_GRAPH_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "model-no-graph"
-LEARNED_POLICIES = (*GNN_VARIANTS, NO_GRAPH)
+# The GNN with the rules reading its expected run time (model.estimate: mean) instead of the median.
+EXPECTED = "gnn-expected"
+LEARNED_POLICIES = (*GNN_VARIANTS, NO_GRAPH, EXPECTED)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def make_sim_policy(
     if name in LEARNED_POLICIES:
         if name == NO_GRAPH and model is None:
             model = str(NO_GRAPH_MODEL_DIR)
-        settings = _gnn_settings(model, refresh_rows)
+        settings = _gnn_settings(model, refresh_rows, estimate="mean" if name == EXPECTED else "median")
         return make_policy(
             "gnn", weights, model=settings, rules=_rules(name), on_fallback=_refuse_fallback, profiles=told
         )
@@ -106,17 +108,20 @@ def make_sim_policy(
 
 def _rules(name: str) -> RulesSettings:
     """The rules of variant ``name`` (``gnn`` or ``rules`` with a :data:`RULE_VARIANTS` suffix)."""
-    if name == NO_GRAPH:
+    if name in (NO_GRAPH, EXPECTED):
         return RulesSettings()
     return RulesSettings(**RULE_VARIANTS[name.removeprefix("gnn").removeprefix("rules")])
 
 
-def _gnn_settings(model: str | None, refresh_rows: int = 1) -> ModelSettings:
+def _gnn_settings(
+    model: str | None, refresh_rows: int = 1, estimate: Literal["median", "mean"] = "median"
+) -> ModelSettings:
     """The daemon's ``model`` settings for the files in ``model``, re-encoding in sync mode."""
     return ModelSettings(
         path=Path(model) if model else None,
         watch=False,
         refresh=ModelRefreshSettings(mode="sync", min_changed_rows=refresh_rows),
+        estimate=estimate,
     )
 
 

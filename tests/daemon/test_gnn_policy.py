@@ -146,6 +146,24 @@ def test_one_head_run_per_task_shape_serves_every_later_estimate(model_dir: Path
     assert np.isnan(out).all()
 
 
+def test_the_expected_estimate_reads_the_run_time_mean_of_the_predicted_spread(model_dir: Path) -> None:
+    graph = cluster()
+    rows = graph.feasible_rows(SPEC)
+    median = GnnScorer(settings(model_dir), mode="sync")
+    mean = GnnScorer(settings(model_dir).model_copy(update={"estimate": "mean"}), mode="sync")
+    median.score(SPEC, graph, rows)
+    mean.score(SPEC, graph, rows)
+    assert median.cache is not None
+    m, log_s = predicted(median.cache, graph, rows).astype(np.float64).T
+    base = default_profiles().runtime_s(graph, rows, SPEC)
+    # The median run time is the profiled one over exp(m); the mean, over exp(m - s**2 / 2).
+    np.testing.assert_allclose(median.estimates.runtime_s(graph, rows, SPEC), base / np.exp(m), rtol=1e-5)
+    np.testing.assert_allclose(
+        mean.estimates.runtime_s(graph, rows, SPEC), base / np.exp(m - 0.5 * np.exp(2 * log_s)), rtol=1e-5
+    )
+    assert (mean.estimates.runtime_s(graph, rows, SPEC) > median.estimates.runtime_s(graph, rows, SPEC)).all()
+
+
 def test_a_task_kind_or_family_training_never_saw_keeps_the_profiles_speeds(model_dir: Path) -> None:
     import json
 

@@ -298,7 +298,10 @@ class GnnScorer(Policy):
         positions = cache.known_positions(graph, every)
         factors = np.ones(len(every))
         hit = positions >= 0
-        factors[hit] = np.exp(predictions[positions[hit], 0])
+        log_ratio = predictions[positions[hit], 0]
+        if self.settings.estimate == "mean":  # the expected run time: speed exp(m - s**2 / 2)
+            log_ratio = log_ratio - 0.5 * np.exp(2.0 * predictions[positions[hit], 1])
+        factors[hit] = np.exp(log_ratio)
         if graph is cache.graph:
             if len(cache.factors) >= MAX_SHAPES:
                 cache.factors.pop(next(iter(cache.factors)))
