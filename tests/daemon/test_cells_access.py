@@ -164,7 +164,7 @@ async def _forwarded_metadata(router: CellRouter, identity: str | None) -> dict[
 
 def test_a_forwarded_request_carries_its_callers_identity_to_the_owner(tmp_path: Path) -> None:
     router = _router(tmp_path)
-    router.host.shards = {}  # type: ignore[attr-defined]  # nothing served here: every cell is forwarded
+    router.host.shards = {}  # nothing served here: every cell is forwarded
     seen = asyncio.run(_forwarded_metadata(router, "alice"))
     assert seen[FORWARDED] == "instance-1"
     assert seen[IDENTITY_HEADER] == "alice"  # the owner checks alice, not an anonymous router
