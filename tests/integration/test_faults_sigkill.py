@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -202,14 +204,21 @@ def test_a_restarted_daemon_decides_nothing_before_its_replay_reaches_the_start_
     and its first answer is a decision on the whole cluster."""
     topics = fresh_topics()
     config = DaemonConfig(tmp_path, kafka_bootstrap, topics)
+    env = {**os.environ, "HLB_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap}
+    config_path = config.write()
+    # The topics as an operator makes them before anything is published (the inventory compacted).
+    made = subprocess.run(
+        [sys.executable, "-m", "hlb.cli", "topics", "--config", str(config_path), "create"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
     load = Load(kafka_bootstrap, topics, seed=SEED)
     load.inventory()
     for _ in range(5000):  # replay takes a while: the daemon is asked long before it has caught up
         load.metrics()
     load.flush()
     spec = small_tasks(np.random.default_rng(SEED), "first", 1)[0]
-    env = {**os.environ, "HLB_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap}
-    process = spawn_serve(config.write(), tmp_path / "serve.log", env)
+    process = spawn_serve(config_path, tmp_path / "serve.log", env)
     refusals: list[tuple[grpc.StatusCode, str]] = []
     try:
         # Reconnect at once while the daemon starts (gRPC's default backoff would skip the window).
