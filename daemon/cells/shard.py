@@ -83,6 +83,8 @@ class Shard(Daemon):
             ingest.start()
             announce(False)
             if await self._replay_until_caught_up(stop, ingest):
+                # Leases come due only once the replay has rebuilt every placement and start.
+                self._spawn(self._expire_leases_every(self.settings.leases.check_interval_s))
                 self.serving = True
                 announce(True)
                 log.info("shard serving", shard=self.shard, cell=self.scheduler.cell)
