@@ -62,6 +62,8 @@ def measure(devices: int, tasks: int, lapse: int, ops: int) -> dict[str, float]:
     for i in range(devices):
         device = ev.Device(id=f"d{i}", host_id=f"h{i // 8}", kind=ev.DEVICE_KIND_GPU, model="m", memory_gb=1e5)
         scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=device))
+    for host in range((devices + 7) // 8):  # every host's agent lists the tasks it runs
+        scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", host_tasks=ev.HostTasks(host_id=f"h{host}")))
     specs = [ev.TaskSpec(id=f"t{i}", memory_per_device_gb=1.0) for i in range(tasks)]
     for start in range(0, tasks, 1000):
         scheduler.place_batch(specs[start : start + 1000])

@@ -6,7 +6,12 @@ must echo the placement's sequence, its fencing token (``TaskStarted.placement_s
 naming another placement than the task's current one is refused (``stale_placement``), and so is
 one naming none once the task has lost a placement. A confirmed start turns the lease into a
 report lease (``report_timeout_s``), renewed each time the task's host lists it in a
-``HostTasks`` report. A lease that comes due is *lost*: the scheduler takes the placement back
+``HostTasks`` report, where the task's host reports its tasks (it has sent a ``HostTasks``
+since the start): a host whose agent never lists tasks cannot renew a lease, so a task started
+there holds its placement until it ends (with no executor report to go by, declaring it lost
+would only run it twice). A host's first report gives the tasks it runs their report leases.
+
+A lease that comes due is *lost*: the scheduler takes the placement back
 (``Scheduler.reclaim``), frees its devices and places the task again, or, once it has lost
 ``retries`` + 1 placements, fails it; the reason goes to the ledger (``PlacementLedger.lose``),
 and the daemon publishes a ``PlacementLost`` event on the tasks topic so that a replay reaches
@@ -21,7 +26,7 @@ back, so a lease never outlives the placement it was granted for.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from hlb.daemon.errors import InvalidEventError
@@ -60,6 +65,7 @@ class LeaseKeeper:
         self.clock = clock
         self.timeouts = timeouts
         self.table = LeaseTable()
+        self.reporting: set[str] = set()  # hosts that list the tasks they run (HostTasks) since the start
         self.expired: Counter[str] = Counter()  # leases lost, by kind (start, report)
         self.reconciled: Counter[str] = Counter()  # tasks whose placement was lost, by outcome
         self.renewals = 0
@@ -70,24 +76,37 @@ class LeaseKeeper:
         """A new decision (a ledger listener): its start lease begins now."""
         self.table.grant(placement.task_id, placement.sequence, LeaseKind.START, self.clock(), self.timeouts.start_s)
 
-    def bound(self, task: Task) -> None:
+    def bound(self, task: Task, hosts: Collection[str]) -> None:
         """A task bound to a placement restored from the ledger or a snapshot: a fresh lease of the
-        kind its state asks for (a restart gives every placement its full time again)."""
+        kind its state asks for (a restart gives every placement its full time again); ``hosts``:
+        those of its devices."""
         placement = self.ledger.get(task.spec.id)
         if placement is None:
             return
         if task.state == TaskState.RUNNING:
-            self.started(task.spec.id, placement.sequence)
+            self.started(task.spec.id, placement.sequence, hosts)
         elif task.state == TaskState.PLACED:
             self.table.grant(task.spec.id, placement.sequence, LeaseKind.START, self.clock(), self.timeouts.start_s)
 
-    def started(self, task_id: str, sequence: int) -> None:
+    def started(self, task_id: str, sequence: int, hosts: Collection[str]) -> None:
+        """A confirmed start on ``hosts``: a report lease where one of them reports its tasks,
+        else none (see the module docstring)."""
+        if self.reporting.isdisjoint(hosts):
+            self.table.drop(task_id)
+            return
         self.table.grant(task_id, sequence, LeaseKind.REPORT, self.clock(), self.timeouts.report_s)
 
-    def reported(self, report: ev.HostTasks) -> int:
+    def reported(self, report: ev.HostTasks, running_here: Callable[[], list[tuple[str, int]]]) -> int:
         """A host's list of the tasks it runs: each one's report lease is renewed (a task naming
-        another placement, or not running here, is left alone); returns how many were."""
+        another placement, or not running here, is left alone); returns how many were. On a
+        host's first report, the tasks running there (``running_here``: their ids and placement
+        sequences) that hold no lease get report leases from now."""
         now, timeout = self.clock(), self.timeouts.report_s
+        if report.host_id not in self.reporting:
+            self.reporting.add(report.host_id)
+            for task_id, sequence in running_here():
+                if task_id not in self.table:
+                    self.table.grant(task_id, sequence, LeaseKind.REPORT, now, timeout)
         renewed = 0
         for running in report.tasks:
             if self.table.renew(running.task_id, running.placement_sequence, now, timeout):

@@ -130,7 +130,8 @@ class Scheduler:
 
     def apply_telemetry(self, event: ev.TelemetryEvent) -> None:
         if event.WhichOneof("payload") == "host_tasks":  # which tasks a host runs: their leases go on
-            self.leases.reported(event.host_tasks)
+            report = event.host_tasks
+            self.leases.reported(report, lambda: self._running_on(report.host_id))
             self.graph.saw_telemetry(event.event_time_ms)
             return
         self.graph.apply_telemetry(event)
@@ -182,7 +183,7 @@ class Scheduler:
                 self._dirty = True
                 placement = self.ledger.get(task_id)
                 if placement is not None:
-                    self.leases.started(task_id, placement.sequence)
+                    self.leases.started(task_id, placement.sequence, self._hosts_of(task))
         elif task.state == TaskState.PENDING:
             if kind != "cancelled":
                 raise InvalidEventError(f"task {task_id} {kind} but was never placed", "inconsistent")
@@ -460,7 +461,7 @@ class Scheduler:
                 self.graph.unbind(task)
                 self._unbound[task.spec.id] = placement
             elif task.state.holds_devices:
-                self.leases.bound(task)
+                self.leases.bound(task, self._hosts_of(task))
         self._bind_restored()
         self.remember_restored(forgotten)
         self._dirty = True
@@ -697,6 +698,28 @@ class Scheduler:
 
     # -- leases (hlb.daemon.decide.leases) ------------------------------------------------------
 
+    def _hosts_of(self, task: Task) -> set[str]:
+        """The hosts of the devices ``task`` holds."""
+        hosts, host_ids = self.graph.devices.host, self.graph.hosts.ids
+        return {host_ids[h] or "" for h in (int(hosts[r]) for r in task.device_rows) if h >= 0}
+
+    def _running_on(self, host_id: str) -> list[tuple[str, int]]:
+        """The tasks running on ``host_id``'s devices, with their placements' sequences (on the
+        host's first report)."""
+        graph = self.graph
+        host = graph.hosts.index.get(host_id)
+        if host is None:
+            return []
+        devices = graph.devices
+        rows = np.flatnonzero(devices.alive & (devices.host == host))
+        found = []
+        for task_id in sorted({t for row in rows.tolist() for t in graph.tasks_on_device(row)}):
+            task = graph.tasks.get(task_id)
+            placement = self.ledger.get(task_id)
+            if task is not None and task.state == TaskState.RUNNING and placement is not None:
+                found.append((task_id, placement.sequence))
+        return found
+
     def expire_leases(self, now: float) -> list[ev.TaskEvent]:
         """Take back every placement whose lease is due at ``now``: its devices are free, the task
         is queued again or failed by ``leases.retries``. Returns the ``lost`` events to publish."""
@@ -801,7 +824,7 @@ class Scheduler:
                     self._started_unbound.discard(task_id)
                     self.graph.mark_running(task)
                     self._dirty = True
-                self.leases.bound(task)
+                self.leases.bound(task, self._hosts_of(task))
 
     def _apply_to_unbound(self, task: Task, kind: str) -> None:
         """A lifecycle event for a restored placement that is not bound yet: it holds no devices."""

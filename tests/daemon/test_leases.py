@@ -153,6 +153,7 @@ def test_a_running_task_keeps_its_lease_while_its_host_reports_it() -> None:
 def test_a_report_naming_another_placement_renews_nothing() -> None:
     clock = Clock()
     scheduler = make_scheduler(clock)
+    report(scheduler, "h0")  # h0's agent lists the tasks it runs (none yet)
     placement = place(scheduler, "t")
     start(scheduler, placement)
     clock.t += REPORT_S / 2
@@ -250,11 +251,13 @@ def test_a_lost_event_replayed_over_the_old_placement_reclaims_it() -> None:
 def test_a_snapshot_keeps_losses_and_gives_held_placements_fresh_leases() -> None:
     clock = Clock()
     live = make_scheduler(clock)
+    report(live, "h0")  # both hosts' agents list the tasks they run (none yet)
+    report(live, "h1")
     old = place(live, "t")
     running = place(live, "r")
     start(live, running)
     clock.t += START_S
-    live.expire_leases(clock())  # "t" lost; "r" reported by nobody but its lease is 10 s... lost too
+    live.expire_leases(clock())  # "t" lost; "r" not listed by its host since its start: lost too
     arrays = snapshot.state_arrays(live, {})
     state = snapshot.restore_state(arrays)
     assert state.lost
@@ -291,6 +294,8 @@ def test_a_restored_running_task_gets_a_fresh_report_lease() -> None:
     later.t = clock.t + 1000  # long past the old lease
     restored = make_scheduler(later, ledger=ledger)
     snapshot.install(state, restored)
+    assert restored.leases.table.get("r") is None  # no host has listed its tasks since the restart
+    report(restored, "h0")  # its host's first report: the task it runs holds a lease from now
     lease = restored.leases.table.get("r")
     assert lease is not None
     assert lease.kind is LeaseKind.REPORT
@@ -370,3 +375,17 @@ def test_the_journal_restores_a_placement_made_after_a_lost_one_over_the_topics_
     assert ledger.since(0) == [ledger.get("u"), again]
     republished = bus.source([topics.placements], "r").next_batch(10, 0)
     assert [ev.Placement.FromString(r.value or b"").sequence for r in republished] == [9]
+
+
+def test_a_task_on_a_host_that_never_lists_its_tasks_holds_its_placement_until_it_ends() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock)
+    placement = place(scheduler, "t")
+    start(scheduler, placement)  # h0 has no agent listing tasks: nobody would renew a report lease
+    clock.t += 100 * REPORT_S
+    assert scheduler.expire_leases(clock()) == []
+    assert state_of(scheduler, "t") == TaskState.RUNNING
+    report(scheduler, "h0")  # its agent starts listing tasks, without this one: lost a lease later
+    clock.t += REPORT_S
+    (lost,) = scheduler.expire_leases(clock())
+    assert lost.lost.task_id == "t"
