@@ -5,7 +5,8 @@ daemon's :class:`hlb.daemon.decide.scheduler.Scheduler` owns the decisions. They
 scheduler's event API, exactly as the service does over Kafka:
 
 - inventory: ``Inventory.to_events()`` through ``apply_telemetry`` at the start;
-- metrics: a noisy, delayed ``MetricsBatch`` every ``telemetry.interval_s`` (:mod:`hlb.sim.telemetry`);
+- metrics: a noisy, delayed ``MetricsBatch`` every ``telemetry.interval_s`` (:mod:`hlb.sim.telemetry`),
+  applied as the daemon's ingest applies a decoded batch: its columns into the graph;
 - task lifecycle: ``submitted`` at arrival, ``started`` when the inputs have arrived,
   ``finished``, ``failed`` (and ``cancelled`` when a dependent must be resubmitted); with
   ``SimConfig.progress_interval_s``, ``progress`` of every running task at that interval;
