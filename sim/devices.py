@@ -16,11 +16,11 @@ Units: W, J, GB, s, °C; utilization and speed 0..1.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import overload
+from collections.abc import Iterable
 
 import numpy as np
 
+from hlb.daemon.state.tables import RowIds
 from hlb.sim.telemetry import DeviceState, MetricsReport, TelemetryConfig, noisy_report
 from hlb.sim.topology import Inventory
 
@@ -145,24 +145,3 @@ class Devices:
             failed=failed,
         )
         return noisy_report(telemetry, rng, rows, RowIds(self.ids, rows), self.memory_gb[rows], state, now_ms)
-
-
-class RowIds(Sequence[str]):
-    """The ids of ``rows`` of ``ids``, looked up only when read (a report's ids name devices in
-    error messages; building the list for thousands of rows per report cost more than the rest)."""
-
-    def __init__(self, ids: Sequence[str], rows: np.ndarray) -> None:
-        self._ids = ids
-        self._rows = rows
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[str]: ...
-    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
-        if isinstance(i, slice):
-            return [self._ids[r] for r in self._rows[i]]
-        return self._ids[int(self._rows[i])]

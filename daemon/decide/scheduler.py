@@ -262,17 +262,27 @@ class Scheduler:
         # with m GB does not fit with more: such tasks are skipped without a look at the devices.
         refused: dict[Shape, tuple[float, str]] = {}
         for task in list(tasks):
-            shape, memory_gb, has_dependencies = task.fit_key
-            smaller = refused.get(shape)
-            if smaller is not None and memory_gb >= smaller[0] and not has_dependencies:
-                self._pend(task, smaller[1])
-                continue
-            placement = self._try_place(task, dry_run=False)
-            if placement is not None:
-                placed.append(placement)
-            else:
-                _note_refusal(refused, task)
+            skipped = self._try_in_pass(task, refused, placed)
+            if skipped is not None:
+                self._pend(task, skipped)
         return placed
+
+    def _try_in_pass(
+        self, task: Task, refused: dict[Shape, tuple[float, str]], placed: list[ev.Placement]
+    ) -> str | None:
+        """Try ``task`` in a pass that has ``refused`` (shape -> the least memory that did not fit,
+        and why) so far, adding its placement to ``placed``; returns why it was skipped untried, a
+        task of its shape with no more memory having not fit, or None when it was tried."""
+        shape, memory_gb, has_dependencies = task.fit_key
+        smaller = refused.get(shape)
+        if smaller is not None and memory_gb >= smaller[0] and not has_dependencies:
+            return smaller[1]
+        placement = self._try_place(task, dry_run=False)
+        if placement is not None:
+            placed.append(placement)
+        else:
+            _note_refusal(refused, task)
+        return None
 
     def _pass_by_bucket(self, buckets: list[tuple[FitKey, SortedKeyList[str, QueueKey]]]) -> list[ev.Placement]:
         """The whole queue in queue order, as :meth:`_pass_over` would try it, but by merging the
@@ -291,16 +301,10 @@ class Scheduler:
             if i >= len(bucket):
                 continue
             task = queued[bucket[i]]
-            shape, memory_gb, has_dependencies = fit
-            smaller = refused.get(shape)
-            if smaller is not None and memory_gb >= smaller[0] and not has_dependencies:
-                self._bucket_refusals[fit] = (smaller[1], self._passes)
+            skipped = self._try_in_pass(task, refused, placed)
+            if skipped is not None:  # so is the rest of its bucket
+                self._bucket_refusals[fit] = (skipped, self._passes)
                 continue
-            placement = self._try_place(task, dry_run=False)
-            if placement is not None:
-                placed.append(placement)
-            else:
-                _note_refusal(refused, task)
             if i < len(bucket) and bucket[i] == task.spec.id:  # else it left (placed or parked): the next is at i
                 i += 1
             if i < len(bucket):

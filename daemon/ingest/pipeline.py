@@ -43,7 +43,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, overload, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import structlog
@@ -59,7 +59,7 @@ from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import EventError, InvalidEventError
 from hlb.daemon.ingest.backlog import TenantBacklog, noted_in_backlog, within_backlog
 from hlb.daemon.state.checks import check_bounds, check_event_time, dependency_cycle
-from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.tables import RowIds, Rows
 from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
@@ -524,7 +524,7 @@ class Ingestor:
                     columns.power_w[lo:hi],
                     columns.temperature_c[lo:hi],
                     columns.health[lo:hi],
-                    _RowIds(graph.devices.ids, span),
+                    RowIds(graph.devices.ids, span),
                     times,
                 )
             except InvalidEventError as exc:
@@ -551,26 +551,6 @@ class Ingestor:
         lag = getattr(self.source, "lag", None)
         if callable(lag):
             self.stats.lag = lag()
-
-
-class _RowIds(Sequence[str]):
-    """The ids of ``rows`` (the graph's error messages name devices), made only when asked for."""
-
-    def __init__(self, ids: list[str | None], rows: Rows) -> None:
-        self._ids = ids
-        self._rows = rows
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return [self._ids[r] or "" for r in self._rows[i].tolist()]
-        return self._ids[int(self._rows[i])] or ""
 
 
 class IngestThread(threading.Thread):

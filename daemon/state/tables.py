@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, overload
 
 import numpy as np
 from numpy.typing import NDArray
@@ -279,3 +279,25 @@ class TaskTable(Table):
         """``row``'s task now holds ``device_rows`` (empty: none)."""
         self.held[row] = len(device_rows)
         self.held_device[row] = device_rows[0] if device_rows else -1
+
+
+class RowIds(Sequence[str]):
+    """The ids of ``rows`` of ``ids`` ("" for a free row), looked up only when read: an error
+    message names devices, and building the list for thousands of rows per report costs more than
+    the rest of applying it."""
+
+    def __init__(self, ids: Sequence[str | None], rows: Rows) -> None:
+        self._ids = ids
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._ids[r] or "" for r in self._rows[i].tolist()]
+        return self._ids[int(self._rows[i])] or ""
