@@ -405,7 +405,7 @@ AgentSource = Literal["nvml", "dcgm", "node"]
 
 
 class AgentSettings(_Section):
-    """``hlb agent`` on a host (docs/agents.md, hlb.agent): which sources it reads and how often."""
+    """``hlb agent`` on a host (docs/agents.md, hlb.daemon.agent): which sources it reads and how often."""
 
     # nvml: the GPUs through NVML (the nvml extra); dcgm: DCGM exporter's /metrics; node:
     # node_exporter's /metrics (the host, and its CPUs as a device). A device several sources

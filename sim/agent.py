@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         if "sim" in sources:
             print("hlb agent: --source sim simulates a whole cluster and is not combined with a host's sources")
             return EX_USAGE
-        from hlb.agent.command import run_host_agent
+        from hlb.daemon.agent.command import run_host_agent
 
         names = [n for n in sources if n != "host"] or list(settings.agent.sources)
         return run_host_agent(settings, names, args.duration, args.once)

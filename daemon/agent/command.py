@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 import structlog
 
-from hlb.agent.dcgm import DcgmSource
-from hlb.agent.host import HostAgent
-from hlb.agent.models import ModelCatalogue
-from hlb.agent.node import NodeSource
-from hlb.agent.nvml import NvmlSource, load_nvml
-from hlb.agent.prometheus import http_fetch
-from hlb.agent.readings import Source, SourceError
+from hlb.daemon.agent.dcgm import DcgmSource
+from hlb.daemon.agent.host import HostAgent
+from hlb.daemon.agent.models import ModelCatalogue
+from hlb.daemon.agent.node import NodeSource
+from hlb.daemon.agent.nvml import NvmlSource, load_nvml
+from hlb.daemon.agent.prometheus import http_fetch
+from hlb.daemon.agent.readings import Source, SourceError
 from hlb.daemon.bus.seam import Publisher
 from hlb.daemon.config import AgentSettings, Settings
 from hlb.daemon.runtime.sdnotify import SystemdNotifier

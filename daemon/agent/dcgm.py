@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 
-from hlb.agent.prometheus import Fetch, Sample, Samples, parse
-from hlb.agent.readings import (
+from hlb.daemon.agent.prometheus import Fetch, Sample, Samples, parse
+from hlb.daemon.agent.readings import (
     MIB_PER_GIB,
     DeviceReading,
     Reading,

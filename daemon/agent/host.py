@@ -4,7 +4,7 @@ Each round (``HostAgent.step``):
 
 - inventory, when a device or the host is new or changed, and all of it again every
   ``inventory_interval_s`` (a daemon that lost it learns it back): the host, then each device
-  (``hlb.agent.models``: a catalogue model, or its nameplate), then the links between them;
+  (``hlb.daemon.agent.models``: a catalogue model, or its nameplate), then the links between them;
 - one ``metrics_batch`` of every device's metrics;
 - one ``HostTasks`` listing the hlb tasks running here (from the sources: NVML's process
   environments, DCGM's ``hpc_job`` label; and from the executor's task files in ``tasks_dir``),
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import structlog
 
-from hlb.agent.models import ModelCatalogue
-from hlb.agent.readings import DeviceReading, HostReading, LinkReading, RunningTask, Source, SourceError
+from hlb.daemon.agent.models import ModelCatalogue
+from hlb.daemon.agent.readings import DeviceReading, HostReading, LinkReading, RunningTask, Source, SourceError
 from hlb.daemon.bus.seam import Publisher
 from hlb.daemon.config import Topics
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger

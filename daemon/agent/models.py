@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hlb.agent.readings import DeviceReading
+from hlb.daemon.agent.readings import DeviceReading
 from hlb.daemon.state.profiles import DEFAULT_PROFILES_PATH
 from hlb.v1 import events_pb2 as ev
 

@@ -18,8 +18,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hlb.agent.prometheus import Fetch, Samples, parse
-from hlb.agent.readings import BYTES_PER_GIB, DeviceReading, HostReading, Reading, SourceError
+from hlb.daemon.agent.prometheus import Fetch, Samples, parse
+from hlb.daemon.agent.readings import BYTES_PER_GIB, DeviceReading, HostReading, Reading, SourceError
 from hlb.v1 import events_pb2 as ev
 
 IDLE_MODES = frozenset({"idle", "iowait"})

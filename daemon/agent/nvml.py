@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from hlb.agent.readings import (
+from hlb.daemon.agent.readings import (
     BYTES_PER_GIB,
     DeviceReading,
     LinkReading,

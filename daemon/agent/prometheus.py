@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlb.agent.readings import SourceError
+from hlb.daemon.agent.readings import SourceError
 
 MAX_BYTES = 16 * 1024 * 1024  # an exporter's reply; a bigger one is refused, not read on
 

@@ -8,13 +8,13 @@ import json
 import threading
 from pathlib import Path
 
-from hlb.agent.dcgm import DcgmSource
-from hlb.agent.host import HostAgent
-from hlb.agent.models import ModelCatalogue
-from hlb.agent.node import NodeSource
-from hlb.agent.nvml import NvmlSource
-from hlb.agent.prometheus import http_fetch
-from hlb.agent.readings import Reading, Source, SourceError
+from hlb.daemon.agent.dcgm import DcgmSource
+from hlb.daemon.agent.host import HostAgent
+from hlb.daemon.agent.models import ModelCatalogue
+from hlb.daemon.agent.node import NodeSource
+from hlb.daemon.agent.nvml import NvmlSource
+from hlb.daemon.agent.prometheus import http_fetch
+from hlb.daemon.agent.readings import Reading, Source, SourceError
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Topics
 from hlb.daemon.decide.scheduler import Scheduler

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from hlb.agent.dcgm import DcgmSource
-from hlb.agent.models import ModelCatalogue
-from hlb.agent.node import NodeSource
-from hlb.agent.nvml import NvmlSource, task_of_process
-from hlb.agent.readings import RunningTask, SourceError, health_of, task_from_label
+from hlb.daemon.agent.dcgm import DcgmSource
+from hlb.daemon.agent.models import ModelCatalogue
+from hlb.daemon.agent.node import NodeSource
+from hlb.daemon.agent.nvml import NvmlSource, task_of_process
+from hlb.daemon.agent.readings import RunningTask, SourceError, health_of, task_from_label
 from hlb.v1 import events_pb2 as ev
 
 FIXTURES = Path(__file__).parent / "fixtures"
