@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,3 +87,11 @@ class BackgroundDaemon:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.daemon.port}"
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0, poll_s: float = 0.02) -> None:
+    """Poll ``condition`` every ``poll_s`` until it holds; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(poll_s)

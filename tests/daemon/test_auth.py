@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import wait_until as wait_for
 from tests.daemon.test_ingest import make_ingestor, publish
 from tests.daemon.test_tls import Pem, make_ca, make_leaf
 
@@ -92,14 +92,6 @@ def denied(call: Callable[[], Any]) -> str:
     code, details = refusal(call)
     assert code == grpc.StatusCode.PERMISSION_DENIED, details
     return details
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        threading.Event().wait(0.02)
 
 
 # -- the policy file ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import wait_until as _wait
 from tests.daemon.diskfull import DiskFull
 
 CELL = "default"
@@ -56,13 +56,6 @@ def _publish_inventory(bus: MemoryBus, settings: Settings) -> int:
 
 def _spec(task_id: str) -> ev.TaskSpec:
     return ev.TaskSpec(id=task_id, memory_per_device_gb=4.0, workload_class="resnet50", work_ref_s=60.0)
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 def _state(daemon: Daemon) -> dict[str, Any]:

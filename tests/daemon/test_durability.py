@@ -4,8 +4,7 @@ and a corrupt journal record costs that record only, never a sequence number giv
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -21,6 +20,7 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import wait_until as _wait
 from tests.daemon.journal_layout import record_starts
 
 CELL = "default"
@@ -32,13 +32,6 @@ def _publish_inventory(bus: MemoryBus, settings: Settings) -> int:
     for event in events:
         bus.publish(settings.kafka.topics.telemetry, CELL.encode(), event.SerializeToString())
     return sum(e.HasField("device_upsert") for e in events)
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 class HeldBus(MemoryBus):

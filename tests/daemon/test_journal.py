@@ -10,7 +10,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,7 @@ from hlb.daemon.record.journal import (
     encode,
     read_journal,
 )
+from tests.daemon.background import wait_until as _wait
 from tests.daemon.diskfull import DiskFull
 from tests.daemon.journal_layout import record_starts
 
@@ -192,13 +193,6 @@ def test_a_failed_fsync_off_the_request_path_is_counted_logged_once_and_retried_
     finally:
         gate.close()
     journal.close()
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.001)
 
 
 def test_an_unknown_sync_mode_is_refused(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ naming another cell is refused ``FAILED_PRECONDITION`` naming both cells."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,17 +18,10 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import wait_until as wait_for
 
 INVENTORY = inventory_events("default")
 DEVICES = [e.device_upsert for e in INVENTORY if e.HasField("device_upsert")]
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        threading.Event().wait(0.02)
 
 
 @dataclass

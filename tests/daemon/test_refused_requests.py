@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import wait_until as _wait
 
 CELL = "default"
 DEVICES = sum(e.HasField("device_upsert") for e in inventory_events(CELL))
@@ -49,13 +49,6 @@ class RefusingBus(MemoryBus):
 
 def _spec(task_id: str, devices: int = 1) -> ev.TaskSpec:
     return ev.TaskSpec(id=task_id, num_devices=devices, memory_per_device_gb=1)
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 def _refusal(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
