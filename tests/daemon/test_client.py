@@ -9,9 +9,9 @@ import json
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -140,18 +140,28 @@ def test_watch_from_now_shows_only_new_placements(target: str) -> None:
     args = argparse.ArgumentParser()
     add_arguments(args)
     out = io.StringIO()
+    asked = threading.Event()
+
+    class Watching:
+        """The stub, telling when the watch has read the last sequence (what "now" is)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(stub, name)
+
+        def WatchPlacements(self, request: Any, **kwargs: Any) -> Any:  # noqa: N802
+            asked.set()
+            return stub.WatchPlacements(request, **kwargs)
+
     watching = threading.Thread(
-        target=_run, args=(stub, args.parse_args(["--watch", "--from", "now", "--count", "1", "--json"]), out)
+        target=_run, args=(Watching(), args.parse_args(["--watch", "--from", "now", "--count", "1", "--json"]), out)
     )
     watching.start()
-    # The watch reads the last sequence (2) first; a placement from then on is new.
-    while watching.is_alive() and '"task_id"' not in out.getvalue():
-        stub.Place(api.PlaceRequest(task=ev.TaskSpec(id=f"new-{uuid.uuid4().hex[:6]}")), timeout=10)
-        watching.join(0.2)
-    watching.join(10)
+    assert asked.wait(30), "the watch never started"
+    stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="new-1")), timeout=10)  # after "now": new
+    watching.join(30)
+    assert not watching.is_alive(), "the new placement was not shown"
     shown = json.loads(out.getvalue())
-    assert shown["task_id"].startswith("new-")
-    assert int(shown["sequence"]) >= 3
+    assert (shown["task_id"], shown["sequence"]) == ("new-1", "3")
     channel.close()
 
 
