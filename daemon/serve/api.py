@@ -118,8 +118,7 @@ async def _abort(context: grpc.aio.ServicerContext[object, object], code: grpc.S
 
 async def _check_deadline(context: grpc.aio.ServicerContext[object, object]) -> None:
     """Refuse work whose caller has already given up (a deadline of 0 or less left)."""
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if _gave_up(context):
         await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was handled")
 
 
