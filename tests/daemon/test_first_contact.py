@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -24,7 +25,7 @@ from hlb.daemon.state.checks import check_range, check_ranges
 from hlb.sim.kafka_local import free_port
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from tests.daemon.background import BackgroundDaemon
+from tests.daemon.background import BackgroundDaemon, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,6 +109,8 @@ def test_an_open_watch_is_ended_at_shutdown_and_holds_no_grace_period(tmp_path: 
         watcher = threading.Thread(target=watch)
         watcher.start()
         running.call(running.daemon.ready.wait())
+        server: Any = running.daemon._server
+        wait_until(lambda: bool(server.service._watchers), "the watch to reach the server")
         running.stop(timeout_s=20)  # well inside the 60 s grace period, or it raises TimeoutError
         watcher.join(10)
     assert [e.code() for e in ended] == [grpc.StatusCode.UNAVAILABLE]
