@@ -34,6 +34,11 @@ MAX_MEMORY_GB = 1.0e6
 MAX_ID_CHARS = 256
 DEVICE_KINDS = frozenset(ev.DeviceKind.values()) - {ev.DEVICE_KIND_UNSPECIFIED}  # what a device may be
 MAX_HEALTH = max(ev.Health.values())
+# Fractional use (docs/fractional.md): a task's share of a device, a shareable device's capacity
+# (above WHOLE_SHARE: overcommitted, as time slicing may be) and a partition's compute share.
+WHOLE_SHARE = 1000  # milli-devices in one device
+MAX_SHARE_CAPACITY = 10 * WHOLE_SHARE
+DEVICE_SHARINGS = frozenset(int(v) for v in ev.DeviceSharing.values())
 # proto3 enums are open (any int32 decodes): the values a task spec may name.
 TASK_KINDS = frozenset(int(v) for v in ev.TaskKind.values())
 
@@ -250,6 +255,48 @@ def check_device(spec: ev.Device) -> None:
         check_range(spec.peak_power_w, f"device {spec.id} peak_power_w", 0.0, 1.0e5)
     if spec.kind not in DEVICE_KINDS:
         raise InvalidEventError(f"device {spec.id}: unknown kind {spec.kind}", "out_of_range")
+    if (
+        spec.sharing
+        or spec.share_capacity_milli
+        or spec.parent_id
+        or spec.compute_share_milli
+        or spec.partition_profile
+    ):
+        check_device_sharing(spec)
+
+
+def check_device_sharing(spec: ev.Device) -> None:
+    """A device's fractional fields (docs/fractional.md): a known sharing mode, a share capacity
+    (milli-devices, at most ``MAX_SHARE_CAPACITY``) only on a shareable device, and a partition
+    (``parent_id``) that names another device, has a compute share in 1..1000 and shares nothing
+    itself. What needs the graph (the parent's own kind of use) the graph checks."""
+    name = f"device {spec.id}"
+    if spec.sharing not in DEVICE_SHARINGS:
+        raise InvalidEventError(f"{name}: unknown sharing {spec.sharing}", "out_of_range")
+    if spec.share_capacity_milli > MAX_SHARE_CAPACITY:
+        raise InvalidEventError(
+            f"{name}: share_capacity_milli={spec.share_capacity_milli} is outside [1, {MAX_SHARE_CAPACITY}]",
+            "out_of_range",
+        )
+    if spec.share_capacity_milli and not spec.sharing:
+        raise InvalidEventError(f"{name}: share_capacity_milli without sharing (an exclusive device)", "inconsistent")
+    if not spec.parent_id:
+        if spec.compute_share_milli or spec.partition_profile:
+            raise InvalidEventError(
+                f"{name}: compute_share_milli and partition_profile describe a partition, which names parent_id",
+                "inconsistent",
+            )
+        return
+    check_id(spec.parent_id, f"{name} parent")
+    if spec.parent_id == spec.id:
+        raise InvalidEventError(f"{name} is its own parent", "cycle")
+    if not 1 <= spec.compute_share_milli <= WHOLE_SHARE:
+        raise InvalidEventError(
+            f"{name}: a partition's compute_share_milli={spec.compute_share_milli} is outside [1, {WHOLE_SHARE}]",
+            "out_of_range",
+        )
+    if spec.sharing:
+        raise InvalidEventError(f"{name}: a partition is taken whole, it cannot be shareable too", "inconsistent")
 
 
 def check_host(spec: ev.Host) -> None:
@@ -304,6 +351,8 @@ def check_task_spec(spec: ev.TaskSpec) -> None:
     check_range(spec.latency_slo_ms, f"task {spec.id} latency_slo_ms", 0.0, 1.0e9)
     if spec.kind not in TASK_KINDS:
         raise InvalidEventError(f"task {spec.id}: unknown kind {spec.kind}", "out_of_range")
+    if spec.device_share_milli:
+        check_task_share(spec)
     for kind in spec.allowed_kinds:
         if kind not in DEVICE_KINDS:
             raise InvalidEventError(f"task {spec.id}: unknown allowed kind {kind}", "out_of_range")
@@ -315,6 +364,22 @@ def check_task_spec(spec: ev.TaskSpec) -> None:
             raise InvalidEventError(f"task {spec.id} depends on itself", "cycle")
         check_id(dep.task_id, f"task {spec.id} dependency")
         check_range(dep.transfer_gb, f"task {spec.id} dependency transfer_gb", 0.0, MAX_MEMORY_GB)
+
+
+def check_task_share(spec: ev.TaskSpec) -> None:
+    """A share of a device (``device_share_milli``) is 1..1000 milli-devices and names the memory
+    it needs (``memory_per_device_gb`` > 0): a share without its memory could not be kept apart."""
+    share = spec.device_share_milli
+    if share > WHOLE_SHARE:
+        raise InvalidEventError(
+            f"task {spec.id}: device_share_milli={share} is outside [1, {WHOLE_SHARE}] (0: whole devices)",
+            "out_of_range",
+        )
+    if share and not spec.memory_per_device_gb > 0:
+        raise InvalidEventError(
+            f"task {spec.id}: device_share_milli={share} needs memory_per_device_gb > 0, the memory of its share",
+            "inconsistent",
+        )
 
 
 def _check_label_number(spec: ev.TaskSpec, label: str) -> None:
@@ -347,6 +412,7 @@ def check_task_specs(specs: Sequence[ev.TaskSpec]) -> list[bool]:
     bad |= ~(np.isfinite(work) & (work >= 0.0) & (work <= 1.0e10))
     bad |= ~(np.isfinite(slo) & (slo >= 0.0) & (slo <= 1.0e9))
     bad |= gang > MAX_GANG
+    bad |= np.fromiter((s.device_share_milli for s in specs), dtype=np.int64, count=n) > 0  # checked in full
     kinds = TASK_KINDS
     plain = [False] * n
     for i, spec in enumerate(specs):

@@ -74,6 +74,32 @@ LINK_KIND_INFINIBAND: LinkKind.ValueType  # 3
 LINK_KIND_ETHERNET: LinkKind.ValueType  # 4
 Global___LinkKind: _TypeAlias = LinkKind  # noqa: Y015
 
+class _DeviceSharing:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeviceSharingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeviceSharing.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DEVICE_SHARING_UNSPECIFIED: _DeviceSharing.ValueType  # 0
+    """exclusive"""
+    DEVICE_SHARING_TIME_SLICED: _DeviceSharing.ValueType  # 1
+    """tasks take turns on the whole device (e.g. CUDA time slicing)"""
+    DEVICE_SHARING_MPS: _DeviceSharing.ValueType  # 2
+    """tasks run side by side, each on its share (e.g. CUDA MPS)"""
+
+class DeviceSharing(_DeviceSharing, metaclass=_DeviceSharingEnumTypeWrapper):
+    """How tasks may share a device (docs/fractional.md). A device that declares none is exclusive: it
+    holds whole-device tasks only, as many as `scheduler.max_tasks_per_device` allows.
+    """
+
+DEVICE_SHARING_UNSPECIFIED: DeviceSharing.ValueType  # 0
+"""exclusive"""
+DEVICE_SHARING_TIME_SLICED: DeviceSharing.ValueType  # 1
+"""tasks take turns on the whole device (e.g. CUDA time slicing)"""
+DEVICE_SHARING_MPS: DeviceSharing.ValueType  # 2
+"""tasks run side by side, each on its share (e.g. CUDA MPS)"""
+Global___DeviceSharing: _TypeAlias = DeviceSharing  # noqa: Y015
+
 class _Health:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -147,6 +173,11 @@ class Device(_message.Message):
     IDLE_POWER_W_FIELD_NUMBER: _builtins.int
     PEAK_POWER_W_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    SHARING_FIELD_NUMBER: _builtins.int
+    SHARE_CAPACITY_MILLI_FIELD_NUMBER: _builtins.int
+    PARENT_ID_FIELD_NUMBER: _builtins.int
+    PARTITION_PROFILE_FIELD_NUMBER: _builtins.int
+    COMPUTE_SHARE_MILLI_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     host_id: _builtins.str
     kind: Global___DeviceKind.ValueType
@@ -158,6 +189,24 @@ class Device(_message.Message):
     """dense peak at the device's training precision"""
     idle_power_w: _builtins.float
     peak_power_w: _builtins.float
+    sharing: Global___DeviceSharing.ValueType
+    """Fractional use (docs/fractional.md). A shareable device (sharing set) holds tasks that ask for
+    a share of a device (TaskSpec.device_share_milli), up to share_capacity_milli in all and its
+    memory; a whole-device task takes all of it, only while it holds no share.
+    """
+    share_capacity_milli: _builtins.int
+    """milli-devices, 1..10000 (above 1000: overcommitted); 0: 1000"""
+    parent_id: _builtins.str
+    """A partition (e.g. a MIG instance) of the physical device parent_id, on the same host: a device
+    of its own, with its own memory_gb, taken whole by one task that asks for a share of at most
+    compute_share_milli. The parent is not placeable whole while one of its partitions holds a
+    task, nor a partition while the parent holds one. A partition is never shareable itself, nor
+    a parent of others.
+    """
+    partition_profile: _builtins.str
+    """e.g. "3g.40gb"; reports and Explain only"""
+    compute_share_milli: _builtins.int
+    """the partition's share of its parent's compute, 1..1000"""
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -172,10 +221,15 @@ class Device(_message.Message):
         idle_power_w: _builtins.float = ...,
         peak_power_w: _builtins.float = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        sharing: Global___DeviceSharing.ValueType = ...,
+        share_capacity_milli: _builtins.int = ...,
+        parent_id: _builtins.str = ...,
+        partition_profile: _builtins.str = ...,
+        compute_share_milli: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "id", b"id", "idle_power_w", b"idle_power_w", "kind", b"kind", "labels", b"labels", "memory_gb", b"memory_gb", "model", b"model", "peak_power_w", b"peak_power_w", "peak_tflops", b"peak_tflops"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_share_milli", b"compute_share_milli", "host_id", b"host_id", "id", b"id", "idle_power_w", b"idle_power_w", "kind", b"kind", "labels", b"labels", "memory_gb", b"memory_gb", "model", b"model", "parent_id", b"parent_id", "partition_profile", b"partition_profile", "peak_power_w", b"peak_power_w", "peak_tflops", b"peak_tflops", "share_capacity_milli", b"share_capacity_milli", "sharing", b"sharing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -605,6 +659,7 @@ class TaskSpec(_message.Message):
     DEPENDENCIES_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     SUBMIT_TIME_MS_FIELD_NUMBER: _builtins.int
+    DEVICE_SHARE_MILLI_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job_id: _builtins.str
     kind: Global___TaskKind.ValueType
@@ -625,6 +680,13 @@ class TaskSpec(_message.Message):
     """inference services; 0 means none"""
     submit_time_ms: _builtins.int
     """Unix epoch milliseconds"""
+    device_share_milli: _builtins.int
+    """A share of one device per gang member, in milli-devices (1..1000), with memory_per_device_gb
+    (then required, > 0) of its memory; 0: whole devices. Such a task runs only on a shareable
+    device (Device.sharing), taking the share, or on a partition (Device.parent_id) whose
+    compute share is at least this, taking the partition whole. Each member of a gang
+    (num_devices > 1) takes its share on a device of its own (docs/fractional.md).
+    """
     @_builtins.property
     def allowed_kinds(self) -> _containers.RepeatedScalarFieldContainer[Global___DeviceKind.ValueType]:
         """empty: any kind"""
@@ -664,10 +726,11 @@ class TaskSpec(_message.Message):
         dependencies: _abc.Iterable[Global___Dependency] | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         submit_time_ms: _builtins.int = ...,
+        device_share_milli: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_kinds", b"allowed_kinds", "allowed_models", b"allowed_models", "deadline_ms", b"deadline_ms", "dependencies", b"dependencies", "id", b"id", "job_id", b"job_id", "kind", b"kind", "labels", b"labels", "latency_slo_ms", b"latency_slo_ms", "memory_per_device_gb", b"memory_per_device_gb", "num_devices", b"num_devices", "preferred_models", b"preferred_models", "priority", b"priority", "submit_time_ms", b"submit_time_ms", "work_ref_s", b"work_ref_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_kinds", b"allowed_kinds", "allowed_models", b"allowed_models", "deadline_ms", b"deadline_ms", "dependencies", b"dependencies", "device_share_milli", b"device_share_milli", "id", b"id", "job_id", b"job_id", "kind", b"kind", "labels", b"labels", "latency_slo_ms", b"latency_slo_ms", "memory_per_device_gb", b"memory_per_device_gb", "num_devices", b"num_devices", "preferred_models", b"preferred_models", "priority", b"priority", "submit_time_ms", b"submit_time_ms", "work_ref_s", b"work_ref_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -903,6 +966,7 @@ class Placement(_message.Message):
     SCORE_FIELD_NUMBER: _builtins.int
     DECIDED_AT_MS_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    DEVICE_SHARE_MILLI_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     task_id: _builtins.str
     job_id: _builtins.str
@@ -915,6 +979,10 @@ class Placement(_message.Message):
     """Unix epoch milliseconds"""
     model_version: _builtins.str
     """the GNN model's version when policy is "gnn" """
+    device_share_milli: _builtins.int
+    """The share of its device each gang member holds, in milli-devices (TaskSpec.device_share_milli;
+    a partition's compute share when it takes a partition); 0: whole devices.
+    """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """one per gang member, in gang rank order"""
@@ -931,10 +999,11 @@ class Placement(_message.Message):
         score: _builtins.float = ...,
         decided_at_ms: _builtins.int = ...,
         model_version: _builtins.str = ...,
+        device_share_milli: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_ids", b"device_ids", "job_id", b"job_id", "model_version", b"model_version", "policy", b"policy", "score", b"score", "sequence", b"sequence", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_ids", b"device_ids", "device_share_milli", b"device_share_milli", "job_id", b"job_id", "model_version", b"model_version", "policy", b"policy", "score", b"score", "sequence", b"sequence", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

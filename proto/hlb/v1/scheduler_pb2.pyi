@@ -273,12 +273,24 @@ class DeviceScore(_message.Message):
     SCORE_FIELD_NUMBER: _builtins.int
     FEASIBLE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    SHARE_MILLI_FIELD_NUMBER: _builtins.int
+    FREE_SHARE_MILLI_FIELD_NUMBER: _builtins.int
+    PARTITION_PROFILE_FIELD_NUMBER: _builtins.int
+    PARENT_ID_FIELD_NUMBER: _builtins.int
     device_id: _builtins.str
     score: _builtins.float
     """higher is better; meaningful only when feasible"""
     feasible: _builtins.bool
     reason: _builtins.str
     """the hard constraint that rules it out, when not feasible"""
+    share_milli: _builtins.int
+    """For a task that asks for a share (TaskSpec.device_share_milli), on a feasible device: the
+    share it would take (its request; a partition's compute share, taken whole) and the share
+    free there before it; the partition's profile and physical device when it is one.
+    """
+    free_share_milli: _builtins.int
+    partition_profile: _builtins.str
+    parent_id: _builtins.str
     def __init__(
         self,
         *,
@@ -286,10 +298,14 @@ class DeviceScore(_message.Message):
         score: _builtins.float = ...,
         feasible: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        share_milli: _builtins.int = ...,
+        free_share_milli: _builtins.int = ...,
+        partition_profile: _builtins.str = ...,
+        parent_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "feasible", b"feasible", "reason", b"reason", "score", b"score"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "feasible", b"feasible", "free_share_milli", b"free_share_milli", "parent_id", b"parent_id", "partition_profile", b"partition_profile", "reason", b"reason", "score", b"score", "share_milli", b"share_milli"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
