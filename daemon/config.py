@@ -472,6 +472,21 @@ class CellsSettings(_Section):
     _advertise = field_validator("advertise")(_empty_or_host_port)
 
 
+class LearningSettings(_Section):
+    """Learning from the live cluster (docs/learning.md): what the daemon logs of its GNN decisions.
+
+    With ``log_features``, each decision of the GNN policy is written to ``topic`` (a
+    ``hlb.v1.DecisionFeatures``, key = cell, as the ledger) by a background thread: decisions hand
+    their record to a queue of ``queue_size`` and never wait; when it is full the record is dropped
+    and counted (``hlb_feature_records_total{outcome="dropped"}``). ``top_k``: the devices the model
+    predicts fastest that a record lists beside the chosen ones (bounds its bytes)."""
+
+    log_features: bool = False
+    topic: str = Field("hlb.features", min_length=1, max_length=249)
+    top_k: int = Field(8, ge=0, le=1024)
+    queue_size: int = Field(10_000, ge=1, le=10_000_000)
+
+
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -505,6 +520,7 @@ class Settings(BaseSettings):
     journal: JournalSettings = JournalSettings()
     model: ModelSettings = ModelSettings()
     cells: CellsSettings = CellsSettings()
+    learning: LearningSettings = LearningSettings()
 
     @model_validator(mode="after")
     def _cells_need_kafka(self) -> Settings:

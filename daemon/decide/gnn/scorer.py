@@ -48,7 +48,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -111,6 +111,9 @@ class EmbeddingCache:
     # Per task shape and inventory version: the predicted speed ratio of every graph row [capacity]
     # (1 for a row without an embedding), what an estimate multiplies the profiles' speeds by.
     factors: dict[tuple[ShapeKey, int, int], NDArray[np.float64]]
+    # Per task shape: the head's prior features of every position [D, len(PRIOR_FEATURES)], kept
+    # with the predictions they gave (read by the feature log, hlb.daemon.record.features).
+    priors: dict[ShapeKey, NDArray[np.float32]] = field(default_factory=dict)
 
     def positions_of(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64] | None:
         """Cache positions of graph device ``rows``; None when any is not in this cache. [C] -> [C]."""
@@ -325,6 +328,7 @@ class GnnScorer(Policy):
                 prior = feat.prior_features(spec, cache.graph, rows, self.fallback.profiles, gang, key[3])
                 shape = feat.shape_features(spec, gang, key[3])
                 out = cache.model.predict(shape, cache.device_emb, prior, cache.context).astype(np.float64)
+                cache.priors[key] = prior
             else:
                 out = np.zeros((0, 2))
             if out.shape != (len(rows), 2) or not np.isfinite(out).all():
@@ -333,9 +337,31 @@ class GnnScorer(Policy):
             self._model_failed(cache, "inference_error", f"scorer failed: {error}")
             return None
         if len(cache.predictions) >= MAX_SHAPES:
+            cache.priors.pop(next(iter(cache.predictions)), None)
             cache.predictions.pop(next(iter(cache.predictions)))
         cache.predictions[key] = out
         return out
+
+    def shape_inputs(
+        self, spec: ev.TaskSpec, gang: int, consolidated: bool
+    ) -> tuple[EmbeddingCache, NDArray[np.float64], NDArray[np.float32]] | None:
+        """What the head read and predicted for ``spec``'s shape in the running cache, as a decision
+        of that shape just used it: the cache, the predictions of every position [D, 2] and their
+        prior features [D, len(PRIOR_FEATURES)] (computed here for a shape the model was not trained
+        on, whose predictions are the prior's zeros). None while the model does not serve, or when no
+        decision has asked for this shape since the last refresh. Call it under the daemon's lock."""
+        cache = self._cache
+        if cache is None:
+            return None
+        key = shape_key(spec, gang, consolidated)
+        predictions = cache.predictions.get(key)
+        if predictions is None:
+            return None
+        prior = cache.priors.get(key)
+        if prior is None:
+            prior = feat.prior_features(spec, cache.graph, cache.device_rows, self.fallback.profiles, gang, key[3])
+            cache.priors[key] = prior
+        return cache, predictions, prior
 
     def prepare(self, graph: InfraGraph) -> None:
         """Sync mode: load the model on first use, re-encode a changed graph (:meth:`refresh_if_changed`)."""

@@ -1,0 +1,173 @@
+"""The feature log: one record per GNN decision, built off the request path from what the scorer
+kept, bounded in bytes, dropped and counted (never waited for) when its queue is full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hlb.daemon.bus.seam import MemoryBus
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn import features as feat
+from hlb.daemon.decide.presets import gnn_scorer, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.record.features import FeatureLog, log_prior_column
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.v1 import events_pb2 as ev
+from hlb.v1 import learning_pb2 as lrn
+from tests.daemon.test_gnn_policy import cluster
+
+TOPIC = "hlb.features"
+
+
+def gnn_scheduler(model_dir: Path, devices: int = 48) -> Scheduler:
+    settings = ModelSettings(
+        path=model_dir, providers=("CPUExecutionProvider",), watch=False, refresh=ModelRefreshSettings(mode="sync")
+    )
+    return Scheduler(cluster(devices), make_policy("gnn", model=settings), PlacementLedger(), "c1", clock=lambda: 1.0)
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.bytes = 0
+
+    def __call__(self, outcome: str, size: int) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.bytes += size
+
+
+def records(bus: MemoryBus) -> list[lrn.DecisionFeatures]:
+    return [lrn.DecisionFeatures.FromString(r.value or b"") for r in bus.read_all(TOPIC)]
+
+
+def logged(scheduler: Scheduler, **options: Any) -> tuple[FeatureLog, MemoryBus, Outcomes]:
+    bus, outcomes = MemoryBus(), Outcomes()
+    features = FeatureLog(scheduler, bus.publisher(), TOPIC, on_outcome=outcomes, **options)
+    scheduler.ledger.subscribe(features.placement)
+    return features, bus, outcomes
+
+
+def test_a_gnn_decision_is_logged_with_what_the_model_read_and_predicted(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    features, bus, outcomes = logged(scheduler, top_k=5)
+    features.start()
+    spec = ev.TaskSpec(id="t1", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4.0, num_devices=2)
+    placement = scheduler.place(spec).placement
+    assert placement is not None
+    assert placement.policy == "gnn"
+    assert features.stop() == 0
+
+    (record,) = records(bus)
+    scorer = gnn_scorer(scheduler.policy)
+    assert scorer is not None
+    assert (record.cell, record.placement_sequence, record.task_id) == ("c1", placement.sequence, "t1")
+    assert record.feature_schema_version == feat.FEATURE_SCHEMA_VERSION
+    assert record.model_version == scorer.model_version
+    assert record.propensity == 1.0
+    assert record.shape.gang == 2
+    assert record.shape.work_ref_s == 600.0
+    assert record.embedded_devices == 48
+    consolidated = record.shape.consolidated
+    np.testing.assert_allclose(record.shape_features, feat.shape_features(spec, 2, consolidated), rtol=1e-6)
+
+    chosen = sorted((d for d in record.candidates if d.chosen), key=lambda d: d.chosen)
+    assert [d.device_id for d in chosen] == list(placement.device_ids)
+    rows = scheduler.graph.device_rows(placement.device_ids)
+    expected = scorer.log_ratios(spec, scheduler.graph, rows, 2, consolidated)
+    assert expected is not None
+    np.testing.assert_allclose([[d.log_speed_ratio, d.log_sigma] for d in chosen], expected, rtol=1e-5)
+    for device in chosen:
+        assert device.predicted
+        assert device.neighbourhood.host_id == device.device_id.rsplit("/", 1)[0]
+        assert device.neighbourhood.host_devices == 8
+        assert device.neighbourhood.device_tasks == 0  # before this task
+
+    fastest = record.candidates[:5]  # the five predicted fastest, fastest first; the chosen ones after
+    column = log_prior_column()
+    assert column is not None
+    speeds = [d.log_speed_ratio + d.prior_features[column] for d in fastest]
+    assert speeds == sorted(speeds, reverse=True)
+    assert [d.rank for d in record.candidates[:5]] == [0, 1, 2, 3, 4]
+    assert len(record.candidates) <= 5 + 2
+    assert outcomes.counts == {"published": 1}
+    assert outcomes.bytes == len(bus.read_all(TOPIC)[0].value or b"")
+
+
+def test_a_record_stays_small_whatever_the_cluster_size(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir, devices=400)
+    features, bus, _ = logged(scheduler, top_k=8)
+    features.start()
+    for i in range(20):
+        spec = ev.TaskSpec(id=f"t{i}", workload_class="lm", work_ref_s=60.0, memory_per_device_gb=1.0)
+        assert scheduler.place(spec).placement is not None
+    features.stop()
+    sizes = [len(r.value or b"") for r in bus.read_all(TOPIC)]
+    assert len(sizes) == 20
+    assert max(sizes) < 1500  # 8 listed devices and the chosen one, never the 400
+
+
+def test_a_full_queue_drops_the_record_and_counts_it_and_the_decision_stands(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    features, bus, outcomes = logged(scheduler, queue_size=1)  # not started: nothing drains the queue
+    for i in range(3):
+        spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+        assert scheduler.place(spec).placement is not None
+    assert len(scheduler.ledger) == 3
+    assert outcomes.counts == {"dropped": 2}
+    features.start()
+    features.stop()
+    assert len(records(bus)) == 1
+    assert outcomes.counts == {"dropped": 2, "published": 1}
+
+
+def test_decisions_of_another_policy_are_not_logged() -> None:
+    scheduler = Scheduler(cluster(), make_policy("rules"), PlacementLedger(), "c1", clock=lambda: 1.0)
+    features, bus, outcomes = logged(scheduler)
+    features.start()
+    assert scheduler.place(ev.TaskSpec(id="t", work_ref_s=60.0, memory_per_device_gb=1.0)).placement is not None
+    features.stop()
+    assert records(bus) == []
+    assert outcomes.counts == {"skipped": 1}
+
+
+class Refusing:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def publish(self, topic: str, key: bytes | None, value: bytes | None, headers: Any = ()) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise BufferError("queue full")
+
+    def flush(self, timeout_s: float) -> int:
+        return 0
+
+
+def test_a_record_the_bus_refuses_is_counted_and_the_next_one_goes_out(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    outcomes, publisher = Outcomes(), Refusing()
+    features = FeatureLog(scheduler, publisher, TOPIC, on_outcome=outcomes)
+    scheduler.ledger.subscribe(features.placement)
+    features.start()
+    for i in range(2):
+        spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+        assert scheduler.place(spec).placement is not None
+    assert features.drain()
+    features.stop()
+    assert outcomes.counts == {"failed": 1, "published": 1}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_log_turned_off_looks_at_nothing(gnn_model_dir: Path, enabled: bool) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    features, bus, outcomes = logged(scheduler)
+    features.enabled = enabled
+    features.start()
+    assert scheduler.place(ev.TaskSpec(id="t", work_ref_s=60.0, memory_per_device_gb=1.0)).placement is not None
+    features.stop()
+    assert len(records(bus)) == (1 if enabled else 0)
+    assert outcomes.counts == ({"published": 1} if enabled else {})
