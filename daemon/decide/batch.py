@@ -38,6 +38,7 @@ def _shape(spec: ev.TaskSpec, policy: Policy, plain: bool = False) -> ShapeKey |
         spec.workload_class,
         spec.kind,
         spec.num_devices,
+        spec.device_share_milli,
         spec.memory_per_device_gb,
         spec.work_ref_s,
         *lists,

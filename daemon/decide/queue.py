@@ -7,7 +7,7 @@ inventory, the policy, or whether it ranks at all). Otherwise (HEFT's upward ran
 queued DAG) it re-sorts after each change, as a whole-queue rank requires.
 
 Beside the whole order, a queue with ranks per task keeps one sorted list per fit bucket (the
-task's ``Task.fit_key``: allowed kinds and models, gang size, memory, dependencies), in the same
+task's ``Task.fit_key``: allowed kinds and models, gang size, share, memory, dependencies), in the same
 order: a pass over the whole queue merges the buckets (``buckets``) and leaves a bucket whole once
 its shape is known not to fit, so its cost grows with the buckets and the tasks tried, not with the
 queue's length. A task parked (``park``: it waits for a dependency to end) keeps its place in the
@@ -25,7 +25,7 @@ from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.task import Task
 
 QueueKey = tuple[int, float, int]  # (-priority, -rank, arrival)
-FitKey = tuple[tuple[tuple[int, ...], tuple[str, ...], int], float, bool]  # Task.fit_key
+FitKey = tuple[tuple[tuple[int, ...], tuple[str, ...], int, int], float, bool]  # Task.fit_key
 
 
 class PendingQueue:

@@ -36,15 +36,16 @@ from hlb.daemon.decide.leases import LeaseKeeper, LeaseTimeouts
 from hlb.daemon.decide.queue import FitKey, PendingQueue, QueueKey
 from hlb.daemon.errors import InvalidEventError, QueueFullError, UnknownTaskError
 from hlb.daemon.state.checks import check_task_progress, check_task_spec, check_task_specs
-from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion
+from hlb.daemon.state.feasibility import CONSTRAINTS, Exclusion, share_charge
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task, TaskState
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 
 Clock = Callable[[], float]  # seconds since the Unix epoch
-Shape = tuple[tuple[int, ...], tuple[str, ...], int]  # Task.fit_key's first part: kinds, models, gang
+Shape = tuple[tuple[int, ...], tuple[str, ...], int, int]  # Task.fit_key's first part: kinds, models, gang, share
 STOP_CHECK_EVERY = 32  # tasks of a batch between two questions whether its caller still waits
 
 DEFAULT_TOP_K = 5
@@ -403,7 +404,7 @@ class Scheduler:
                         self.graph.bind(probe, [int(r) for r in rows])
                         probes.append(probe)
                         if cache is not None:
-                            cache.bound(probe.device_rows)
+                            cache.bound(self.graph.affected_rows(probe.device_rows))
                     decisions[i] = self._decision(probe, placement)
                 else:
                     task = self.submit(spec, self.cell, checked=True, plain=plain[i])
@@ -504,7 +505,20 @@ class Scheduler:
             else:
                 reason = CONSTRAINTS[int(broken[i])] if known[i] else "unknown device"
                 out.append(api.DeviceScore(device_id=device_id, feasible=False, reason=reason))
+        if spec.device_share_milli and feasible.any():
+            self._describe_shares(spec, rows[feasible], [s for s, ok in zip(out, feasible, strict=True) if ok])
         return out
+
+    def _describe_shares(self, spec: ev.TaskSpec, rows: Rows, scores: Sequence[api.DeviceScore]) -> None:
+        """Say on each of ``scores`` (feasible devices ``rows``, in order) what share ``spec`` would
+        take there, what is free there now, and which partition it is (docs/fractional.md)."""
+        d = self.graph.devices
+        charge = share_charge(d, spec.device_share_milli, rows)
+        free = d.share_capacity[rows] - d.share_used[rows]
+        for score, row, taken, left in zip(scores, rows.tolist(), charge.tolist(), free.tolist(), strict=True):
+            score.share_milli, score.free_share_milli = int(taken), max(0, int(left))
+            if d.partition[row]:
+                score.parent_id, score.partition_profile = self.graph.partitions.get(d.ids[row] or "", ("", ""))
 
     def explain(self, target: str | ev.TaskSpec, top_k: int = DEFAULT_TOP_K, excluded_limit: int = 50) -> Explanation:
         """The best ``top_k`` feasible devices with their scores, up to ``excluded_limit`` devices
@@ -531,6 +545,8 @@ class Scheduler:
                 api.DeviceScore(device_id=i, score=float(s), feasible=True)
                 for i, s in zip(ids, scores[best], strict=True)
             ]
+            if spec.device_share_milli:
+                self._describe_shares(spec, ranked[best], candidates)
         if task is not None:
             decision = self.lookup(task.spec.id)
         else:
@@ -629,6 +645,7 @@ class Scheduler:
             policy=self.policy.name,
             score=score,
             decided_at_ms=int(self.clock() * 1000),
+            device_share_milli=spec.device_share_milli,
         )
         if dry_run:
             return placement
@@ -638,7 +655,7 @@ class Scheduler:
             self._expect_end(task)
         self.policy.placed(spec, self.graph, gang)
         if cache is not None:
-            cache.bound(task.device_rows)
+            cache.bound(self.graph.affected_rows(task.device_rows))
         return self.ledger.record(placement, owned=True)
 
     def _unfinished_dependency(self, task: Task) -> tuple[str, str] | None:

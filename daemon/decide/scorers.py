@@ -23,7 +23,8 @@ from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import ObjectiveWeights, Policy, Scores, WaitOptions
 from hlb.daemon.decide.heft import upward_ranks
-from hlb.daemon.state.feasibility import Occupancy
+from hlb.daemon.state.checks import WHOLE_SHARE
+from hlb.daemon.state.feasibility import Occupancy, share_charge
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
 from hlb.daemon.state.tables import HOST_NODE, SWITCH_NODE, Rows
@@ -37,11 +38,21 @@ DEFAULT_INTER_HOST_GBPS = 100.0  # one 100 Gb/s NIC
 REFERENCE_POWER_W = 300.0
 
 
-def device_share(graph: InfraGraph, rows: Rows, occupancy: Occupancy | None = None) -> NDArray[np.float64]:
+def device_share(
+    graph: InfraGraph, rows: Rows, occupancy: Occupancy | None = None, share_milli: int = 0
+) -> NDArray[np.float64]:
     """Share of each device a new task would get: processor sharing with the ``n`` tasks hlb placed
     there (``1 / (n + 1)``), or what measured load leaves free when that is less. ``occupancy``:
-    instead of the rows' own. [N] -> [N] in (0, 1]."""
+    instead of the rows' own. A task that asks for ``share_milli`` of a device gets that share (all
+    of a partition: its compute share), less where time slicing overcommits the device (the shares
+    held there with it above 1000; docs/fractional.md). [N] -> [N] in (0, 1]."""
     d = graph.devices
+    if share_milli:
+        charge = share_charge(d, share_milli, rows).astype(np.float64)
+        used = d.share_used[rows] if occupancy is None else occupancy.share_used
+        overcommit = np.maximum(1.0, (used + charge) / WHOLE_SHARE)
+        fraction: NDArray[np.float64] = np.clip(charge / WHOLE_SHARE / overcommit, 1e-3, 1.0)
+        return fraction
     placed = 1.0 / (1.0 + (d.n_tasks[rows] if occupancy is None else occupancy.n_tasks))
     measured = np.maximum(1.0 - d.utilization[rows], 0.05)
     share: NDArray[np.float64] = np.minimum(placed, measured)
@@ -195,7 +206,7 @@ class HeteroGreedy(Policy):
     ) -> Scores:
         w = self.weights
         work = spec.work_ref_s if spec.work_ref_s > 0 else 1.0
-        finish = runtime / device_share(graph, rows, occupancy)
+        finish = runtime / device_share(graph, rows, occupancy, spec.device_share_milli)
         if ready:
             finish = self.ready_s(spec, graph, rows) + finish
         scores: Scores = finish * (-w.completion_time / work)

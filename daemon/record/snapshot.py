@@ -141,6 +141,7 @@ class Captured:
     last_sequence: int
     lost: tuple[tuple[int, str, str], ...]
     offsets: Offsets
+    partitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # InfraGraph.partitions
 
 
 def capture(scheduler: Scheduler, offsets: Offsets) -> Captured:
@@ -179,6 +180,7 @@ def _capture(scheduler: Scheduler, offsets: Offsets) -> Captured:
         last_sequence=scheduler.ledger.last_sequence,
         lost=tuple(scheduler.ledger.lost_placements()),
         offsets=dict(offsets),
+        partitions=dict(graph.partitions),
     )
 
 
@@ -223,6 +225,10 @@ def pack(state: Captured) -> Arrays:
     arrays["ledger.lost.sequence"] = np.array([sequence for sequence, _, _ in lost], dtype=np.int64)
     _pack_str(arrays, "ledger.lost.task", [task_id for _, task_id, _ in lost])
     _pack_str(arrays, "ledger.lost.reason", [reason for _, _, reason in lost])
+    partitions = state.partitions  # absent from a snapshot written before partitions: none
+    _pack_str(arrays, "partitions.device", list(partitions))
+    _pack_str(arrays, "partitions.parent", [parent for parent, _ in partitions.values()])
+    _pack_str(arrays, "partitions.profile", [profile for _, profile in partitions.values()])
     offsets = state.offsets
     keys = sorted(offsets)
     _pack_str(arrays, "offsets.topic", [t for t, _ in keys])
@@ -272,6 +278,19 @@ def restore_state(arrays: Arrays) -> Snapshot:
         raise SnapshotError(f"inconsistent snapshot: {type(exc).__name__}: {exc}") from None
 
 
+def _restore_partitions(graph: InfraGraph, arrays: Arrays) -> None:
+    """The partitions by id, and what the graph derives from its sharing columns (none in a
+    snapshot written before partitions: nothing to do)."""
+    if "partitions.device.len" not in arrays:
+        return
+    children = _unpack_str_required(arrays, "partitions.device")
+    parents = _unpack_str_required(arrays, "partitions.parent")
+    profiles = _unpack_str_required(arrays, "partitions.profile")
+    if not len(children) == len(parents) == len(profiles):
+        raise SnapshotError("partition columns of different lengths")
+    graph.reindex_sharing(dict(zip(children, zip(parents, profiles, strict=True), strict=True)))
+
+
 def _restore(arrays: Arrays) -> Snapshot:
     graph = InfraGraph()
     complete = True
@@ -284,6 +303,7 @@ def _restore(arrays: Arrays) -> Snapshot:
     )
     d = graph.devices
     graph.feasibility.regroup(d)
+    _restore_partitions(graph, arrays)
 
     specs = unpack_bytes(arrays["tasks.spec.blob"], arrays["tasks.spec.len"])
     cells = _unpack_str_required(arrays, "tasks.cell")

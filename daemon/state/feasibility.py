@@ -1,7 +1,8 @@
 """The hard constraints: which devices a task may be placed on now, and why the others may not.
 
 A device passes when it is not failed, its kind and model are in the task's allow-lists (when
-it names them), and it has the free memory and a free task slot (``room``). The filter keeps
+it names them), and it has the free memory and a free task slot, or for a task that asks for a
+share of a device, the free share (``room``; docs/fractional.md). The filter keeps
 the live device rows by (kind, model) group, so that an allow-list selects whole groups (a task
 restricted to TPUs never looks at a GPU) and the rest is checked vectorized within them.
 
@@ -23,7 +24,7 @@ from hlb.daemon.state.tables import DeviceTable, Rows
 from hlb.v1 import events_pb2 as ev
 
 MAX_CACHED_GROUP_SETS = 64  # allow-list combinations whose rows a graph keeps sorted
-CONSTRAINTS = ("health", "kind", "model", "capacity", "memory")
+CONSTRAINTS = ("health", "kind", "model", "capacity", "memory", "share")
 KIND_NAMES: dict[int, str] = {
     int(value): name.removeprefix("DEVICE_KIND_").lower() for name, value in ev.DeviceKind.items()
 }
@@ -36,6 +37,8 @@ class GraphView(Protocol):
 
     devices: DeviceTable
     max_tasks_per_device: int  # 0: no limit
+    partitions: dict[str, tuple[str, str]]  # a partition's id -> (its parent's id, its profile)
+    shared_devices: int  # live devices that are shareable or partitions (0: every rule of sharing holds)
 
     def model_numbers(self, models: Iterable[str]) -> list[int]: ...
 
@@ -49,13 +52,14 @@ class Exclusion:
     """A device ruled out for a task: which hard constraint (a short name) and the detail in words."""
 
     device_id: str
-    constraint: str  # "health" | "kind" | "model" | "memory"
+    constraint: str  # one of CONSTRAINTS
     detail: str
 
 
 @dataclass(frozen=True)
 class Occupancy:
-    """What a binding changes on devices: tasks held, memory reserved, memory placed and not started.
+    """What a binding changes on devices: tasks held, memory reserved, memory placed and not started,
+    and the share held (milli-devices).
 
     The graph's own values (:meth:`of`), or those after more bindings (:meth:`after`), so that a
     policy can score a device as it will be once more tasks are bound to it, with the same
@@ -66,15 +70,19 @@ class Occupancy:
     n_tasks: NDArray[np.int32]
     reserved_gb: NDArray[np.float64]
     placed_gb: NDArray[np.float64]
+    share_used: NDArray[np.int32]
 
     @classmethod
     def of(cls, graph: GraphView, rows: Rows) -> Occupancy:
         d = graph.devices
-        return cls(d.n_tasks[rows], d.reserved_gb[rows], d.placed_gb[rows])
+        return cls(d.n_tasks[rows], d.reserved_gb[rows], d.placed_gb[rows], d.share_used[rows])
 
-    def after(self, memory_gb: float) -> Occupancy:
-        """One more task of ``memory_gb`` on every row, as ``bind`` adds it."""
-        return Occupancy(self.n_tasks + 1, self.reserved_gb + memory_gb, self.placed_gb + memory_gb)
+    def after(self, memory_gb: float, share_milli: NDArray[np.int32] | int = 0) -> Occupancy:
+        """One more task of ``memory_gb`` on every row, holding ``share_milli`` there (per row, as
+        :func:`share_charge` gives it), as ``bind`` adds it."""
+        return Occupancy(
+            self.n_tasks + 1, self.reserved_gb + memory_gb, self.placed_gb + memory_gb, self.share_used + share_milli
+        )
 
     @staticmethod
     def concat(parts: Sequence[Occupancy]) -> Occupancy:
@@ -82,7 +90,41 @@ class Occupancy:
             np.concatenate([p.n_tasks for p in parts]),
             np.concatenate([p.reserved_gb for p in parts]),
             np.concatenate([p.placed_gb for p in parts]),
+            np.concatenate([p.share_used for p in parts]),
         )
+
+
+def share_charge(devices: DeviceTable, share_milli: int, rows: Rows) -> NDArray[np.int32]:
+    """The share (milli-devices) a task that asks for ``share_milli`` (0: whole devices) holds on
+    each row once bound there: its share on a shareable device, all of a partition, all of a
+    shareable device taken whole, nothing on an exclusive device (counted by ``n_tasks``). [N] -> [N]."""
+    if share_milli:
+        charge = np.where(devices.partition[rows], devices.share_capacity[rows], share_milli)
+    else:
+        charge = np.where(devices.sharing[rows] > 0, devices.share_capacity[rows], 0)
+    return charge.astype(np.int32)
+
+
+def share_fits(
+    devices: DeviceTable, share_milli: int, rows: Rows, share_used: NDArray[np.int32] | None = None
+) -> NDArray[np.bool_]:
+    """Whether each row can take a task asking for ``share_milli`` (0: a whole device) by the
+    sharing rules (docs/fractional.md), memory and task slots apart: a share on a shareable device
+    with that much free or on a free partition at least that large whose parent holds no task; a
+    whole device that is no partition, none of whose partitions holds a task, and, shareable,
+    holds no share. ``share_used``: instead of the rows' own. [N] -> [N]."""
+    d = devices
+    used = d.share_used[rows] if share_used is None else share_used
+    capacity = d.share_capacity[rows]
+    partition = d.partition[rows]
+    if share_milli:
+        parent = d.parent[rows]
+        parent_busy = (parent >= 0) & (d.n_tasks[np.maximum(parent, 0)] > 0)
+        on_partition = partition & (used == 0) & (capacity >= share_milli) & ~parent_busy
+        ok: NDArray[np.bool_] = ((d.sharing[rows] > 0) & (capacity - used >= share_milli)) | on_partition
+        return ok
+    whole: NDArray[np.bool_] = ~partition & (d.busy_partitions[rows] == 0) & ((d.sharing[rows] == 0) | (used == 0))
+    return whole
 
 
 class FeasibilityFilter:
@@ -166,7 +208,10 @@ class FeasibilityFilter:
         """Device rows that would pass every hard constraint for ``spec`` once the tasks on them
         end, but lack a free slot or the free memory now, and have an expected end
         (``free_at_ms``), ascending; only those of ``faster_models`` (model indices) when given.
+        None for a task that asks for a share, and never a partition.
         Shapes: -> [B]."""
+        if spec.device_share_milli:  # a share never waits for a busy device: it is placed where one is free
+            return np.empty(0, dtype=np.int64)
         groups = self._candidate_groups(graph, spec)
         if faster_models is not None:
             faster = set(faster_models.tolist())
@@ -175,7 +220,7 @@ class FeasibilityFilter:
             return np.empty(0, dtype=np.int64)
         rows = self._rows_of_groups(groups)
         d = graph.devices
-        rows = rows[(d.free_at_ms[rows] > 0) & (d.health[rows] != ev.HEALTH_FAILED)]
+        rows = rows[(d.free_at_ms[rows] > 0) & (d.health[rows] != ev.HEALTH_FAILED) & ~d.partition[rows]]
         busy: Rows = rows[(d.memory_gb[rows] >= spec.memory_per_device_gb) & ~self.room(graph, spec, rows)]
         return busy
 
@@ -191,10 +236,15 @@ class FeasibilityFilter:
         """Whether each row has the free memory and a free task slot for ``spec``: the hard
         constraints that a binding can change (health, kind and model it cannot). [N] -> [N]."""
         ok: NDArray[np.bool_] = graph.free_memory_gb(rows, occupancy) >= spec.memory_per_device_gb
+        share = spec.device_share_milli
         limit = graph.max_tasks_per_device
-        if limit > 0:
+        if limit > 0 and not share:  # the count limits whole-device tasks on exclusive devices
             n_tasks = graph.devices.n_tasks[rows] if occupancy is None else occupancy.n_tasks
-            ok &= n_tasks < limit
+            ok &= (n_tasks < limit) | (graph.devices.sharing[rows] > 0)
+        if graph.shared_devices:
+            ok &= share_fits(graph.devices, share, rows, None if occupancy is None else occupancy.share_used)
+        elif share:
+            ok[:] = False  # no shareable device, no partition
         return ok
 
     def violations(self, graph: GraphView, spec: ev.TaskSpec, rows: Rows) -> NDArray[np.int8]:
@@ -204,8 +254,11 @@ class FeasibilityFilter:
         out = np.full(len(rows), -1, dtype=np.int8)
         memory = graph.free_memory_gb(rows) < spec.memory_per_device_gb
         out[memory] = 4
-        if graph.max_tasks_per_device > 0:
-            out[d.n_tasks[rows] >= graph.max_tasks_per_device] = 3
+        share = spec.device_share_milli
+        if graph.max_tasks_per_device > 0 and not share:
+            out[(d.n_tasks[rows] >= graph.max_tasks_per_device) & (d.sharing[rows] == 0)] = 3
+        if share or graph.shared_devices:
+            out[~share_fits(d, share, rows)] = 5
         # A device too small for the task in all is ruled out by memory, whatever it runs now: the
         # reason that lasts (a busy device's slot frees up, its memory does not grow).
         out[d.memory_gb[rows] < spec.memory_per_device_gb] = 4
@@ -239,6 +292,8 @@ class FeasibilityFilter:
                 detail = f"model {graph.model_of(row)} not in allowed models"
             elif constraint == "capacity":
                 detail = f"runs {int(d.n_tasks[row])} task(s), the most a device may hold"
+            elif constraint == "share":
+                detail = _share_detail(graph, spec.device_share_milli, row)
             elif float(d.memory_gb[row]) < spec.memory_per_device_gb:
                 detail = f"{float(d.memory_gb[row]):.1f} GB in all < {spec.memory_per_device_gb:.1f} GB needed"
             else:
@@ -246,3 +301,27 @@ class FeasibilityFilter:
                 detail = f"{free:.1f} GB free < {spec.memory_per_device_gb:.1f} GB needed"
             out.append(Exclusion(d.ids[row] or "", constraint, detail))
         return out
+
+
+def _share_detail(graph: GraphView, share_milli: int, row: int) -> str:
+    """Why device ``row`` cannot take a task asking for ``share_milli`` (0: a whole device) by the
+    sharing rules (:func:`share_fits`), in words."""
+    d = graph.devices
+    used, capacity = int(d.share_used[row]), int(d.share_capacity[row])
+    if d.partition[row]:
+        parent_id, profile = graph.partitions.get(d.ids[row] or "", ("", ""))
+        what = f"partition {profile} of {parent_id}" if profile else f"partition of {parent_id}"
+        if not share_milli:
+            return f"{what}: partitions take tasks that ask for a share"
+        if used:
+            return f"{what} holds a task"
+        if capacity < share_milli:
+            return f"{what}: compute share {capacity} milli < {share_milli} needed"
+        return f"{what}: its parent holds a whole-device task"
+    if share_milli:
+        if not d.sharing[row]:
+            return "exclusive device: a share needs a shareable device or a partition"
+        return f"{capacity - used} of {capacity} milli free < {share_milli} needed"
+    if d.busy_partitions[row]:
+        return f"{int(d.busy_partitions[row])} of its partitions hold tasks"
+    return f"{used} of {capacity} milli held by shares: a whole-device task needs all of it"

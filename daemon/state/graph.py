@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.state.checks import (
+    WHOLE_SHARE,
     check_device,
     check_device_metrics,
     check_host,
@@ -33,7 +34,7 @@ from hlb.daemon.state.checks import (
     check_task_spec,
     dependency_cycle,
 )
-from hlb.daemon.state.feasibility import Exclusion, FeasibilityFilter, Occupancy
+from hlb.daemon.state.feasibility import Exclusion, FeasibilityFilter, Occupancy, share_charge
 from hlb.daemon.state.tables import (
     DEVICE_NODE,
     HOST_NODE,
@@ -73,6 +74,12 @@ class InfraGraph:
         self._model_index: dict[str, int] = {}
         self.feasibility = FeasibilityFilter()  # the hard constraints, and its index of devices by group
         self._tasks_on_device: dict[int, set[str]] = {}
+        # Partitions (docs/fractional.md): a partition's id -> (its parent's id, its profile), and a
+        # parent's id -> its partitions' ids (a parent may come after its partitions); the live
+        # devices that are shareable or partitions.
+        self.partitions: dict[str, tuple[str, str]] = {}
+        self._partitions_of: dict[str, set[str]] = {}
+        self.shared_devices = 0
         self.newest_telemetry_ms = 0
         self.version = 0
         self.metrics_version = 0
@@ -114,6 +121,30 @@ class InfraGraph:
         """Indices into ``model_names`` of the known ones among ``models``."""
         index = self._model_index
         return [index[m] for m in models if m in index]
+
+    def affected_rows(self, rows: Sequence[int]) -> list[int]:
+        """``rows`` and the devices whose room a binding there changes too: a partition's parent,
+        a parent's partitions (docs/fractional.md)."""
+        if not self.partitions:
+            return list(rows)
+        d, index = self.devices, self.devices.index
+        out = list(rows)
+        for row in rows:
+            if d.partition[row] and d.parent[row] >= 0:
+                out.append(int(d.parent[row]))
+            for child in self._partitions_of.get(d.ids[row] or "", ()):
+                out.append(index[child])
+        return out
+
+    def reindex_sharing(self, partitions: dict[str, tuple[str, str]]) -> None:
+        """Rebuild what the device table does not hold of fractional use (a restored snapshot's
+        tables): the partitions by id, their parents' partitions, and the count of shared devices."""
+        self.partitions = dict(partitions)
+        self._partitions_of = {}
+        for child, (parent, _) in self.partitions.items():
+            self._partitions_of.setdefault(parent, set()).add(child)
+        d = self.devices
+        self.shared_devices = int(np.count_nonzero(d.alive & ((d.sharing > 0) | d.partition)))
 
     def tasks_on_device(self, row: int) -> set[str]:
         return self._tasks_on_device.get(row, set())
@@ -247,6 +278,7 @@ class InfraGraph:
         check_device(spec)
         d = self.devices
         row = d.row(spec.id)
+        self._check_sharing(spec, row)
         if row is None:
             row = d.add(spec.id)
         else:  # an update keeps what was measured and reserved; it may move group or host
@@ -263,7 +295,70 @@ class InfraGraph:
         d.peak_tflops[row] = spec.peak_tflops
         d.idle_power_w[row] = spec.idle_power_w
         d.peak_power_w[row] = spec.peak_power_w
+        self._set_sharing(spec, row)
         self.feasibility.join(row, int(spec.kind), int(d.model[row]))
+
+    def _check_sharing(self, spec: ev.Device, row: int | None) -> None:
+        """What the graph must know to accept a device's sharing (docs/fractional.md): a partition's
+        parent (when known) is on its host and neither a partition nor shareable; a device with
+        partitions is not shareable nor a partition; a device that holds tasks keeps its sharing."""
+        d = self.devices
+        name = f"device {spec.id}"
+        if spec.parent_id:
+            parent = d.row(spec.parent_id)
+            if parent is not None:
+                if d.partition[parent]:
+                    raise InvalidEventError(f"{name}: parent {spec.parent_id} is a partition itself", "inconsistent")
+                if d.sharing[parent]:
+                    raise InvalidEventError(f"{name}: parent {spec.parent_id} is shareable", "inconsistent")
+                if self.hosts.ids[d.host[parent]] != spec.host_id:
+                    raise InvalidEventError(
+                        f"{name}: on host {spec.host_id}, its parent {spec.parent_id} on another", "inconsistent"
+                    )
+        if (spec.sharing or spec.parent_id) and self._partitions_of.get(spec.id):
+            what = "shareable" if spec.sharing else "a partition"
+            raise InvalidEventError(f"{name} has partitions: it cannot be {what}", "inconsistent")
+        if row is None:
+            return
+        capacity = spec.compute_share_milli if spec.parent_id else spec.share_capacity_milli or WHOLE_SHARE
+        was = (int(d.sharing[row]), bool(d.partition[row]), int(d.share_capacity[row]))
+        parent_was = self.partitions.get(spec.id, ("", ""))[0]
+        changed = was != (spec.sharing, bool(spec.parent_id), capacity) or parent_was != spec.parent_id
+        if changed and (d.n_tasks[row] or d.busy_partitions[row]):
+            raise InvalidEventError(f"{name}: its sharing cannot change while it holds tasks", "in_use")
+
+    def _set_sharing(self, spec: ev.Device, row: int) -> None:
+        """Set the device's sharing columns and the partition index (checked by ``_check_sharing``)."""
+        d = self.devices
+        self.shared_devices -= int(bool(d.sharing[row]) or bool(d.partition[row]))
+        self._forget_partition(spec.id)
+        d.sharing[row] = spec.sharing
+        d.partition[row] = bool(spec.parent_id)
+        d.parent[row] = -1
+        if spec.parent_id:
+            d.share_capacity[row] = spec.compute_share_milli
+            self.partitions[spec.id] = (spec.parent_id, spec.partition_profile)
+            self._partitions_of.setdefault(spec.parent_id, set()).add(spec.id)
+            parent = d.row(spec.parent_id)
+            if parent is not None:
+                d.parent[row] = parent
+        else:
+            d.share_capacity[row] = spec.share_capacity_milli or WHOLE_SHARE
+        self.shared_devices += int(bool(spec.sharing) or bool(spec.parent_id))
+        children = self._partitions_of.get(spec.id)
+        if children:  # a parent that came after its partitions, or came back
+            rows = [d.index[c] for c in children]
+            d.parent[rows] = row
+            d.busy_partitions[row] = int(np.count_nonzero(d.n_tasks[rows]))
+
+    def _forget_partition(self, device_id: str) -> None:
+        """``device_id`` is no partition in the index any more (it changes or goes)."""
+        known = self.partitions.pop(device_id, None)
+        if known is not None:
+            siblings = self._partitions_of[known[0]]
+            siblings.discard(device_id)
+            if not siblings:
+                del self._partitions_of[known[0]]
 
     def _leave_group(self, row: int) -> None:
         self.feasibility.leave(row, int(self.devices.kind[row]), int(self.devices.model[row]))
@@ -286,6 +381,12 @@ class InfraGraph:
         self._drop_device(row)
 
     def _drop_device(self, row: int) -> None:
+        d = self.devices
+        device_id = d.ids[row] or ""
+        self.shared_devices -= int(bool(d.sharing[row]) or bool(d.partition[row]))
+        self._forget_partition(device_id)
+        for child in self._partitions_of.get(device_id, ()):  # they wait for their parent to come back
+            d.parent[d.index[child]] = -1
         self._drop_links(DEVICE_NODE, np.array([row]))
         self._leave_group(row)
         self._leave_host(row)
@@ -521,11 +622,14 @@ class InfraGraph:
         memory, task_id = task.spec.memory_per_device_gb, task.spec.id
         on_device = self._tasks_on_device
         task.device_rows = held = tuple(map(int, rows))
+        shared = self.shared_devices
         for row in held:
             d.reserved_gb[row] += memory
             d.placed_gb[row] += memory
             d.n_tasks[row] += 1
             on_device.setdefault(row, set()).add(task_id)
+        if shared:
+            self._hold_shares(task, held, 1)
         task.device_ids = tuple(self.device_ids_of(held) if device_ids is None else device_ids)
         if task.row >= 0:
             self.task_table.hold(task.row, task.device_rows)
@@ -564,12 +668,26 @@ class InfraGraph:
                     del self._tasks_on_device[row]
                 d.n_tasks[row] -= 1
                 d.reserved_gb[row] = max(0.0, d.reserved_gb[row] - memory)
+                if self.shared_devices:
+                    self._hold_shares(task, (row,), -1)
                 if ran:
                     d.memory_used_gb[row] = max(0.0, d.memory_used_gb[row] - memory)
                     if d.n_tasks[row] == 0:
                         d.utilization[row] = 0.0
         self._set_state(task, final_state)
         self.changes += len(task.device_rows)
+
+    def _hold_shares(self, task: Task, rows: Sequence[int], sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) the share the task holds on ``rows`` (bound or
+        released there: ``n_tasks`` already counts the change), and a partition's on its parent."""
+        d = self.devices
+        rows_array = np.fromiter(rows, dtype=np.int64, count=len(rows))
+        charge = share_charge(d, task.spec.device_share_milli, rows_array)
+        for row, held in zip(rows, charge.tolist(), strict=True):
+            d.share_used[row] = max(0, int(d.share_used[row]) + sign * held)
+            parent = int(d.parent[row])
+            if d.partition[row] and parent >= 0 and d.n_tasks[row] == (1 if sign > 0 else 0):
+                d.busy_partitions[parent] = max(0, int(d.busy_partitions[parent]) + sign)
 
     def unbind(self, task: Task) -> None:
         """Take back a placed task's devices (its placement was withdrawn): pending again, unbound."""

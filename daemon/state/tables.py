@@ -133,8 +133,23 @@ class DeviceTable(Table):
         # When a task slot is expected to be free again (Unix ms, from the run time estimate of the
         # tasks hlb placed here); 0: free, or no task here has an end to expect (a service).
         "free_at_ms": (np.int64, 0),
+        # Fractional use (docs/fractional.md). ``share_capacity``: milli-devices the device holds in
+        # all (a shareable one's declared capacity, a partition's compute share, else 1000);
+        # ``share_used``: those held now (a share, a partition or a shareable device taken whole);
+        # ``parent``: a partition's physical device (a row; -1: not known yet, or none);
+        # ``busy_partitions``: a parent's partitions that hold a task.
+        "sharing": (np.int8, 0),  # ev.DeviceSharing; 0: exclusive
+        "partition": (np.bool_, False),
+        "share_capacity": (np.int32, 1000),
+        "share_used": (np.int32, 0),
+        "parent": (np.int32, -1),
+        "busy_partitions": (np.int32, 0),
     }
-    LATER_COLUMNS: ClassVar[frozenset[str]] = frozenset({"free_at_ms"})  # 0 until the next placement there
+    # At their defaults in a snapshot written before them: 0 until the next placement there (the
+    # expected end), an exclusive whole device (the sharing columns).
+    LATER_COLUMNS: ClassVar[frozenset[str]] = frozenset(
+        {"free_at_ms", "sharing", "partition", "share_capacity", "share_used", "parent", "busy_partitions"}
+    )
     kind: NDArray[np.int8]
     model: NDArray[np.int32]
     host: NDArray[np.int32]
@@ -152,6 +167,12 @@ class DeviceTable(Table):
     n_tasks: NDArray[np.int32]
     metrics_ms: NDArray[np.int64]
     free_at_ms: NDArray[np.int64]
+    sharing: NDArray[np.int8]
+    partition: NDArray[np.bool_]
+    share_capacity: NDArray[np.int32]
+    share_used: NDArray[np.int32]
+    parent: NDArray[np.int32]
+    busy_partitions: NDArray[np.int32]
 
 
 class HostTable(Table):

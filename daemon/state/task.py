@@ -62,10 +62,15 @@ class Task:
         return max(1, self.spec.num_devices)
 
     @cached_property
-    def fit_key(self) -> tuple[tuple[tuple[int, ...], tuple[str, ...], int], float, bool]:
+    def fit_key(self) -> tuple[tuple[tuple[int, ...], tuple[str, ...], int, int], float, bool]:
         """What decides whether the task fits, read from its spec once: (allowed kinds, allowed
-        models, gang size), its memory per device, and whether it has dependencies. A scheduling
-        pass reads it for every queued task."""
+        models, gang size, share of a device), its memory per device, and whether it has
+        dependencies. A scheduling pass reads it for every queued task."""
         spec = self.spec
-        shape = (tuple(spec.allowed_kinds), tuple(spec.allowed_models), max(1, spec.num_devices))
+        shape = (
+            tuple(spec.allowed_kinds),
+            tuple(spec.allowed_models),
+            max(1, spec.num_devices),
+            spec.device_share_milli,
+        )
         return shape, spec.memory_per_device_gb, bool(spec.dependencies)

@@ -980,8 +980,9 @@ class Placement(_message.Message):
     model_version: _builtins.str
     """the GNN model's version when policy is "gnn" """
     device_share_milli: _builtins.int
-    """The share of its device each gang member holds, in milli-devices (TaskSpec.device_share_milli;
-    a partition's compute share when it takes a partition); 0: whole devices.
+    """The share of a device each gang member asked for, in milli-devices (TaskSpec.device_share_milli:
+    taken on a shareable device, or as a whole partition when a member's device is one); 0: whole
+    devices.
     """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
