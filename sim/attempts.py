@@ -392,6 +392,8 @@ class Attempts:
 
     def _colocation_fraction(self, attempt: Attempt, row: int) -> float:
         others = [self._attempts[b].task for b in self._devices.running[row] if b != attempt.id]
+        if attempt.task.device_share_milli:  # a share of the device (docs/fractional.md)
+            return self._execution.share_fraction(attempt.task, int(self._devices.partition_milli[row]), others)
         return self._execution.colocation_fraction(self._devices.models[row], attempt.task, others)
 
     # -- failure ---------------------------------------------------------------------------

@@ -47,6 +47,8 @@ class Devices:
         self.memory_gb = np.array([d.memory_gb for d in devices], dtype=np.float64)
         self.idle_w = np.array([d.idle_power_w for d in devices], dtype=np.float64)
         self.peak_w = np.array([d.peak_power_w for d in devices], dtype=np.float64)
+        # A partition's compute share of its parent (milli-devices; 0: a whole device).
+        self.partition_milli = np.array([d.compute_share_milli for d in devices], dtype=np.int64)
         n = len(devices)
         self.util = np.zeros(n)
         self.mem_used = np.zeros(n)

@@ -10,6 +10,11 @@ Units: s, steps/s, ms.
   ``(2 / k) * mean over the others b of pair(a, b)`` of its isolated speed, where ``pair`` is
   Gavel's measured space-sharing factor (0.5, time sharing, when the pair was not measured). For
   ``k = 2`` that is the measured pair. A gang runs at its slowest member's fraction.
+- Shares of a device (``Task.device_share_milli``, docs/fractional.md): a task that asks for a
+  share runs at that share of its device's isolated rate (on a partition, at the partition's
+  compute share), scaled down in proportion where the shares running on a time-sliced device add
+  up to more than one device (:meth:`ExecutionModel.share_fraction`). How such tasks slow each
+  other beyond their shares is not modelled here. Whole-device tasks follow the rule above.
 - Inference services (``latency_slo_ms > 0``): they live ``labels["duration_s"]`` seconds when
   given (else they run their work like any task). Per-request latency is the M/M/1 response time
   ``S / (1 - rho)`` with ``S`` the request's run time on its device (slowed by co-location) and
@@ -137,6 +142,16 @@ class ExecutionModel:
             return 1.0
         pairs = [self.pair(model, task, b) for b in others]
         return 2.0 / (len(others) + 1) * sum(pairs) / len(pairs)
+
+    @staticmethod
+    def share_fraction(task: Task, partition_milli: int, others: Sequence[Task]) -> float:
+        """The share of its device's isolated speed a task that asks for a share keeps: the whole
+        of a partition of ``partition_milli`` (its compute share; 0: not a partition), else its own
+        share, times ``min(1, 1000 / shares running there)`` (time slicing past one device)."""
+        if partition_milli:
+            return partition_milli / 1000.0
+        running = task.device_share_milli + sum(o.device_share_milli for o in others)
+        return task.device_share_milli / 1000.0 * min(1.0, 1000.0 / running)
 
     def pair(self, model: str, a: Task, b: Task) -> float:
         """The share of its isolated speed ``a`` keeps sharing a device of ``model`` with ``b`` alone."""

@@ -34,6 +34,12 @@ DEVICE_KINDS: dict[str, events_pb2.DeviceKind.ValueType] = {
     "asic": events_pb2.DEVICE_KIND_ASIC,
     "cpu": events_pb2.DEVICE_KIND_CPU,
 }
+# How tasks may share a device (docs/fractional.md); "" is exclusive.
+SHARINGS: dict[str, events_pb2.DeviceSharing.ValueType] = {
+    "": events_pb2.DEVICE_SHARING_UNSPECIFIED,
+    "time_sliced": events_pb2.DEVICE_SHARING_TIME_SLICED,
+    "mps": events_pb2.DEVICE_SHARING_MPS,
+}
 LINK_KINDS: dict[str, events_pb2.LinkKind.ValueType] = {
     "nvlink": events_pb2.LINK_KIND_NVLINK,
     "pcie": events_pb2.LINK_KIND_PCIE,
@@ -85,6 +91,24 @@ class Device:
     idle_power_w: float
     peak_power_w: float
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Fractional use (docs/fractional.md): a shareable device (``sharing`` "time_sliced" or "mps",
+    # ``share_capacity_milli`` 0: 1000), or a partition of ``parent_id`` (a MIG instance) with its
+    # compute share and profile; neither by default.
+    sharing: str = ""
+    share_capacity_milli: int = 0
+    parent_id: str = ""
+    partition_profile: str = ""
+    compute_share_milli: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sharing not in SHARINGS:
+            raise ValueError(f"device {self.id!r}: sharing {self.sharing!r} is not one of {sorted(SHARINGS)[1:]}")
+        if not 0 <= self.share_capacity_milli <= 10_000 or (self.share_capacity_milli and not self.sharing):
+            raise ValueError(f"device {self.id!r}: share_capacity_milli needs sharing and is at most 10000")
+        if self.parent_id and (self.sharing or not 1 <= self.compute_share_milli <= 1000):
+            raise ValueError(f"device {self.id!r}: a partition has compute_share_milli 1..1000 and no sharing")
+        if not self.parent_id and (self.compute_share_milli or self.partition_profile):
+            raise ValueError(f"device {self.id!r}: compute_share_milli and partition_profile need parent_id")
 
 
 @dataclass(frozen=True)
@@ -148,9 +172,17 @@ class Inventory:
         for host in self.hosts:
             if host.rack_id not in switch_ids:
                 raise ValueError(f"host {host.id!r}: unknown rack {host.rack_id!r}")
+        devices = {d.id: d for d in self.devices}
         for device in self.devices:
             if device.host_id not in host_ids:
                 raise ValueError(f"device {device.id!r}: unknown host {device.host_id!r}")
+            parent = devices.get(device.parent_id) if device.parent_id else None
+            if device.parent_id and (
+                parent is None or parent.host_id != device.host_id or parent.sharing or parent.parent_id
+            ):
+                raise ValueError(
+                    f"device {device.id!r}: parent {device.parent_id!r} must be an exclusive, whole device on its host"
+                )
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -203,6 +235,11 @@ class Inventory:
                     idle_power_w=device.idle_power_w,
                     peak_power_w=device.peak_power_w,
                     labels=dict(device.labels),
+                    sharing=SHARINGS[device.sharing],
+                    share_capacity_milli=device.share_capacity_milli,
+                    parent_id=device.parent_id,
+                    partition_profile=device.partition_profile,
+                    compute_share_milli=device.compute_share_milli,
                 )
             )
         for link in self.links:
@@ -284,10 +321,14 @@ def inventory_from_document(document: Mapping[str, Any], catalogue: Catalogue) -
             else:
                 ids = [str(group["id"])]
             on_host += len(ids)
-            devices += [
-                device_from_catalogue(catalogue, device_id, host.id, group["model"], group.get("labels"))
-                for device_id in ids
-            ]
+            for device_id in ids:
+                device = device_from_catalogue(catalogue, device_id, host.id, group["model"], group.get("labels"))
+                device = replace(
+                    device,
+                    sharing=str(group.get("sharing", "")),
+                    share_capacity_milli=int(group.get("share_capacity_milli", 0)),
+                )
+                devices += [device, *_partitions(device, group.get("partitions", []))]
     extra = tuple(Link(link["id"], link["src"], link["dst"], _link_spec(link)) for link in document.get("links", []))
     return Inventory(switches, tuple(hosts), tuple(devices), extra, nameplates)
 
@@ -295,8 +336,11 @@ def inventory_from_document(document: Mapping[str, Any], catalogue: Catalogue) -
 def inventory_to_document(inventory: Inventory) -> dict[str, Any]:
     """The file form: every device written with its id, so that reading it back is exact."""
     by_host: dict[str, list[Device]] = {}
+    partitions_of: dict[str, list[Device]] = {}
     for device in inventory.devices:
         by_host.setdefault(device.host_id, []).append(device)
+        if device.parent_id:
+            partitions_of.setdefault(device.parent_id, []).append(device)
     switches: list[dict[str, Any]] = []
     for switch in inventory.switches:
         entry: dict[str, Any] = {"id": switch.id}
@@ -317,16 +361,70 @@ def inventory_to_document(inventory: Inventory) -> dict[str, Any]:
         }
         if host.labels:
             entry["labels"] = dict(host.labels)
-        entry["devices"] = [
-            {"id": d.id, "model": d.model, **({"labels": dict(d.labels)} if d.labels else {})}
-            for d in by_host.get(host.id, [])
-        ]
+        entry["devices"] = [_device_entry(d, partitions_of) for d in by_host.get(host.id, []) if not d.parent_id]
         hosts.append(entry)
     links = [{"id": k.id, "src": k.src_id, "dst": k.dst_id, **_link_dict(k.spec)} for k in inventory.extra_links]
     document: dict[str, Any] = {"format": INVENTORY_FORMAT}
     if inventory.nameplates:
         document["nameplates"] = {model: dict(figures) for model, figures in inventory.nameplates.items()}
     return document | {"switches": switches, "hosts": hosts, "links": links}
+
+
+def _partitions(parent: Device, entries: Sequence[Mapping[str, Any]]) -> list[Device]:
+    """The partitions (MIG instances) an inventory entry cuts ``parent`` into: each ``{"profile",
+    "memory_gb", "compute_share_milli"}`` with ``"count"`` (ids ``<parent>/mig<N>``) or ``"id"``.
+    A partition draws no idle power of its own (its parent's counts once) and its compute share
+    of the parent's dynamic power and peak TFLOPS."""
+    out: list[Device] = []
+    for entry in entries:
+        ids = (
+            [f"{parent.id}/mig{len(out) + i}" for i in range(int(entry["count"]))]
+            if "count" in entry
+            else [str(entry["id"])]
+        )
+        share = int(entry["compute_share_milli"])
+        for device_id in ids:
+            out.append(
+                replace(
+                    parent,
+                    id=device_id,
+                    memory_gb=float(entry["memory_gb"]),
+                    peak_tflops=parent.peak_tflops * share / 1000,
+                    idle_power_w=0.0,
+                    peak_power_w=(parent.peak_power_w - parent.idle_power_w) * share / 1000,
+                    labels=dict(entry.get("labels", {})),
+                    sharing="",
+                    share_capacity_milli=0,
+                    parent_id=parent.id,
+                    partition_profile=str(entry.get("profile", "")),
+                    compute_share_milli=share,
+                )
+            )
+    return out
+
+
+def _device_entry(device: Device, partitions_of: Mapping[str, Sequence[Device]]) -> dict[str, Any]:
+    """A whole device's file entry, its partitions nested in it (read back exactly)."""
+    entry: dict[str, Any] = {"id": device.id, "model": device.model}
+    if device.labels:
+        entry["labels"] = dict(device.labels)
+    if device.sharing:
+        entry["sharing"] = device.sharing
+    if device.share_capacity_milli:
+        entry["share_capacity_milli"] = device.share_capacity_milli
+    partitions = [
+        {
+            "id": p.id,
+            "profile": p.partition_profile,
+            "memory_gb": p.memory_gb,
+            "compute_share_milli": p.compute_share_milli,
+            **({"labels": dict(p.labels)} if p.labels else {}),
+        }
+        for p in partitions_of.get(device.id, ())
+    ]
+    if partitions:
+        entry["partitions"] = partitions
+    return entry
 
 
 def _link_spec(entry: Mapping[str, Any]) -> LinkSpec:

@@ -36,7 +36,11 @@ TRACE_COLUMNS: tuple[str, ...] = (
     "allowed_models",
     "preferred_models",
     "labels",
+    "device_share_milli",
 )
+# Written only when some task of the trace has it (a share of a device): a trace of whole-device
+# tasks is written exactly as before the field existed.
+OPTIONAL_COLUMNS: frozenset[str] = frozenset({"device_share_milli"})
 REQUIRED_COLUMNS: frozenset[str] = frozenset({"task_id", "arrival_s", "workload_class", "work_ref_s"})
 _JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 # Separators inside one CSV cell; ids and labels that contain them need JSON lines.
@@ -63,17 +67,21 @@ def read_trace(path: Path) -> list[Task]:
 
 
 def write_trace(path: Path, tasks: Sequence[Task]) -> None:
-    """Write tasks as CSV (``.csv``) or JSON lines (``.jsonl``, ``.ndjson``)."""
+    """Write tasks as CSV (``.csv``) or JSON lines (``.jsonl``, ``.ndjson``); the optional columns
+    (``OPTIONAL_COLUMNS``) only when some task has them."""
     if path.suffix in _JSON_LINES_SUFFIXES:
         with path.open("w") as handle:
             for task in tasks:
                 handle.write(json.dumps(_task_to_json(task)) + "\n")
         return
+    shares = any(task.device_share_milli for task in tasks)
+    columns = [c for c in TRACE_COLUMNS if shares or c not in OPTIONAL_COLUMNS]
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(TRACE_COLUMNS)
+        writer.writerow(columns)
         for task in tasks:
-            writer.writerow(_task_to_csv_row(task))
+            row = _task_to_csv_row(task)
+            writer.writerow(row if shares else row[: len(columns)])
 
 
 def check_dependencies(tasks: Sequence[Task], where: str = "trace") -> None:
@@ -166,10 +174,20 @@ def _task_from_record(record: Mapping[str, Any]) -> Task:
         allowed_models=tuple(str(m) for m in record.get("allowed_models", [])),
         preferred_models=tuple(str(m) for m in record.get("preferred_models", [])),
         labels={str(k): str(v) for k, v in record.get("labels", {}).items()},
+        device_share_milli=_whole_number(record.get("device_share_milli", 0), "device_share_milli"),
     )
 
 
+def _whole_number(value: Any, name: str) -> int:
+    """An integer field given as a number or its text: 250, "250" or 250.0, not 2.5."""
+    number = float(value)
+    if not number.is_integer():
+        raise ValueError(f"{name} {value!r} is not a whole number")
+    return int(number)
+
+
 def _task_to_json(task: Task) -> dict[str, Any]:
+    share = {"device_share_milli": task.device_share_milli} if task.device_share_milli else {}
     return {
         "task_id": task.id,
         "job_id": task.job_id,
@@ -187,7 +205,7 @@ def _task_to_json(task: Task) -> dict[str, Any]:
         "allowed_models": list(task.allowed_models),
         "preferred_models": list(task.preferred_models),
         "labels": dict(task.labels),
-    }
+    } | share
 
 
 def _task_to_csv_row(task: Task) -> list[str]:
@@ -220,6 +238,7 @@ def _task_to_csv_row(task: Task) -> list[str]:
         joined(task.allowed_models),
         joined(task.preferred_models),
         joined(labels),
+        str(task.device_share_milli),
     ]
 
 

@@ -80,12 +80,19 @@ class Task:
     allowed_models: tuple[str, ...] = ()
     preferred_models: tuple[str, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    # A share of one device per gang member, milli-devices 1..1000 (0: whole devices), with its
+    # memory (memory_per_device_gb > 0): TaskSpec.device_share_milli, docs/fractional.md.
+    device_share_milli: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
             raise ValueError(f"task {self.id!r}: kind {self.kind!r} is not one of {sorted(TASK_KINDS)}")
         if self.num_devices < 1 or self.work_ref_s < 0 or self.memory_per_device_gb < 0 or self.arrival_s < 0:
             raise ValueError(f"task {self.id!r}: gang, work, memory and arrival must be positive")
+        if not 0 <= self.device_share_milli <= 1000:
+            raise ValueError(f"task {self.id!r}: device_share_milli {self.device_share_milli} is outside 0..1000")
+        if self.device_share_milli and self.memory_per_device_gb <= 0:
+            raise ValueError(f"task {self.id!r}: a share of a device needs memory_per_device_gb > 0")
         unknown = set(self.allowed_kinds) - set(DEVICE_KINDS)
         if unknown:
             raise ValueError(f"task {self.id!r}: unknown device kinds {sorted(unknown)}")
@@ -111,6 +118,7 @@ class Task:
             ],
             labels=dict(self.labels),
             submit_time_ms=epoch_ms + round(self.arrival_s * 1000),
+            device_share_milli=self.device_share_milli,
         )
 
 

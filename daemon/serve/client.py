@@ -163,6 +163,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int_in(1, UINT32_MAX), default=1, help="gang size, at least 1 (default: %(default)s)"
     )
     parser.add_argument("--memory-gb", type=float, default=0.0, help="memory per device, GB")
+    parser.add_argument(
+        "--share-milli",
+        type=int_in(0, 1000),
+        default=0,
+        help="a share of one device per gang member, milli-devices 1..1000, with --memory-gb (0: whole devices)",
+    )
     parser.add_argument("--work-s", type=float, default=0.0, help="estimated work: seconds on one reference V100")
     parser.add_argument("--kind", action="append", choices=sorted(KINDS), default=[], help="allowed device kind")
     parser.add_argument("--model", action="append", default=[], help="allowed device model (repeatable)")
@@ -204,6 +210,7 @@ def task_from_args(args: argparse.Namespace) -> ev.TaskSpec:
         kind=TASK_KINDS[args.task_kind] if args.task_kind else ev.TASK_KIND_UNSPECIFIED,
         num_devices=args.devices,
         memory_per_device_gb=args.memory_gb,
+        device_share_milli=args.share_milli,
         work_ref_s=args.work_s,
         allowed_kinds=[KINDS[k] for k in args.kind],
         allowed_models=args.model,
@@ -305,6 +312,8 @@ PLACEMENT_HEADER = f"{'SEQ':>6}  {'TASK':<24} {'POLICY':<13} {'SCORE':>8}  DEVIC
 
 def placement_row(placement: ev.Placement) -> str:
     devices = ", ".join(placement.device_ids)
+    if placement.device_share_milli:
+        devices += f" ({placement.device_share_milli} milli-devices each)"
     return f"{placement.sequence:>6}  {placement.task_id:<24} {placement.policy:<13} {placement.score:>8.3f}  {devices}"
 
 
@@ -337,12 +346,28 @@ def print_explanation(reply: api.ExplainResponse, as_json: bool, out: TextIO) ->
         print(f"{label} on {', '.join(reply.placement.device_ids)}", file=out)
     if reply.HasField("pending"):
         print(pending_line(reply.pending), file=out)
-    ranked = [(str(i), c.device_id, f"{c.score:.4f}") for i, c in enumerate(reply.candidates, start=1)]
+    ranked: list[tuple[str, ...]] = [
+        (str(i), c.device_id, f"{c.score:.4f}") for i, c in enumerate(reply.candidates, start=1)
+    ]
+    header: tuple[str, ...] = ("#", "DEVICE", "SCORE")
+    if any(c.share_milli for c in reply.candidates):  # a task that asks for a share (docs/fractional.md)
+        header += ("SHARE", "FREE", "PARTITION")
+        ranked = [
+            (*row, str(c.share_milli), str(c.free_share_milli), _partition(c))
+            for row, c in zip(ranked, reply.candidates, strict=True)
+        ]
     print("\ncandidates (best first):", file=out)
-    print("\n".join(_table(("#", "DEVICE", "SCORE"), ranked)) if ranked else "  none feasible", file=out)
+    print("\n".join(_table(header, ranked)) if ranked else "  none feasible", file=out)
     if reply.excluded:
         print("\nruled out:", file=out)
         print("\n".join(_table(("DEVICE", "CONSTRAINT"), [(e.device_id, e.reason) for e in reply.excluded])), file=out)
+
+
+def _partition(score: api.DeviceScore) -> str:
+    """A candidate's partition in words (its profile, of its parent), or "-" for a whole device."""
+    if not score.parent_id:
+        return "-"
+    return f"{score.partition_profile or 'partition'} of {score.parent_id}"
 
 
 def stream_placements(stub: api_grpc.SchedulerStub, from_sequence: int, cell: str = "") -> Iterator[ev.Placement]:
