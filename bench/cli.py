@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "scale": ("hlb.bench.scale", "GNN embedding refresh at 1k-100k devices and daemon RSS with the GNN loaded"),
     "queue": ("hlb.bench.queue", "Place, PlaceBatch and submission cost with 10k-1M queued tasks against none"),
     "leases": ("hlb.bench.leases", "lease checks, renewals and expiries with 1k-100k running tasks against the fewest"),
+    "features": ("hlb.bench.features", "GNN Place p50 and PlaceBatch throughput with decision features logged and not"),
     "soak": ("hlb.bench.soak", "hlb serve and a broker under valid and hostile traffic, a broker restart, a full disk"),
 }
 

@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hlb.sim.demo", "start Kafka, the daemon and an agent, and show placements arriving"),
     "broker": ("hlb.sim.kafka_local", "fetch, start or stop a local single-node Kafka broker"),
     "topics": ("hlb.daemon.bus.topics", "create or check hlb's Kafka topics: partitions, replication, retention"),
+    "features": (
+        "hlb.daemon.record.training_rows",
+        "the GNN's logged decisions joined with finished tasks: training rows",
+    ),
     "cells": ("hlb.daemon.cells.plan", "which partition each cell lands on with several instances (cells plan)"),
     "bench": ("hlb.bench.cli", "benchmarks that print JSON (latency, ...)"),
     "eval": ("hlb.sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),

@@ -9,7 +9,8 @@ What each topic must keep (docs/design.md §3, docs/deploy.md "Topics and ACLs")
   newest state of every device, host and link outlives the telemetry topic's retention;
 - the cells topic (with ``cells.enabled``) is compacted too: each owner's newest claim;
 - the telemetry, tasks and dead-letter topics are read from a snapshot's offsets on: their
-  retention is the operator's (``--input-retention-ms``, or the broker's default).
+  retention is the operator's (``--input-retention-ms``, or the broker's default), as is the
+  features topic's (with ``learning.log_features``; read by ``hlb features tail`` only).
 
 ``plan`` lists them with what ``create`` sets; ``problems`` says, per topic and setting, where a
 topic as it is would lose data hlb depends on. The daemon creates missing topics by this plan at
@@ -51,7 +52,7 @@ class TopicPlan:
     """One topic: its name, what it is for, its partitions and the configs ``create`` sets."""
 
     name: str
-    role: str  # telemetry, tasks, placements, inventory, dlq, cells
+    role: str  # telemetry, tasks, placements, inventory, dlq, cells, features
     partitions: int
     config: Mapping[str, str] = field(default_factory=dict)
 
@@ -73,6 +74,8 @@ def plan(
     ]
     if settings.cells.enabled:
         planned.append(TopicPlan(settings.cells.topic, "cells", shared, {**COMPACTED, **insync}))
+    if settings.learning.log_features:  # keyed by the cell as the ledger; kept as long as the operator says
+        planned.append(TopicPlan(settings.learning.topic, "features", shared, {**inputs, **insync}))
     return planned
 
 

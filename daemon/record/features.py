@@ -24,11 +24,13 @@ ledger (``hlb features tail``), so such a record joins nothing.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 import structlog
@@ -41,7 +43,6 @@ from hlb.daemon.decide.gnn.scorer import EmbeddingCache, GnnScorer, ShapeKey, sh
 from hlb.daemon.decide.presets import gnn_scorer
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.state.graph import InfraGraph
-from hlb.daemon.state.tables import Rows
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 
@@ -61,37 +62,53 @@ class FastestDevices:
     """The ``top_k`` embedded devices the model predicts fastest for one shape in one cache, read
     under the lock once per (cache, shape). Shapes: ``positions`` [K] cache positions, fastest first."""
 
-    positions: NDArray[np.int64]
+    positions: tuple[int, ...]
     device_ids: tuple[str, ...]
     models: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Captured:
+class Chosen(NamedTuple):
+    """A chosen device as the decision left it, read under the lock (plain values: cheap to take)."""
+
+    position: int  # in the cache; -1: no embedding
+    device_id: str
+    model: str
+    host_id: str
+    rack_id: str
+    host_devices: int
+    device_tasks: int  # before this task
+    utilization: float
+    memory_free_gb: float  # before this task
+    prior: NDArray[np.float32] | None  # [P] for a device without an embedding, else read from the cache
+
+
+class Captured(NamedTuple):
     """What one decision hands the queue: references and the chosen devices' few fields, read
     under the daemon's lock; the record is built from them on the log's thread."""
 
     placement: ev.Placement
     spec: ev.TaskSpec
+    key: ShapeKey
     gang: int
     consolidated: bool
-    model_version: str
     cache: EmbeddingCache
     predictions: NDArray[np.float64]  # [D, 2] of every cache position
     priors: NDArray[np.float32]  # [D, P]
     fastest: FastestDevices
-    chosen_positions: NDArray[np.int64]  # [G], -1 for a device without an embedding
-    chosen_priors: NDArray[np.float32]  # [G, P]
-    chosen_models: tuple[str, ...]
-    neighbourhoods: tuple[lrn.Neighbourhood, ...]
-    embeddings_age_ms: int
+    chosen: tuple[Chosen, ...]
+    built_ms: int  # the embeddings' age when decided
+    queued_s: float  # monotonic, when queued
 
 
-def neighbourhood(graph: InfraGraph, row: int, memory_gb: float) -> lrn.Neighbourhood:
-    """Where the device of ``row`` sits, as a task of ``memory_gb`` per device was just bound to
-    it (so its own task and memory are taken off again)."""
-    devices = graph.devices
-    host = int(devices.host[row])
+def chosen_device(graph: InfraGraph, cache: EmbeddingCache, row: int, memory_gb: float) -> Chosen:
+    """The device of ``row`` as a task of ``memory_gb`` per device was just bound to it (its own
+    task and memory taken off again), and its position in ``cache`` (-1: none)."""
+    d = graph.devices
+    position = int(cache.positions[row]) if row < len(cache.positions) else -1
+    device_id = d.ids[row] or ""
+    if position >= 0 and graph.version != cache.version and cache.device_ids[row] != device_id:
+        position = -1  # the row holds another device than when the embeddings were built
+    host = int(d.host[row])
     host_id = rack_id = ""
     host_devices = 0
     if host >= 0:
@@ -100,70 +117,83 @@ def neighbourhood(graph: InfraGraph, row: int, memory_gb: float) -> lrn.Neighbou
         rack = int(graph.hosts.rack[host])
         if rack >= 0:
             rack_id = graph.switches.ids[rack] or ""
-    free = float(graph.free_memory_gb(np.array([row], dtype=np.int64))[0]) + memory_gb
-    return lrn.Neighbourhood(
-        host_id=host_id,
-        rack_id=rack_id,
-        host_devices=host_devices,
-        device_tasks=max(0, int(devices.n_tasks[row]) - 1),
-        utilization=float(devices.utilization[row]),
-        memory_free_gb=free,
+    # As graph.free_memory_gb, on one row's scalars (a decision pays for this).
+    used = float(d.memory_used_gb[row]) + float(d.placed_gb[row]) - memory_gb
+    free = float(d.memory_gb[row]) - max(float(d.reserved_gb[row]) - memory_gb, used)
+    return Chosen(
+        position,
+        device_id,
+        graph.model_of(row),
+        host_id,
+        rack_id,
+        host_devices,
+        max(0, int(d.n_tasks[row]) - 1),
+        float(d.utilization[row]),
+        free,
+        None,
     )
 
 
+def lock_busy(lock: threading.RLock) -> Callable[[], bool]:
+    """Whether another thread holds ``lock`` now (a probe: taken and released at once when free)."""
+
+    def busy() -> bool:
+        if lock.acquire(blocking=False):
+            lock.release()
+            return False
+        return True
+
+    return busy
+
+
+@cache
 def log_prior_column() -> int | None:
     """Where the log of the profiles' speed is among the prior features (None: the schema has none)."""
     names = feat.names(feat.PRIOR_FEATURES)
     return names.index(_LOG_PRIOR) if _LOG_PRIOR in names else None
 
 
+def log_speeds(predictions: NDArray[np.float64], priors: NDArray[np.float32]) -> NDArray[np.float64]:
+    """The predicted log speed of every position: the profiles' log speed plus the predicted log
+    ratio (the ratio alone where the schema lists no prior speed). [D, 2], [D, P] -> [D]."""
+    column = log_prior_column()
+    out: NDArray[np.float64] = predictions[:, 0] + (priors[:, column] if column is not None else 0.0)
+    return out
+
+
 def fastest(
     cache: EmbeddingCache, graph: InfraGraph, predictions: NDArray[np.float64], priors: NDArray[np.float32], k: int
 ) -> FastestDevices:
-    """The ``k`` cache positions with the highest predicted speed (the profiles' speed times the
-    predicted ratio), fastest first. [D, 2], [D, P] -> [K]."""
+    """The ``k`` cache positions with the highest predicted speed, fastest first. -> [K]."""
     n = len(predictions)
     k = min(k, n)
     if k == 0:
-        return FastestDevices(np.zeros(0, dtype=np.int64), (), ())
-    column = log_prior_column()
-    log_speed = predictions[:, 0] + (priors[:, column] if column is not None else 0.0)
-    top = np.argpartition(-log_speed, k - 1)[:k] if k < n else np.arange(n)
-    top = top[np.argsort(-log_speed[top], kind="stable")].astype(np.int64)
-    rows = cache.device_rows[top]
-    ids = tuple(cache.device_ids[int(r)] or "" for r in rows)
-    return FastestDevices(top, ids, tuple(graph.model_of(int(r)) for r in rows))
-
-
-def build_record(captured: Captured) -> lrn.DecisionFeatures:
-    """The record of one captured decision (on the log's thread: no graph is read here)."""
-    placement, spec, cache = captured.placement, captured.spec, captured.cache
-    predictions, priors, top = captured.predictions, captured.priors, captured.fastest
-    record = lrn.DecisionFeatures(
-        record_version=RECORD_VERSION,
-        feature_schema_version=feat.FEATURE_SCHEMA_VERSION,
-        model_version=captured.model_version,
-        cell=placement.cell,
-        placement_sequence=placement.sequence,
-        task_id=placement.task_id,
-        decided_at_ms=placement.decided_at_ms,
-        shape=lrn.DecisionShape(
-            workload_class=spec.workload_class,
-            kind=spec.kind,
-            gang=captured.gang,
-            consolidated=captured.consolidated,
-            work_ref_s=spec.work_ref_s,
-            memory_per_device_gb=spec.memory_per_device_gb,
-        ),
-        shape_features=feat.shape_features(spec, captured.gang, captured.consolidated).tolist(),
-        propensity=PROPENSITY,
-        embedded_devices=len(cache.device_rows),
-        embeddings_age_ms=captured.embeddings_age_ms,
+        return FastestDevices((), (), ())
+    speed = log_speeds(predictions, priors)
+    top = np.argpartition(-speed, k - 1)[:k] if k < n else np.arange(n)
+    top = top[np.argsort(-speed[top], kind="stable")]
+    rows = cache.device_rows[top].tolist()
+    return FastestDevices(
+        tuple(top.tolist()), tuple(cache.device_ids[r] or "" for r in rows), tuple(graph.model_of(r) for r in rows)
     )
-    rank_of = {int(p): i for i, p in enumerate(top.positions.tolist())}
-    chosen_at = {int(p): g for g, p in enumerate(captured.chosen_positions.tolist()) if p >= 0}
-    for i, position in enumerate(top.positions.tolist()):
-        device = record.candidates.add(
+
+
+@dataclass(frozen=True)
+class ShapeRecordParts:
+    """What every record of one shape in one cache shares, built once on the log's thread: the
+    fields every such record carries alike (serialized), each listed device's serialized entry,
+    and the sorted predicted speeds that rank a chosen device outside the list."""
+
+    common: bytes  # versions, the shape's flags and head input, the propensity, the devices embedded
+    listed: tuple[bytes, ...]  # per FastestDevices position, a serialized ``candidates`` entry
+    sorted_speeds: NDArray[np.float64]  # ascending
+
+
+def shape_parts(captured: Captured) -> ShapeRecordParts:
+    top, predictions, priors = captured.fastest, captured.predictions, captured.priors
+    listed = []
+    for i, position in enumerate(top.positions):
+        device = lrn.ScoredDevice(
             device_id=top.device_ids[i],
             model=top.models[i],
             prior_features=priors[position].tolist(),
@@ -172,33 +202,94 @@ def build_record(captured: Captured) -> lrn.DecisionFeatures:
             predicted=True,
             rank=i,
         )
-        g = chosen_at.get(position)
-        if g is not None:
-            device.chosen = g + 1
-            device.neighbourhood.CopyFrom(captured.neighbourhoods[g])
-    for g, position in enumerate(captured.chosen_positions.tolist()):
-        if position >= 0 and position in rank_of:
+        listed.append(lrn.DecisionFeatures(candidates=[device]).SerializeToString())
+    spec, cache = captured.spec, captured.cache
+    common = lrn.DecisionFeatures(
+        record_version=RECORD_VERSION,
+        feature_schema_version=feat.FEATURE_SCHEMA_VERSION,
+        model_version=cache.model.version,
+        shape=lrn.DecisionShape(
+            workload_class=spec.workload_class, kind=spec.kind, gang=captured.gang, consolidated=captured.consolidated
+        ),
+        shape_features=feat.shape_features(spec, captured.gang, captured.consolidated).tolist(),
+        propensity=PROPENSITY,
+        embedded_devices=len(cache.device_rows),
+    )
+    return ShapeRecordParts(
+        common.SerializeToString(),
+        tuple(listed),
+        np.sort(log_speeds(predictions, priors)),
+    )
+
+
+def build_record(captured: Captured, parts: ShapeRecordParts | None = None) -> bytes:
+    """The serialized record of one captured decision (on the log's thread: no graph is read).
+
+    What every record of the shape and cache shares is serialized once (``parts``) and joined
+    with this record's own fields as bytes: serialized protobuf messages joined parse as one
+    message with the fields of both (a sub-message given twice, ``shape`` here, is merged), so the
+    record reads as if built whole (tested)."""
+    placement, spec = captured.placement, captured.spec
+    predictions, priors, top = captured.predictions, captured.priors, captured.fastest
+    parts = parts or shape_parts(captured)
+    head = lrn.DecisionFeatures(
+        cell=placement.cell,
+        placement_sequence=placement.sequence,
+        task_id=placement.task_id,
+        decided_at_ms=placement.decided_at_ms,
+        shape=lrn.DecisionShape(work_ref_s=spec.work_ref_s, memory_per_device_gb=spec.memory_per_device_gb),
+        embeddings_age_ms=captured.built_ms,
+    )
+    chosen_rank = {c.position: g for g, c in enumerate(captured.chosen) if c.position >= 0}
+    listed = list(parts.listed)
+    fresh = lrn.DecisionFeatures()
+    for i, position in enumerate(top.positions):
+        g = chosen_rank.get(position)
+        if g is not None:  # a listed device that was chosen: its entry says so
+            fresh.candidates.append(_scored(captured, g, i))
+            listed[i] = fresh.SerializeToString()
+            fresh.Clear()
+    in_list = set(top.positions)
+    speed = parts.sorted_speeds
+    for g, chosen in enumerate(captured.chosen):
+        if chosen.position >= 0 and chosen.position in in_list:
             continue
-        device = record.candidates.add(
-            device_id=placement.device_ids[g],
-            model=captured.chosen_models[g],
-            prior_features=captured.chosen_priors[g].tolist(),
-            chosen=g + 1,
-            neighbourhood=captured.neighbourhoods[g],
-        )
-        if position >= 0:
-            device.predicted = True
-            device.log_speed_ratio = float(predictions[position, 0])
-            device.log_sigma = float(predictions[position, 1])
-            device.rank = _rank(predictions, priors, position)
-    return record
+        rank = 0
+        if chosen.position >= 0:
+            mine = float(predictions[chosen.position, 0]) + _log_prior(priors[chosen.position])
+            rank = len(speed) - int(np.searchsorted(speed, mine, side="right"))
+        fresh.candidates.append(_scored(captured, g, rank))
+    return b"".join((parts.common, head.SerializeToString(), *listed, fresh.SerializeToString()))
 
 
-def _rank(predictions: NDArray[np.float64], priors: NDArray[np.float32], position: int) -> int:
-    """How many embedded devices the model predicts faster than the one at ``position``."""
+def _log_prior(prior: NDArray[np.float32]) -> float:
     column = log_prior_column()
-    log_speed = predictions[:, 0] + (priors[:, column] if column is not None else 0.0)
-    return int(np.count_nonzero(log_speed > log_speed[position]))
+    return float(prior[column]) if column is not None else 0.0
+
+
+def _scored(captured: Captured, g: int, rank: int) -> lrn.ScoredDevice:
+    chosen = captured.chosen[g]
+    position = chosen.position
+    known = position >= 0
+    prior = captured.priors[position] if known else chosen.prior
+    return lrn.ScoredDevice(
+        device_id=chosen.device_id,
+        model=chosen.model,
+        prior_features=prior.tolist() if prior is not None else [],
+        log_speed_ratio=float(captured.predictions[position, 0]) if known else 0.0,
+        log_sigma=float(captured.predictions[position, 1]) if known else 0.0,
+        predicted=known,
+        rank=rank,
+        chosen=g + 1,
+        neighbourhood=lrn.Neighbourhood(
+            host_id=chosen.host_id,
+            rack_id=chosen.rack_id,
+            host_devices=chosen.host_devices,
+            device_tasks=chosen.device_tasks,
+            utilization=chosen.utilization,
+            memory_free_gb=chosen.memory_free_gb,
+        ),
+    )
 
 
 class FeatureLog:
@@ -206,7 +297,18 @@ class FeatureLog:
 
     ``publisher``: where records go (the daemon gives it a producer of its own, so that the ledger
     never queues behind features); ``on_outcome``: counts each record's fate (:data:`OUTCOMES`)
-    and its bytes. :meth:`start` the thread, :meth:`stop` it (publishing what is queued first)."""
+    and its bytes. :meth:`start` the thread, :meth:`stop` it (publishing what is queued first).
+
+    The queue is a deque that the decision appends to (never waiting, never waking anything: an
+    append and a length check) and the thread empties, looking every ``POLL_S`` while it is empty.
+    Building a record is Python work, which holds the interpreter's lock as a decision does: with
+    ``busy`` (the daemon's: whether a request or ingest holds the daemon's lock, :func:`lock_busy`),
+    the thread builds only while no decision runs, unless the oldest record has waited
+    ``patience_s`` (under a load that never pauses, records then go out interleaved with decisions)."""
+
+    # Each wake takes the interpreter's lock from whatever runs: seldom, and longer while busy.
+    POLL_S = 0.005
+    BUSY_POLL_S = 0.01
 
     def __init__(
         self,
@@ -217,18 +319,28 @@ class FeatureLog:
         top_k: int = 8,
         queue_size: int = 10_000,
         on_outcome: Outcome | None = None,
+        busy: Callable[[], bool] | None = None,
+        patience_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
+        self.busy = busy or (lambda: False)
+        self.patience_s = patience_s
         self.publisher = publisher
         self.topic = topic
         self.top_k = top_k
+        self.queue_size = queue_size
         self.enabled = True  # off: decisions are not looked at (``hlb bench features`` toggles it)
         self.on_outcome: Outcome = on_outcome or (lambda outcome, size: None)
-        self._queue: queue.Queue[Captured | None] = queue.Queue(maxsize=queue_size)
+        self._queue: deque[Captured] = deque()
+        self._queued = 0  # appended, ever (by decisions, which hold the daemon's lock)
+        self._handled = 0  # published or failed, ever (by the thread)
         self._monotonic = monotonic
-        self._fastest: dict[ShapeKey, FastestDevices] = {}
-        self._fastest_of = -1  # the cache serial ``_fastest`` belongs to
+        self._fastest: dict[ShapeKey, FastestDevices] = {}  # of the cache ``_fastest_of`` (lock side)
+        self._fastest_of = -1
+        self._parts: dict[ShapeKey, ShapeRecordParts] = {}  # of the cache ``_parts_of`` (thread side)
+        self._parts_of = -1
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.published = 0
         self.published_bytes = 0
@@ -245,19 +357,22 @@ class FeatureLog:
         if scorer is None or task is None or not task.device_rows or placement.policy != "gnn":
             self.on_outcome("skipped", 0)
             return
-        captured = self._capture(scorer, placement, task.spec, np.asarray(task.device_rows, dtype=np.int64))
+        if len(self._queue) >= self.queue_size:
+            self.on_outcome("dropped", 0)
+            return
+        captured = self._capture(scorer, placement, task.spec, task.device_rows)
         if captured is None:
             self.on_outcome("skipped", 0)
             return
-        try:
-            self._queue.put_nowait(captured)
-        except queue.Full:
-            self.on_outcome("dropped", 0)
+        self._queue.append(captured)
+        self._queued += 1
 
-    def _capture(self, scorer: GnnScorer, placement: ev.Placement, spec: ev.TaskSpec, rows: Rows) -> Captured | None:
+    def _capture(
+        self, scorer: GnnScorer, placement: ev.Placement, spec: ev.TaskSpec, rows: tuple[int, ...]
+    ) -> Captured | None:
         graph = self.scheduler.graph
         gang = len(rows)
-        consolidated = gang == 1 or len(np.unique(graph.devices.host[rows])) == 1
+        consolidated = gang == 1 or len({int(graph.devices.host[r]) for r in rows}) == 1
         inputs = scorer.shape_inputs(spec, gang, consolidated)
         if inputs is None:
             return None
@@ -268,37 +383,25 @@ class FeatureLog:
         top = self._fastest.get(key)
         if top is None:
             top = self._fastest[key] = fastest(cache, graph, predictions, priors, self.top_k)
-        positions = cache.known_positions(graph, rows)
-        chosen_priors = np.zeros((gang, priors.shape[1]), dtype=np.float32)
-        known = positions >= 0
-        chosen_priors[known] = priors[positions[known]]
-        if not known.all():  # a device newer than the embeddings: its prior features computed now
-            missing = rows[~known]
-            chosen_priors[~known] = feat.prior_features(
-                spec, graph, missing, scorer.fallback.profiles, gang, consolidated
-            )
         memory_gb = spec.memory_per_device_gb
+        chosen = [chosen_device(graph, cache, r, memory_gb) for r in rows]
+        for g, device in enumerate(chosen):
+            if device.position < 0:  # a device newer than the embeddings: its prior features now
+                prior = feat.prior_features(
+                    spec, graph, np.array([rows[g]], dtype=np.int64), scorer.fallback.profiles, gang, consolidated
+                )
+                chosen[g] = device._replace(prior=prior[0])
+        now = self._monotonic()
+        age_ms = max(0, int((now - cache.built_at) * 1000))
         return Captured(
-            placement=placement,
-            spec=spec,
-            gang=gang,
-            consolidated=consolidated,
-            model_version=cache.model.version,
-            cache=cache,
-            predictions=predictions,
-            priors=priors,
-            fastest=top,
-            chosen_positions=positions,
-            chosen_priors=chosen_priors,
-            chosen_models=tuple(graph.model_of(int(r)) for r in rows),
-            neighbourhoods=tuple(neighbourhood(graph, int(r), memory_gb) for r in rows),
-            embeddings_age_ms=max(0, int((self._monotonic() - cache.built_at) * 1000)),
+            placement, spec, key, gang, consolidated, cache, predictions, priors, top, tuple(chosen), age_ms, now
         )
 
     # -- the log's thread -----------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is None:
+            self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="feature-log", daemon=True)
             self._thread.start()
 
@@ -306,7 +409,7 @@ class FeatureLog:
         """Publish what is queued, stop the thread and flush the publisher; returns the records the
         publisher still held undelivered after ``timeout_s``."""
         if self._thread is not None:
-            self._queue.put(None)  # after everything queued: the thread publishes it first
+            self._stop.set()  # the thread empties the queue first
             self._thread.join(timeout_s)
             self._thread = None
         return self.publisher.flush(timeout_s)
@@ -315,25 +418,28 @@ class FeatureLog:
         """Wait until every queued record has been handled (published, or counted failed); False
         when ``timeout_s`` passed first."""
         deadline = self._monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
+        while self._handled < self._queued:
             if self._monotonic() >= deadline:
                 return False
             time.sleep(0.001)
         return True
 
     def _run(self) -> None:
+        queue, busy, patience_s = self._queue, self.busy, self.patience_s
         while True:
-            captured = self._queue.get()
-            try:
-                if captured is None:
-                    return
-                self._publish(captured)
-            finally:
-                self._queue.task_done()
+            stopping = self._stop.is_set()
+            while queue:
+                if not stopping and busy() and self._monotonic() - queue[0].queued_s < patience_s:
+                    break  # a decision runs: build after it
+                self._publish(queue.popleft())
+                self._handled += 1
+            if stopping and not queue:
+                return
+            self._stop.wait(self.BUSY_POLL_S if queue else self.POLL_S)
 
     def _publish(self, captured: Captured) -> None:
         try:
-            value = build_record(captured).SerializeToString()
+            value = build_record(captured, self._shape_parts(captured))
             self.publisher.publish(self.topic, captured.placement.cell.encode(), value)
         except Exception as exc:  # a bus that refuses, a record that cannot be built: counted, never fatal
             self.on_outcome("failed", 0)
@@ -343,5 +449,14 @@ class FeatureLog:
         self.published_bytes += len(value)
         self.on_outcome("published", len(value))
 
+    def _shape_parts(self, captured: Captured) -> ShapeRecordParts:
+        serial = captured.cache.serial
+        if serial != self._parts_of:
+            self._parts, self._parts_of = {}, serial
+        parts = self._parts.get(captured.key)
+        if parts is None or len(parts.listed) != len(captured.fastest.positions):
+            parts = self._parts[captured.key] = shape_parts(captured)
+        return parts
 
-__all__ = ["OUTCOMES", "PROPENSITY", "RECORD_VERSION", "FeatureLog", "build_record", "neighbourhood"]
+
+__all__ = ["OUTCOMES", "PROPENSITY", "RECORD_VERSION", "FeatureLog", "build_record", "lock_busy", "log_prior_column"]

@@ -58,6 +58,7 @@ from hlb.daemon.ingest.backlog import TenantBacklog
 from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
 from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
+from hlb.daemon.record.features import FeatureLog, lock_busy
 from hlb.daemon.record.journal import PROBE_BYTES, JournalFile, NotDurableError
 from hlb.daemon.record.statedump import canonical_state, write_dump
 from hlb.daemon.runtime.durability import FailureEpisode, describe, withdraw_decisions
@@ -174,6 +175,7 @@ class Daemon:
             self.raw_publisher, settings.kafka.topics, self.scheduler, clock, self.metrics.placements
         )
         self.decisions.unpublished = self.metrics.decisions_unpublished
+        self.features = self._feature_log(settings, bus)
         # The journal: on by default with Kafka (a memory bus ends with the process anyway).
         self.journal_enabled = settings.bus == "kafka"
         self.journal: JournalFile | None = None
@@ -225,6 +227,27 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
 
+    def _feature_log(self, settings: Settings, bus: EventBus) -> FeatureLog | None:
+        """With ``learning.log_features``: the log of the GNN's decisions (``hlb.daemon.record.features``),
+        on a producer of its own so that the ledger's records never queue behind features."""
+        learning = settings.learning
+        if not learning.log_features:
+            return None
+        if settings.scheduler.policy != "gnn":
+            log.warning(
+                "learning.log_features is on but only the gnn policy's decisions are logged",
+                policy=settings.scheduler.policy,
+            )
+        return FeatureLog(
+            self.scheduler,
+            bus.publisher(),
+            learning.topic,
+            top_k=learning.top_k,
+            queue_size=learning.queue_size,
+            on_outcome=self.metrics.count_feature_record,
+            busy=lock_busy(self.lock),
+        )
+
     @property
     def publisher(self) -> Publisher:
         """Where the daemon's decisions go: the bus's publisher, journaled once run() opens the
@@ -241,7 +264,10 @@ class Daemon:
         """Create the missing topics; on Kafka, refuse (``ConfigError``, naming the setting) topics
         that would lose what a start reads back: the ledger's decisions, the compacted inventory."""
         topics = self.settings.kafka.topics
-        self.bus.ensure_topics([topics.telemetry, topics.tasks, topics.placements, topics.dlq], [topics.inventory])
+        plain = [topics.telemetry, topics.tasks, topics.placements, topics.dlq]
+        if self.settings.learning.log_features:
+            plain.append(self.settings.learning.topic)
+        self.bus.ensure_topics(plain, [topics.inventory])
         if self.settings.bus == "kafka":
             from hlb.daemon.bus.topics import require_kept  # librdkafka loads only when Kafka is used
 
@@ -463,6 +489,7 @@ class Daemon:
             dead_letter_failures = stats.dead_letter_failures
             leases = self.scheduler.leases
             leases_held, expired, reconciled = len(leases.table), dict(leases.expired), dict(leases.reconciled)
+            allocated = self.scheduler.graph.allocated_by_model()
         return StateSample(
             serving=self.serving and self.journal_writable,
             journal_writable=self.journal_writable,
@@ -489,6 +516,7 @@ class Daemon:
             leases_held=leases_held,
             leases_expired=expired,
             tasks_reconciled=reconciled,
+            devices_allocated=allocated,
         )
 
     # -- leases (hlb.daemon.decide.leases) ------------------------------------------------------
@@ -563,7 +591,7 @@ class Daemon:
         if self.journal_enabled:
             await asyncio.to_thread(self.open_journal)  # after the ledger topic: it fills the gaps
         start = await asyncio.to_thread(self.restore_snapshot)  # after the ledger: it binds to it
-        self.ledger.subscribe(self.decisions.placement)
+        self._follow_ledger()
 
         inputs = [topics.telemetry, topics.tasks]
         await asyncio.to_thread(self.capture_replay_targets, inputs, start)
@@ -619,6 +647,14 @@ class Daemon:
             await self._shutdown(server, ingest, metrics_server)
         if ingest.failure is not None:
             raise RuntimeError("ingest failed") from ingest.failure
+
+    def _follow_ledger(self) -> None:
+        """Publish every decision from now on (restored ones were published when made), and log the
+        GNN's with ``learning.log_features``."""
+        self.ledger.subscribe(self.decisions.placement)
+        if self.features is not None:
+            self.ledger.subscribe(self.features.placement)
+            self.features.start()
 
     def _make_service(self) -> SchedulerService:
         service = SchedulerService(self.scheduler, self.lock, self.decisions.submitted)
@@ -701,6 +737,8 @@ class Daemon:
         except Exception as exc:
             snapshot_error = exc
             log.exception("snapshot failed")
+        if self.features is not None:  # what ingest decided last is queued: published before the exit
+            await asyncio.to_thread(self.features.stop, 10.0)
         undelivered = await asyncio.to_thread(self.publisher.flush, 10.0)
         await self._cancel_background()
         if self._journaled is not None and self.journal is not None:

@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from hlb.daemon.bus.lag import KafkaLagProbe, Lag, LagProbe, MemoryLagProbe
 from hlb.daemon.bus.seam import EventBus, MemoryBus
 from hlb.daemon.config import Settings
+from hlb.daemon.record.features import OUTCOMES as FEATURE_OUTCOMES
 from hlb.daemon.serve.interceptors import HandlerWrapper
 from hlb.v1 import scheduler_pb2 as api
 
@@ -102,6 +103,7 @@ class StateSample:
     leases_held: int = 0  # placements on a lease now (hlb.daemon.decide.leases)
     leases_expired: Mapping[str, int] = field(default_factory=dict)  # by kind: start, report
     tasks_reconciled: Mapping[str, int] = field(default_factory=dict)  # lost placements, by outcome
+    devices_allocated: Mapping[str, float] = field(default_factory=dict)  # by model (InfraGraph.allocated_by_model)
 
 
 StateProvider = Callable[[], StateSample]
@@ -189,6 +191,16 @@ class DaemonMetrics:
         self.snapshot_failures = Counter(
             "hlb_snapshot_failures", "Snapshot writes that failed (each retried at the next interval).", registry=r
         )
+        self.feature_records = Counter(
+            "hlb_feature_records",
+            "Decision feature records (learning.log_features), by outcome: published; dropped (the queue was"
+            " full); skipped (not a GNN decision with predictions); failed (the bus refused it).",
+            ["outcome"],
+            registry=r,
+        )
+        self.feature_bytes = Counter(
+            "hlb_feature_bytes", "Bytes of the decision feature records published (learning.log_features).", registry=r
+        )
         self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
         self.start_time.set(time.time())
         at_zero: list[tuple[Counter, str, Sequence[str]]] = [
@@ -197,6 +209,7 @@ class DaemonMetrics:
             (self.fallbacks, "reason", FALLBACK_REASONS),
             (self.decisions_withdrawn, "kind", DECISION_KINDS),
             (self.decisions_unpublished, "kind", DECISION_KINDS),
+            (self.feature_records, "outcome", FEATURE_OUTCOMES),
             (self.dead_letters, "topic", input_topics),
         ]
         for counter, label, values in at_zero:
@@ -212,6 +225,12 @@ class DaemonMetrics:
     def count_rate_limited(self, method: str) -> None:
         """Count one RPC refused by the rate limit; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
         self.rate_limited.labels(rpc=method.rpartition("/")[2]).inc()
+
+    def count_feature_record(self, outcome: str, size: int) -> None:
+        """Count one decision feature record's fate and, when published, its ``size`` in bytes."""
+        self.feature_records.labels(outcome=outcome).inc()
+        if size:
+            self.feature_bytes.inc(size)
 
     def record_fallback(self, reason: str) -> None:
         """Count one decision made by the fallback policy (e.g. reason="model_missing")."""
@@ -294,7 +313,16 @@ class _StateCollector(Collector):
         for (topic, partition), behind in sorted(s.consumer_lag.items()):
             lag.add_metric([topic, str(partition)], behind)
         leases = _lease_metrics(s)
+        allocated = GaugeMetricFamily(
+            "hlb_devices_allocated",
+            "Devices' worth held by tasks, by device model: a whole device 1, a share of a shareable device its "
+            "share over the device's capacity, a MIG partition its compute share (docs/fractional.md).",
+            labels=["model"],
+        )
+        for model, worth in sorted(s.devices_allocated.items()):
+            allocated.add_metric([model or "unknown"], worth)
         return [
+            allocated,
             *metrics,
             info,
             degraded,

@@ -171,3 +171,30 @@ def test_a_log_turned_off_looks_at_nothing(gnn_model_dir: Path, enabled: bool) -
     features.stop()
     assert len(records(bus)) == (1 if enabled else 0)
     assert outcomes.counts == ({"published": 1} if enabled else {})
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_features_topic_is_planned_with_the_ledgers_partitions_when_logging_is_on(on: bool) -> None:
+    from hlb.daemon.bus.topics import plan
+    from hlb.daemon.config import Settings
+
+    settings = Settings(learning={"log_features": on, "topic": "f"}, cells={"partitions": 3})
+    planned = {p.role: p for p in plan(settings, input_retention_ms=1000)}
+    assert ("features" in planned) == on
+    if on:
+        assert planned["features"].name == "f"
+        assert planned["features"].partitions == planned["placements"].partitions
+        assert planned["features"].config == {"retention.ms": "1000"}  # the operator's, as the inputs'
+
+
+def test_the_record_outcomes_are_exported_from_the_start() -> None:
+    from prometheus_client import generate_latest
+
+    from hlb.daemon.runtime.metrics import DaemonMetrics
+
+    metrics = DaemonMetrics()
+    metrics.count_feature_record("published", 600)
+    text = generate_latest(metrics.registry).decode()
+    assert 'hlb_feature_records_total{outcome="published"} 1.0' in text
+    assert 'hlb_feature_records_total{outcome="dropped"} 0.0' in text
+    assert "hlb_feature_bytes_total 600.0" in text
