@@ -489,6 +489,7 @@ class Daemon:
             dead_letter_failures = stats.dead_letter_failures
             leases = self.scheduler.leases
             leases_held, expired, reconciled = len(leases.table), dict(leases.expired), dict(leases.reconciled)
+            allocated = self.scheduler.graph.allocated_by_model()
         return StateSample(
             serving=self.serving and self.journal_writable,
             journal_writable=self.journal_writable,
@@ -515,6 +516,7 @@ class Daemon:
             leases_held=leases_held,
             leases_expired=expired,
             tasks_reconciled=reconciled,
+            devices_allocated=allocated,
         )
 
     # -- leases (hlb.daemon.decide.leases) ------------------------------------------------------

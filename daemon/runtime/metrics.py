@@ -103,6 +103,7 @@ class StateSample:
     leases_held: int = 0  # placements on a lease now (hlb.daemon.decide.leases)
     leases_expired: Mapping[str, int] = field(default_factory=dict)  # by kind: start, report
     tasks_reconciled: Mapping[str, int] = field(default_factory=dict)  # lost placements, by outcome
+    devices_allocated: Mapping[str, float] = field(default_factory=dict)  # by model (InfraGraph.allocated_by_model)
 
 
 StateProvider = Callable[[], StateSample]
@@ -312,7 +313,16 @@ class _StateCollector(Collector):
         for (topic, partition), behind in sorted(s.consumer_lag.items()):
             lag.add_metric([topic, str(partition)], behind)
         leases = _lease_metrics(s)
+        allocated = GaugeMetricFamily(
+            "hlb_devices_allocated",
+            "Devices' worth held by tasks, by device model: a whole device 1, a share of a shareable device its "
+            "share over the device's capacity, a MIG partition its compute share (docs/fractional.md).",
+            labels=["model"],
+        )
+        for model, worth in sorted(s.devices_allocated.items()):
+            allocated.add_metric([model or "unknown"], worth)
         return [
+            allocated,
             *metrics,
             info,
             degraded,

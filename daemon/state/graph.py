@@ -170,6 +170,25 @@ class InfraGraph:
         load: NDArray[np.float64] = np.maximum(d.utilization[rows], np.minimum(share, 1.0))
         return load
 
+    def allocated_by_model(self) -> dict[str, float]:
+        """Devices' worth held by tasks, per device model (docs/fractional.md): an exclusive device
+        holding a task counts 1, a shareable one the share held over its capacity (at most 1), a
+        partition holding a task its compute share; a parent counts through its partitions."""
+        d = self.devices
+        rows = d.live_rows()
+        if not len(rows):
+            return {}
+        held = d.n_tasks[rows] > 0
+        capacity = np.maximum(d.share_capacity[rows], 1).astype(np.float64)
+        worth = np.where(held, 1.0, 0.0)
+        if self.shared_devices:
+            shared, partition = d.sharing[rows] > 0, d.partition[rows]
+            worth = np.where(shared, np.minimum(d.share_used[rows] / capacity, 1.0), worth)
+            worth = np.where(partition & held, capacity / WHOLE_SHARE, np.where(partition, 0.0, worth))
+        totals = np.bincount(d.model[rows], weights=worth, minlength=len(self.model_names))
+        present = np.unique(d.model[rows])
+        return {self.model_names[int(m)]: float(totals[m]) for m in present if m >= 0}
+
     # -- hard constraints (the filter's) ---------------------------------------------------
 
     def feasible_rows(self, spec: ev.TaskSpec) -> Rows:

@@ -400,3 +400,20 @@ def test_ended_tasks_give_back_every_share() -> None:
     assert d.share_used.sum() == 0
     assert d.busy_partitions.sum() == 0
     assert all(t.state == TaskState.CANCELLED for t in scheduler.graph.tasks.values())
+
+
+def test_allocated_devices_by_model_count_shares_partitions_and_whole_devices() -> None:
+    scheduler = make_scheduler()
+    upsert(scheduler, "g0", sharing=SLICED, share_capacity_milli=2000)
+    upsert(scheduler, "g1")
+    partition(scheduler, "p0", "g1", share=428)
+    upsert(scheduler, "g2")
+    assert scheduler.graph.allocated_by_model() == {"A100": 0.0}
+    scheduler.place(share("a", 1000))  # on g0 (half its overcommitted capacity) or p0 (all of it)
+    scheduler.place(share("b", 400))
+    scheduler.place(ev.TaskSpec(id="w", memory_per_device_gb=1))
+    d = scheduler.graph.devices
+    on = {t: scheduler.graph.tasks[t].device_ids for t in ("a", "b", "w")}
+    assert on["w"] == ("g2",)  # g1 waits while its partition holds a task
+    expected = 1.0 + float(d.share_used[d.index["g0"]]) / 2000 + (0.428 if d.n_tasks[d.index["p0"]] else 0.0)
+    assert scheduler.graph.allocated_by_model() == {"A100": pytest.approx(expected)}
