@@ -240,7 +240,10 @@ class FeasibilityFilter:
         limit = graph.max_tasks_per_device
         if limit > 0 and not share:  # the count limits whole-device tasks on exclusive devices
             n_tasks = graph.devices.n_tasks[rows] if occupancy is None else occupancy.n_tasks
-            ok &= (n_tasks < limit) | (graph.devices.sharing[rows] > 0)
+            under = n_tasks < limit
+            if graph.shared_devices:
+                under |= graph.devices.sharing[rows] > 0
+            ok &= under
         if graph.shared_devices:
             ok &= share_fits(graph.devices, share, rows, None if occupancy is None else occupancy.share_used)
         elif share:
@@ -256,7 +259,8 @@ class FeasibilityFilter:
         out[memory] = 4
         share = spec.device_share_milli
         if graph.max_tasks_per_device > 0 and not share:
-            out[(d.n_tasks[rows] >= graph.max_tasks_per_device) & (d.sharing[rows] == 0)] = 3
+            full = d.n_tasks[rows] >= graph.max_tasks_per_device
+            out[full & (d.sharing[rows] == 0) if graph.shared_devices else full] = 3
         if share or graph.shared_devices:
             out[~share_fits(d, share, rows)] = 5
         # A device too small for the task in all is ruled out by memory, whatever it runs now: the
