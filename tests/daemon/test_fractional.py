@@ -417,3 +417,36 @@ def test_allocated_devices_by_model_count_shares_partitions_and_whole_devices() 
     assert on["w"] == ("g2",)  # g1 waits while its partition holds a task
     expected = 1.0 + float(d.share_used[d.index["g0"]]) / 2000 + (0.428 if d.n_tasks[d.index["p0"]] else 0.0)
     assert scheduler.graph.allocated_by_model() == {"A100": pytest.approx(expected)}
+
+
+def test_a_restart_replaying_the_ledger_holds_the_same_shares_whatever_order_the_inventory_comes_in() -> None:
+    first = make_scheduler()
+    inventory: list[ev.Device] = []
+
+    def keep(device_id: str, **fields: object) -> None:
+        spec = ev.Device(id=device_id, host_id="h0", kind=GPU, model="A100", memory_gb=80, **fields)  # type: ignore[arg-type]
+        inventory.append(spec)
+        first.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=spec))
+
+    keep("g0", sharing=MPS)
+    keep("g1")
+    keep("p0", parent_id="g1", compute_share_milli=428, partition_profile="3g.40gb")
+    keep("p1", parent_id="g1", compute_share_milli=428, partition_profile="3g.40gb")
+    specs = [share("a", 300), share("b", 400, gang=2), share("c", 200), ev.TaskSpec(id="w", memory_per_device_gb=4)]
+    for spec in specs:
+        first.place(spec)
+    ledger = PlacementLedger()
+    ledger.restore(list(first.ledger.since(1)))
+    restarted = Scheduler(InfraGraph(), LeastLoaded(), ledger, "c", clock=lambda: 0.0)
+    for spec in specs:  # the tasks before the devices they ran on, the partitions before their parent
+        restarted.apply_task_event(ev.TaskEvent(cell="c", submitted=spec))
+    for upsert_spec in reversed(inventory):
+        restarted.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=upsert_spec))
+    assert restarted.schedule_pending() == []
+    before, after = first.graph.devices, restarted.graph.devices
+    for device_id in ("g0", "g1", "p0", "p1"):
+        for column in ("share_used", "busy_partitions", "n_tasks", "reserved_gb"):
+            was = getattr(before, column)[before.index[device_id]]
+            now = getattr(after, column)[after.index[device_id]]
+            assert was == now, (device_id, column)
+    assert after.parent[after.index["p0"]] == after.index["g1"]
