@@ -208,7 +208,8 @@ class FeasibilityFilter:
         """Device rows that would pass every hard constraint for ``spec`` once the tasks on them
         end, but lack a free slot or the free memory now, and have an expected end
         (``free_at_ms``), ascending; only those of ``faster_models`` (model indices) when given.
-        None for a task that asks for a share, and never a partition.
+        None for a task that asks for a share; never a partition, a shareable device or a parent
+        whose partitions hold tasks (their expected ends say when one share frees, not the device).
         Shapes: -> [B]."""
         if spec.device_share_milli:  # a share never waits for a busy device: it is placed where one is free
             return np.empty(0, dtype=np.int64)
@@ -220,7 +221,10 @@ class FeasibilityFilter:
             return np.empty(0, dtype=np.int64)
         rows = self._rows_of_groups(groups)
         d = graph.devices
-        rows = rows[(d.free_at_ms[rows] > 0) & (d.health[rows] != ev.HEALTH_FAILED) & ~d.partition[rows]]
+        waitable = (d.free_at_ms[rows] > 0) & (d.health[rows] != ev.HEALTH_FAILED)
+        if graph.shared_devices:  # a whole-device task waits for exclusive devices only, as before shares
+            waitable &= ~d.partition[rows] & (d.sharing[rows] == 0) & (d.busy_partitions[rows] == 0)
+        rows = rows[waitable]
         busy: Rows = rows[(d.memory_gb[rows] >= spec.memory_per_device_gb) & ~self.room(graph, spec, rows)]
         return busy
 

@@ -450,3 +450,29 @@ def test_a_restart_replaying_the_ledger_holds_the_same_shares_whatever_order_the
             now = getattr(after, column)[after.index[device_id]]
             assert was == now, (device_id, column)
     assert after.parent[after.index["p0"]] == after.index["g1"]
+
+
+def test_a_whole_device_task_waits_only_for_exclusive_devices() -> None:
+    scheduler = Scheduler(InfraGraph(1), make_policy("rules"), PlacementLedger(), "c", clock=lambda: 1000.0)
+    a100 = {"kind": GPU, "model": "A100-SXM4-80GB", "peak_tflops": 312.0, "host_id": "h0"}
+    for device in [
+        ev.Device(id="g0", memory_gb=80, sharing=MPS, **a100),  # type: ignore[arg-type]
+        ev.Device(id="g1", memory_gb=80, **a100),  # type: ignore[arg-type]
+        ev.Device(id="g2", memory_gb=80, **a100),  # type: ignore[arg-type]
+        ev.Device(id="p0", memory_gb=40, parent_id="g2", compute_share_milli=428, **a100),  # type: ignore[arg-type]
+    ]:
+        scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=device))
+    shared = ev.TaskSpec(
+        id="f", device_share_milli=300, memory_per_device_gb=4, work_ref_s=600, workload_class="resnet50"
+    )
+    on_partition = ev.TaskSpec(id="m", device_share_milli=400, memory_per_device_gb=4, work_ref_s=600)
+    whole = ev.TaskSpec(id="w", memory_per_device_gb=4, work_ref_s=600, allowed_models=["A100-SXM4-80GB"])
+    assert devices_of(scheduler, shared) is not None
+    assert devices_of(scheduler, on_partition) is not None
+    assert devices_of(scheduler, whole) == ["g1"]
+    d = scheduler.graph.devices
+    held = {r for t in ("f", "m", "w") for r in scheduler.graph.tasks[t].device_rows}
+    assert {d.ids[r] for r in held} == {"g0", "p0", "g1"}
+    assert all(d.free_at_ms[r] > 0 for r in held)  # their ends are expected
+    assert scheduler.graph.busy_rows(ev.TaskSpec(id="x", memory_per_device_gb=4)).tolist() == [d.index["g1"]]
+    assert scheduler.graph.busy_rows(share("y", 100)).tolist() == []
