@@ -31,7 +31,7 @@ from hlb.daemon.bus.seam import EventBus
 from hlb.daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.errors import BrokerError, ConfigError, EventError
-from hlb.daemon.record.features import log_prior_column
+from hlb.daemon.record.feature_record import log_prior_column
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 

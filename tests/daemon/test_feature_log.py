@@ -14,7 +14,8 @@ from hlb.daemon.config import ModelRefreshSettings, ModelSettings
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.record.features import FeatureLog, log_prior_column
+from hlb.daemon.record.feature_record import log_prior_column
+from hlb.daemon.record.features import FeatureLog
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hlb.daemon.decide.gnn import features as feat
-from hlb.daemon.record.features import log_prior_column
+from hlb.daemon.record.feature_record import log_prior_column
 from hlb.daemon.record.training_rows import join, lifecycles
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
