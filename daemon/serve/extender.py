@@ -50,6 +50,7 @@ ANNOTATIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "hlb.io/work-ref-s": ("work_ref_s", float),
     "hlb.io/workload-class": ("workload_class", str),
     "hlb.io/job-id": ("job_id", str),
+    "hlb.io/device-share-milli": ("device_share_milli", int),  # a share of a device (docs/fractional.md)
 }
 
 
@@ -89,6 +90,8 @@ def task_of_pod(pod: Mapping[str, Any], device_resources: Sequence[str] = DEVICE
     if not spec.num_devices:
         containers = (pod.get("spec") or {}).get("containers") or []
         spec.num_devices = sum(_devices_of(c.get("resources") or {}, device_resources) for c in containers)
+    if spec.device_share_milli and not spec.num_devices:  # a share of one device, whatever resource it names
+        spec.num_devices = 1
     return spec
 
 

@@ -3,7 +3,9 @@ the scheduler, and a property test that no device ever holds more share or memor
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.record.snapshot import restore_state, state_arrays
+from hlb.daemon.serve.extender import Extender, ExtenderError, task_of_pod
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.task import TaskState
@@ -476,3 +479,27 @@ def test_a_whole_device_task_waits_only_for_exclusive_devices() -> None:
     assert all(d.free_at_ms[r] > 0 for r in held)  # their ends are expected
     assert scheduler.graph.busy_rows(ev.TaskSpec(id="x", memory_per_device_gb=4)).tolist() == [d.index["g1"]]
     assert scheduler.graph.busy_rows(share("y", 100)).tolist() == []
+
+
+def test_a_pod_that_asks_for_a_share_is_filtered_by_the_share_free_on_each_node() -> None:
+    scheduler = make_scheduler()
+    upsert(scheduler, "g0", host="node-a", sharing=MPS)
+    upsert(scheduler, "g1", host="node-b")
+    extender = Extender(scheduler, threading.RLock())
+    pod: dict[str, Any] = {
+        "metadata": {
+            "name": "infer",
+            "namespace": "team-a",
+            "annotations": {"hlb.io/device-share-milli": "300", "hlb.io/memory-per-device-gb": "8"},
+        },
+        "spec": {"containers": [{"name": "main", "resources": {"requests": {"example.com/gpu-share": "1"}}}]},
+    }
+    spec = task_of_pod(pod)
+    assert (spec.num_devices, spec.device_share_milli, spec.memory_per_device_gb) == (1, 300, 8.0)
+    answer = extender.filter({"Pod": pod, "NodeNames": ["node-a", "node-b"]})
+    assert answer["NodeNames"] == ["node-a"]
+    assert "share rules out 1" in answer["FailedNodes"]["node-b"]
+    assert devices_of(scheduler, share("fill", 800)) == ["g0"]
+    assert extender.filter({"Pod": pod, "NodeNames": ["node-a"]})["NodeNames"] == []
+    with pytest.raises(ExtenderError, match="device-share-milli"):
+        task_of_pod({**pod, "metadata": {**pod["metadata"], "annotations": {"hlb.io/device-share-milli": "-1"}}})
