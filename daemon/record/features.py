@@ -157,6 +157,11 @@ class FeatureLog:
         gang = len(rows)
         consolidated = gang == 1 or len({int(graph.devices.host[r]) for r in rows}) == 1
         inputs = scorer.shape_inputs(spec, gang, consolidated)
+        if inputs is None and not consolidated:
+            # A gang spread over hosts the policy scored as one on a host: log what it read (the
+            # record's shape says so; hlb features tail does not label such a row).
+            consolidated = True
+            inputs = scorer.shape_inputs(spec, gang, consolidated)
         if inputs is None:
             return None
         cache, predictions, priors = inputs

@@ -11,7 +11,9 @@ event (event times, so a replay gives the same rows).
 Records that join no finished run are counted by why (:data:`WHY`): the decision was undone
 before the ledger had it, the placement was lost (its lease lapsed), the task failed or was
 cancelled, or it has not finished yet; a record of another feature schema than this hlb's is
-counted too (its prior features may be laid out otherwise).
+counted too (its prior features may be laid out otherwise), and so is a gang placed across hosts
+whose record carries the predictions for one host (what the decision read): its prior features
+are not its own, so its label would be wrong.
 """
 
 from __future__ import annotations
@@ -36,7 +38,17 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 
 # Why a record gave no row, as counted in :attr:`Joined.unjoined`.
-WHY = ("not_in_ledger", "other_schema", "lost", "failed", "cancelled", "not_started", "running", "unreadable")
+WHY = (
+    "not_in_ledger",
+    "other_schema",
+    "spread_as_one_host",
+    "lost",
+    "failed",
+    "cancelled",
+    "not_started",
+    "running",
+    "unreadable",
+)
 
 
 @dataclass
@@ -93,6 +105,9 @@ def join(
             continue
         if record.feature_schema_version != feat.FEATURE_SCHEMA_VERSION or column is None:
             joined.unjoined["other_schema"] += 1
+            continue
+        if record.shape.consolidated and len({d.neighbourhood.host_id for d in record.candidates if d.chosen}) > 1:
+            joined.unjoined["spread_as_one_host"] += 1  # its prior features are a one-host gang's, not its own
             continue
         why, ran_s = _observed(record, lives.get((record.cell, record.task_id)), last_of[(record.cell, record.task_id)])
         if ran_s is None:

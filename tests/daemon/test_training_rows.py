@@ -131,3 +131,16 @@ def test_lifecycles_keep_the_first_end_and_every_start_by_placement() -> None:
     life = lives[("c", "t")]
     assert life.started_ms == {4: 1}
     assert (life.ended, life.ended_ms) == ("finished", 9)
+
+
+def test_a_gang_spread_over_hosts_with_a_one_host_prediction_is_not_labelled() -> None:
+    spread = record(1, "t", [0.0, 0.0])
+    spread.shape.consolidated = True  # the predictions the decision read: the gang on one host
+    chosen = [d for d in spread.candidates if d.chosen]
+    chosen[0].neighbourhood.host_id, chosen[1].neighbourhood.host_id = "h1", "h2"
+    events = [started("t", 0, 1), finished("t", 1000)]
+    joined = join([spread], [placement(1, "t", gang=2)], events)
+    assert joined.rows == []
+    assert dict(joined.unjoined) == {"spread_as_one_host": 1}
+    chosen[1].neighbourhood.host_id = "h1"  # on one host after all: labelled
+    assert len(join([spread], [placement(1, "t", gang=2)], events).rows) == 1
