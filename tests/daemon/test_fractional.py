@@ -272,7 +272,9 @@ def traffic(draw: st.DrawFn) -> list[Op]:
     n = 0
     for _ in range(draw(st.integers(5, 40))):
         kind = draw(
-            st.sampled_from(["submit", "submit", "batch", "finish", "fail", "cancel", "lost", "schedule", "dry"])
+            st.sampled_from(
+                ["submit", "submit", "batch", "finish", "fail", "cancel", "lost", "schedule", "dry", "remove", "readd"]
+            )
         )
         op = Op(kind, pick=draw(st.integers(0, 1000)))
         for _ in range(draw(st.integers(1, 4)) if kind in ("batch", "dry") else 1 if kind == "submit" else 0):
@@ -291,10 +293,21 @@ def traffic(draw: st.DrawFn) -> list[Op]:
     return ops
 
 
-def _apply(scheduler: Scheduler, op: Op) -> None:
+def _apply(scheduler: Scheduler, op: Op, devices: list[ev.Device]) -> None:
     graph = scheduler.graph
     holding = sorted((t for t in graph.tasks.values() if t.state.holds_devices), key=lambda t: t.spec.id)
-    if op.kind == "submit":
+    device = devices[op.pick % len(devices)]
+    if op.kind == "remove":  # refused while it holds tasks; a parent may go while its partitions run
+        row = graph.devices.row(device.id)
+        removal = ev.TelemetryEvent(cell="c", device_removed=ev.EntityRef(id=device.id))
+        if row is not None and graph.devices.n_tasks[row]:
+            with pytest.raises(InvalidEventError, match="still runs tasks"):
+                scheduler.apply_telemetry(removal)
+        else:
+            scheduler.apply_telemetry(removal)
+    elif op.kind == "readd":  # the same spec again: back after a removal, or a replay changing nothing
+        scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=device))
+    elif op.kind == "submit":
         scheduler.apply_task_event(ev.TaskEvent(cell="c", submitted=op.specs[0]))
     elif op.kind == "batch":
         scheduler.place_batch(op.specs)
@@ -360,6 +373,7 @@ def _check_capacity(scheduler: Scheduler, max_tasks: int) -> None:
             parent = int(d.parent[row])
             if parent >= 0 and tasks_on.get(row):
                 assert not tasks_on.get(parent), f"{d.ids[row]} and its parent both hold tasks"
+    assert graph.shared_devices == int(np.count_nonzero(d.alive & ((d.sharing > 0) | d.partition)))
     for child, (parent_id, _) in graph.partitions.items():
         known = d.index.get(parent_id)
         if known is not None:
@@ -382,7 +396,7 @@ def test_no_device_is_ever_over_its_share_or_memory(
     for spec in devices:
         scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=spec))
     for op in ops:
-        _apply(scheduler, op)
+        _apply(scheduler, op, devices)
         _check_capacity(scheduler, max_tasks)
     restored = restore_state(state_arrays(scheduler, {})).graph
     assert np.array_equal(restored.devices.share_used, scheduler.graph.devices.share_used)
