@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=200, help="Place calls per half-round (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured Place calls first (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1000, help="tasks per PlaceBatch (default: %(default)s)")
+    parser.add_argument("--gang", type=int, default=1, help="devices per task (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=8, help="learning.top_k (default: %(default)s)")
     parser.add_argument("--queue-size", type=int, default=10_000, help="learning.queue_size (default: %(default)s)")
     parser.add_argument("--model", default=None, help="model folder (default: the shipped one, else random weights)")
@@ -79,7 +80,7 @@ class CountingSink:
         return 0
 
 
-def task_maker() -> Callable[[str], Any]:
+def task_maker(gang: int = 1) -> Callable[[str], Any]:
     from hlb.v1 import events_pb2 as ev
 
     counter = iter(range(10**12))
@@ -88,7 +89,11 @@ def task_maker() -> Callable[[str], Any]:
         n = next(counter)
         family = FAMILIES[n % len(FAMILIES)]
         return ev.TaskSpec(
-            id=f"{prefix}-{n}", workload_class=family, work_ref_s=600.0, memory_per_device_gb=TASK_MEMORY_GB
+            id=f"{prefix}-{n}",
+            workload_class=family,
+            num_devices=gang,
+            work_ref_s=600.0,
+            memory_per_device_gb=TASK_MEMORY_GB,
         )
 
     return task
@@ -171,7 +176,7 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
     )
     scheduler.ledger.subscribe(features.placement)
     features.start()
-    task = task_maker()
+    task = task_maker(args.gang)
     server = LoopbackServer(scheduler, lock)
     place_ns: dict[str, list[int]] = {"off": [], "on": []}
     batch: dict[str, dict[str, float]] = {
@@ -250,6 +255,7 @@ def summarize(
         "pending": args.pending,
         "rounds": args.rounds,
         "calls_each": args.rounds * args.calls,
+        "gang": args.gang,
         "top_k": args.top_k,
         "queue_size": args.queue_size,
         "publisher": where,
@@ -274,7 +280,7 @@ def summarize(
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("devices", "rounds", "calls", "batch", "queue_size"):
+    for name in ("devices", "rounds", "calls", "batch", "queue_size", "gang"):
         if getattr(args, name) < 1:
             print(f"hlb bench features: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
