@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -197,6 +198,25 @@ def read_topics(
     return records, placements, events, unreadable
 
 
+def run_time_errors(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, float | int]]:
+    """Per model version: the rows, and the run-time error of the model and of the profiles alone
+    on them, as ``hlb eval`` measures it (the median of |log(estimated / observed run time)|: for
+    the model |label - predicted log ratio|, for the profiles |label|)."""
+    by_model: dict[str, tuple[list[float], list[float]]] = {}
+    for row in rows:
+        model, prior = by_model.setdefault(row["model_version"], ([], []))
+        model.append(abs(row["observed_log_ratio"] - row["predicted_log_ratio"]))
+        prior.append(abs(row["observed_log_ratio"]))
+    return {
+        version: {
+            "rows": len(model),
+            "model_error": round(statistics.median(model), 4),
+            "prior_error": round(statistics.median(prior), 4),
+        }
+        for version, (model, prior) in sorted(by_model.items())
+    }
+
+
 # -- hlb features ----------------------------------------------------------------------------------
 
 
@@ -213,6 +233,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tail.add_argument("-n", "--lines", type=int, default=0, help="the newest N only (default: all)")
     tail.add_argument(
         "--records", action="store_true", help="print the feature records themselves (protobuf JSON), not rows"
+    )
+    tail.add_argument(
+        "--errors",
+        action="store_true",
+        help="print, per model version, the model's and the profiles' run-time error on the rows instead",
     )
 
 
@@ -246,11 +271,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     joined = join(records, placements, events)
     joined.unjoined["unreadable"] += unreadable
-    for row in joined.rows[-args.lines :] if args.lines else joined.rows:
-        print(json.dumps(row, separators=(",", ":")))
+    rows = joined.rows[-args.lines :] if args.lines else joined.rows
+    if args.errors:
+        print(json.dumps(run_time_errors(rows), indent=2))
+    else:
+        for row in rows:
+            print(json.dumps(row, separators=(",", ":")))
     summary = {"records": len(records), "rows": len(joined.rows), **{k: joined.unjoined[k] for k in WHY}}
     print(f"hlb features: {json.dumps(summary)}", file=sys.stderr)
     return 0
 
 
-__all__ = ["WHY", "Joined", "add_arguments", "join", "lifecycles", "read_topics", "run"]
+__all__ = ["WHY", "Joined", "add_arguments", "join", "lifecycles", "read_topics", "run", "run_time_errors"]

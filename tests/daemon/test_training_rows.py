@@ -9,7 +9,7 @@ import pytest
 
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.record.feature_record import log_prior_column
-from hlb.daemon.record.training_rows import join, lifecycles
+from hlb.daemon.record.training_rows import join, lifecycles, run_time_errors
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 
@@ -144,3 +144,16 @@ def test_a_gang_spread_over_hosts_with_a_one_host_prediction_is_not_labelled() -
     assert dict(joined.unjoined) == {"spread_as_one_host": 1}
     chosen[1].neighbourhood.host_id = "h1"  # on one host after all: labelled
     assert len(join([spread], [placement(1, "t", gang=2)], events).rows) == 1
+
+
+def test_run_time_errors_compare_the_model_with_the_profiles_per_model_version() -> None:
+    rows = [
+        {"model_version": "m1", "observed_log_ratio": 1.0, "predicted_log_ratio": 0.8},
+        {"model_version": "m1", "observed_log_ratio": -0.5, "predicted_log_ratio": -0.1},
+        {"model_version": "m1", "observed_log_ratio": 2.0, "predicted_log_ratio": 2.0},
+        {"model_version": "m2", "observed_log_ratio": 0.3, "predicted_log_ratio": 0.0},
+    ]
+    assert run_time_errors(rows) == {
+        "m1": {"rows": 3, "model_error": 0.2, "prior_error": 1.0},
+        "m2": {"rows": 1, "model_error": 0.3, "prior_error": 0.3},
+    }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -136,6 +137,13 @@ def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
             )
         summary = json.loads(err.strip().rsplit("hlb features: ", 1)[1])
         assert (summary["records"], summary["rows"], summary["failed"], summary["running"]) == (6, 4, 1, 1)
+
+        assert main(["features", "--config", str(config), "tail", "--errors"]) == 0
+        errors = json.loads(capsys.readouterr().out)
+        model_error = statistics.median(abs(r["observed_log_ratio"] - r["predicted_log_ratio"]) for r in rows)
+        assert list(errors) == [records[0].model_version]
+        assert errors[records[0].model_version]["rows"] == 4
+        assert errors[records[0].model_version]["model_error"] == pytest.approx(model_error, abs=1e-4)
 
         assert daemon.terminate() == 0
     finally:
