@@ -479,12 +479,17 @@ class LearningSettings(_Section):
     ``hlb.v1.DecisionFeatures``, key = cell, as the ledger) by a background thread: decisions hand
     their record to a queue of ``queue_size`` and never wait; when it is full the record is dropped
     and counted (``hlb_feature_records_total{outcome="dropped"}``). ``top_k``: the devices the model
-    predicts fastest that a record lists beside the chosen ones (bounds its bytes)."""
+    predicts fastest that a record lists beside the chosen ones (bounds its bytes). ``shadow_model``:
+    see docs/learning.md, "Shadow scoring"."""
 
     log_features: bool = False
     topic: str = Field("hlb.features", min_length=1, max_length=249)
     top_k: int = Field(8, ge=0, le=1024)
     queue_size: int = Field(10_000, ge=1, le=10_000_000)
+    # A candidate model (a folder with encoder.onnx and scorer.onnx) scored in shadow beside the
+    # running one: it decides nothing; both models' predictions are compared with the run times of
+    # the tasks as they finish (hlb_shadow_abs_error). None: no shadow.
+    shadow_model: Path | None = None
 
 
 class LogSettings(_Section):

@@ -60,6 +60,7 @@ from hlb.daemon.record import snapshot
 from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
 from hlb.daemon.record.features import FeatureLog, lock_busy
 from hlb.daemon.record.journal import PROBE_BYTES, JournalFile, NotDurableError
+from hlb.daemon.record.shadow import Shadow
 from hlb.daemon.record.statedump import canonical_state, write_dump
 from hlb.daemon.runtime.durability import FailureEpisode, describe, withdraw_decisions
 from hlb.daemon.runtime.metrics import (
@@ -75,7 +76,9 @@ from hlb.daemon.runtime.policy import (
     build_policy,
     has_model,
     model_provider,
+    model_scorer,
     reload_model_files,
+    shadow_scorer,
     start_policy,
     stop_policy,
 )
@@ -176,6 +179,7 @@ class Daemon:
         )
         self.decisions.unpublished = self.metrics.decisions_unpublished
         self.features = self._feature_log(settings, bus)
+        self.shadow = self._shadow(settings)
         # The journal: on by default with Kafka (a memory bus ends with the process anyway).
         self.journal_enabled = settings.bus == "kafka"
         self.journal: JournalFile | None = None
@@ -207,7 +211,9 @@ class Daemon:
         self.tenant_backlog.on_refused = self.metrics.tenant_pending_refused.inc
         self.reloaders: dict[str, Reloader] = {
             "log.": reload_logging,
-            "scheduler.": scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback),
+            "scheduler.": self._reattach_shadow(
+                scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback)
+            ),
             "model.": model_reloader(self.scheduler, lambda: self.settings),
             "grpc.max_requests_per_s": reload_rate_limit,
             "grpc.request_burst": reload_rate_limit,
@@ -250,6 +256,32 @@ class Daemon:
             on_outcome=self.metrics.count_feature_record,
             busy=lock_busy(self.lock),
         )
+
+    def _shadow(self, settings: Settings) -> Shadow | None:
+        """With ``learning.shadow_model``: the candidate GNN scored beside the running one
+        (``hlb.daemon.record.shadow``), loaded and started with the running one."""
+        path = settings.learning.shadow_model
+        running = model_scorer(self.scheduler.policy)
+        if path is None:
+            return None
+        candidate = shadow_scorer(settings, path)
+        if running is None or candidate is None:
+            log.warning("learning.shadow_model needs scheduler.policy gnn: no shadow", policy=settings.scheduler.policy)
+            return None
+        shadow = Shadow(candidate, self.metrics.observe_shadow_error)
+        shadow.attach(running)
+        return shadow
+
+    def _reattach_shadow(self, reload: Reloader) -> Reloader:
+        """``reload`` (the scheduler's, which builds a new policy), then the shadow listens to the new one."""
+
+        def reload_and_reattach(new: Settings) -> None:
+            reload(new)
+            running = model_scorer(self.scheduler.policy)
+            if self.shadow is not None and running is not None:
+                self.shadow.attach(running)
+
+        return reload_and_reattach
 
     @property
     def publisher(self) -> Publisher:
@@ -725,6 +757,8 @@ class Daemon:
     async def _shutdown(self, server: GrpcServer, ingest: IngestThread, metrics_server: MetricsServer | None) -> None:
         self.serving = False
         stop_policy(self.scheduler.policy)
+        if self.shadow is not None:
+            self.shadow.candidate.stop()
         self.notifier.stopping("finishing in-flight requests")
         log.info("stopping", grace_s=self.settings.grpc.grace_s)
         await server.stop(self.settings.grpc.grace_s)  # health NOT_SERVING first, then refuse new RPCs
@@ -853,5 +887,8 @@ class Daemon:
         return result
 
     def _start_policy(self) -> None:
-        """Load and warm up a GNN's model on the current graph and start its refresh thread."""
+        """Load and warm up a GNN's model on the current graph and start its refresh thread (and
+        the shadow candidate's, which a model that does not load leaves degraded, logged)."""
         start_policy(self.scheduler.policy, self.scheduler.graph, self.lock)
+        if self.shadow is not None:
+            self.shadow.candidate.start(self.scheduler.graph, self.lock)

@@ -50,6 +50,9 @@ LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 
+# Absolute errors in log speed ratio (0.1: 10% off; 0.69: a factor of 2).
+SHADOW_ERROR_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)
+
 # No `*_created` series next to every counter: they double the output and no hlb alert reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -201,6 +204,14 @@ class DaemonMetrics:
         self.feature_bytes = Counter(
             "hlb_feature_bytes", "Bytes of the decision feature records published (learning.log_features).", registry=r
         )
+        self.shadow_error = Histogram(
+            "hlb_shadow_abs_error",
+            "Per finished task, |log(observed / predicted speed ratio)| of the running model, the shadow candidate"
+            " (learning.shadow_model) and the profiles alone.",
+            ["model"],
+            buckets=SHADOW_ERROR_BUCKETS,
+            registry=r,
+        )
         self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
         self.start_time.set(time.time())
         at_zero: list[tuple[Counter, str, Sequence[str]]] = [
@@ -225,6 +236,10 @@ class DaemonMetrics:
     def count_rate_limited(self, method: str) -> None:
         """Count one RPC refused by the rate limit; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
         self.rate_limited.labels(rpc=method.rpartition("/")[2]).inc()
+
+    def observe_shadow_error(self, model: str, error: float) -> None:
+        """One finished task's absolute error in log speed ratio of ``model`` (running, candidate, profiles)."""
+        self.shadow_error.labels(model=model).observe(error)
 
     def count_feature_record(self, outcome: str, size: int) -> None:
         """Count one decision feature record's fate and, when published, its ``size`` in bytes."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from hlb.daemon.config import ModelSettings, Settings
 from hlb.daemon.decide.framework import Policy
+from hlb.daemon.decide.gnn.scorer import GnnScorer
 from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import profiles_of
@@ -33,6 +35,18 @@ def build_policy(settings: Settings, on_fallback: OnFallback) -> Policy:
         on_fallback=on_fallback,
         profiles=profiles_of(s.profiles),
     )
+
+
+def model_scorer(policy: Policy) -> GnnScorer | None:
+    """The GNN ``policy`` decides with, if any."""
+    return gnn_scorer(policy)
+
+
+def shadow_scorer(settings: Settings, model_dir: Path) -> GnnScorer | None:
+    """The GNN ``settings`` configure, with the model in ``model_dir`` (a shadow candidate; it
+    decides nothing and counts no fallbacks); None when the policy has no GNN."""
+    shadowed = settings.model_copy(update={"model": settings.model.model_copy(update={"path": model_dir})})
+    return gnn_scorer(build_policy(shadowed, lambda reason: None))
 
 
 def start_policy(policy: Policy, graph: InfraGraph, lock: threading.RLock) -> None:

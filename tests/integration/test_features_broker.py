@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import time
+import urllib.request
 import uuid
 from pathlib import Path
+from unittest.mock import ANY
 
 import grpc
 import pytest
@@ -31,7 +34,9 @@ pytestmark = pytest.mark.kafka
 T0_MS = 1_700_000_000_000
 
 
-def write_config(path: Path, tmp_path: Path, topics: Topics, features_topic: str, model: Path, port: int) -> None:
+def write_config(
+    path: Path, tmp_path: Path, topics: Topics, features_topic: str, model: Path, port: int, metrics_port: int
+) -> None:
     path.write_text(
         "cell: it\n"
         f"state_dir: {tmp_path / 'state'}\n"
@@ -40,6 +45,7 @@ def write_config(path: Path, tmp_path: Path, topics: Topics, features_topic: str
         "  poll_timeout_s: 0.05\n"
         "  topics:\n" + "".join(f"    {name}: {value}\n" for name, value in topics.model_dump().items()) + "grpc:\n"
         f"  listen: 127.0.0.1:{port}\n"
+        f"metrics:\n  listen: 127.0.0.1:{metrics_port}\n"
         "log:\n  format: json\n"
         "scheduler:\n  policy: gnn\n"
         "model:\n"
@@ -50,6 +56,7 @@ def write_config(path: Path, tmp_path: Path, topics: Topics, features_topic: str
         "  log_features: true\n"
         f"  topic: {features_topic}\n"
         "  top_k: 4\n"
+        f"  shadow_model: {model}\n"  # the running model in shadow of itself
     )
 
 
@@ -72,6 +79,15 @@ def lifecycle(specs: list[ev.TaskSpec], placed: dict[str, ev.Placement]) -> list
     return events
 
 
+def shadow_figures(metrics_port: int) -> tuple[dict[str, float], dict[str, float]]:
+    """hlb_shadow_abs_error's count and sum by model, read from the daemon's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    figures: dict[str, dict[str, float]] = {"count": {}, "sum": {}}
+    for kind, model, value in re.findall(r'hlb_shadow_abs_error_(count|sum)\{model="(\w+)"\} (\S+)', text):
+        figures[kind][model] = float(value)
+    return figures["count"], figures["sum"]
+
+
 def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
     kafka_bootstrap: str,
     topics: Topics,
@@ -81,8 +97,8 @@ def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     features_topic = f"{topics.tasks}.features"
-    config, port = tmp_path / "config.yaml", free_port()
-    write_config(config, tmp_path, topics, features_topic, gnn_model_dir, port)
+    config, port, metrics_port = tmp_path / "config.yaml", free_port(), free_port()
+    write_config(config, tmp_path, topics, features_topic, gnn_model_dir, port, metrics_port)
     env = {"HLB_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap}
     monkeypatch.setenv("HLB_KAFKA__BOOTSTRAP_SERVERS", kafka_bootstrap)
     log_path = tmp_path / "serve.log"
@@ -141,9 +157,18 @@ def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
         assert main(["features", "--config", str(config), "tail", "--errors"]) == 0
         errors = json.loads(capsys.readouterr().out)
         model_error = statistics.median(abs(r["observed_log_ratio"] - r["predicted_log_ratio"]) for r in rows)
-        assert list(errors) == [records[0].model_version]
-        assert errors[records[0].model_version]["rows"] == 4
-        assert errors[records[0].model_version]["model_error"] == pytest.approx(model_error, abs=1e-4)
+        assert errors == {
+            records[0].model_version: {
+                "rows": 4,
+                "model_error": pytest.approx(model_error, abs=1e-4),
+                "prior_error": ANY,
+            }
+        }
+
+        # Shadow scoring: every finished task compared by each model (the daemon times runs by its own
+        # clock, from applying the start to applying the finish: the figures say little here).
+        counts, sums = shadow_figures(metrics_port)
+        assert (counts, sorted(sums)) == ({"running": 4.0, "candidate": 4.0, "profiles": 4.0}, sorted(counts))
 
         assert daemon.terminate() == 0
     finally:

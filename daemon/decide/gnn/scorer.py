@@ -193,6 +193,8 @@ class GnnScorer(Policy):
         self.clock_ms: Callable[[], float] = lambda: time.time() * 1000.0
         self.refreshes = 0
         self.reloads_rejected = 0
+        # Told of every task that finished on devices this policy placed it on, with its run time (s).
+        self.finish_listeners: list[Callable[[ev.TaskSpec, InfraGraph, Rows, float], None]] = []
 
     # -- what the daemon reports -------------------------------------------------------------
 
@@ -397,6 +399,8 @@ class GnnScorer(Policy):
 
     def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
         self.fallback.finished(spec, graph, rows, ran_s)  # the profiles under the predictions, if they learn
+        for listener in self.finish_listeners:  # shadow scoring (hlb.daemon.record.shadow)
+            listener(spec, graph, rows, ran_s)
 
     def _fall_back(self, reason: str, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
         self.on_fallback(reason)

@@ -1,0 +1,114 @@
+"""Shadow scoring: on each finished task, the running model's, the candidate's and the profiles'
+errors against the observed run time, each a model's |label - predicted log speed ratio| on the
+gang's slowest device by the profiles."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from hlb.daemon.config import ModelRefreshSettings, ModelSettings
+from hlb.daemon.decide.gnn.scorer import GnnScorer
+from hlb.daemon.decide.presets import gnn_scorer, make_policy
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.record.shadow import Shadow
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.v1 import events_pb2 as ev
+from tests.daemon.test_gnn_policy import cluster
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def model_settings(path: Path) -> ModelSettings:
+    return ModelSettings(
+        path=path, providers=("CPUExecutionProvider",), watch=False, refresh=ModelRefreshSettings(mode="sync")
+    )
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second model (another seed): the candidate predicts otherwise than the running one."""
+    import torch  # noqa: F401  (the export extra)
+
+    from hlb.cli import main
+
+    folder = tmp_path_factory.mktemp("candidate")
+    assert main(["export", "--random", "--seed", "11", "--hidden", "16", "--out", str(folder)]) == 0
+    return folder
+
+
+def candidate(path: Path) -> GnnScorer:
+    scorer = gnn_scorer(make_policy("gnn", model=model_settings(path)))
+    assert scorer is not None
+    return scorer
+
+
+def run_one(scheduler: Scheduler, clock: Clock, spec: ev.TaskSpec, ran_s: float) -> ev.Placement:
+    placement = scheduler.place(spec).placement
+    assert placement is not None
+    started = ev.TaskStarted(task_id=spec.id, placement_sequence=placement.sequence)
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", started=started))
+    clock.now += ran_s
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id=spec.id)))
+    return placement
+
+
+def test_each_finished_task_scores_both_models_and_the_profiles(gnn_model_dir: Path, other_model_dir: Path) -> None:
+    clock = Clock()
+    policy = make_policy("gnn", model=model_settings(gnn_model_dir))
+    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
+    running = gnn_scorer(policy)
+    assert running is not None
+    observed: list[tuple[str, float]] = []
+    shadow = Shadow(candidate(other_model_dir), lambda model, error: observed.append((model, error)))
+    shadow.candidate.refresh_if_changed(scheduler.graph)  # loaded and encoded, as the daemon starts it
+    shadow.attach(running)
+    spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=2)
+    placement = run_one(scheduler, clock, spec, ran_s=300.0)
+
+    graph = scheduler.graph
+    rows = graph.device_rows(placement.device_ids)
+    prior_s = running.fallback.profiles.gang_runtime_s(graph, rows, spec)
+    slowest = rows[int(prior_s.argmax()) :][:1]
+    label = math.log(float(prior_s.max()) / 300.0)
+    consolidated = len({graph.devices.host[r] for r in rows}) == 1
+    expected = {"profiles": abs(label)}
+    for name, scorer in (("running", running), ("candidate", shadow.candidate)):
+        predicted = scorer.log_ratios(spec, graph, slowest, 2, consolidated)
+        assert predicted is not None
+        expected[name] = abs(label - float(predicted[0, 0]))
+    assert dict(observed) == pytest.approx(expected)
+    assert [m for m, _ in observed] == ["profiles", "running", "candidate"]
+    assert expected["running"] != pytest.approx(expected["candidate"])  # two models, two predictions
+    assert shadow.compared == 1
+
+
+def test_a_candidate_that_does_not_load_is_left_out(gnn_model_dir: Path, tmp_path: Path) -> None:
+    clock = Clock()
+    policy = make_policy("gnn", model=model_settings(gnn_model_dir))
+    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
+    running = gnn_scorer(policy)
+    assert running is not None
+    missing = candidate(tmp_path / "no-model")
+    missing.refresh_if_changed(scheduler.graph)  # tries to load: degraded
+    observed: list[str] = []
+    Shadow(missing, lambda model, error: observed.append(model)).attach(running)
+    run_one(scheduler, clock, ev.TaskSpec(id="t", work_ref_s=60.0, memory_per_device_gb=1.0), ran_s=30.0)
+    assert observed == ["profiles", "running"]
+
+
+def test_attached_again_it_listens_to_the_new_running_model_only(gnn_model_dir: Path) -> None:
+    first, second = candidate(gnn_model_dir), candidate(gnn_model_dir)
+    shadow = Shadow(candidate(gnn_model_dir), lambda model, error: None)
+    shadow.attach(first)
+    shadow.attach(second)
+    assert first.finish_listeners == []
+    assert second.finish_listeners == [shadow.finished]
