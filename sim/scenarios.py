@@ -17,6 +17,7 @@ import numpy as np
 from hlb.sim.catalogue import Catalogue
 from hlb.sim.topology import (
     GAVEL_HETEROGENEOUS_DEVICES,
+    Device,
     Inventory,
     homogeneous_cluster,
     load_inventory,
@@ -26,6 +27,7 @@ from hlb.sim.topology import (
 from hlb.sim.traces import read_trace
 from hlb.sim.workloads import (
     Task,
+    fractional_jobs,
     gavel_jobs,
     inference_pipelines,
     inference_services,
@@ -57,7 +59,18 @@ UNSEEN_MIX: dict[str, float] = {
 CLUSTER_HELP = (
     "mixed:N (the standard mix of V100/P100/K80/A100/T4), gavel:N (V100:P100:K80 equally), "
     "unseen:N (H100/V100-32GB/TPU-v4/Gaudi2, models the GNN never trains on), "
-    "MODEL:N (one catalogue model), pai (the Alibaba PAI inventory)"
+    "MODEL:N (one catalogue model), pai (the Alibaba PAI inventory), "
+    "shared:N (the standard mix, every device shareable (MPS) but the A100s and H100s, cut into MIG partitions)"
+)
+
+# Models whose devices ``shared:N`` cuts into MIG partitions, and the layout: NVIDIA's A100/H100
+# 80 GB profiles 3g.40gb + 2g.20gb + 1g.10gb + 1g.10gb (7 compute slices: 3/7, 2/7, 1/7 of the device).
+MIG_MODELS = ("A100-SXM4-80GB", "H100-SXM5-80GB")
+MIG_LAYOUT: tuple[tuple[str, float, int], ...] = (
+    ("3g.40gb", 40.0, 428),
+    ("2g.20gb", 20.0, 285),
+    ("1g.10gb", 10.0, 142),
+    ("1g.10gb", 10.0, 142),
 )
 
 
@@ -77,6 +90,8 @@ def build_cluster(spec: str, catalogue: Catalogue) -> Inventory:
         raise ValueError(f"cluster {spec!r}: the device count must be >= 1")
     if name == "mixed":
         return mixed_cluster(catalogue, _split(count, STANDARD_MIX))
+    if name == "shared":
+        return shared_devices(mixed_cluster(catalogue, _split(count, STANDARD_MIX)))
     if name == "unseen":
         return mixed_cluster(catalogue, _split(count, UNSEEN_MIX))
     if name == "gavel":
@@ -85,6 +100,36 @@ def build_cluster(spec: str, catalogue: Catalogue) -> Inventory:
     if name in catalogue.profiles:
         return homogeneous_cluster(catalogue, name, count)
     raise ValueError(f"unknown cluster {name!r}: {CLUSTER_HELP}")
+
+
+def shared_devices(inventory: Inventory) -> Inventory:
+    """``inventory`` with every whole device shareable (MPS, capacity one device) but those of
+    :data:`MIG_MODELS`, each cut into the partitions of :data:`MIG_LAYOUT` (ids ``<device>/migN``;
+    a partition draws no idle power of its own and its compute share of the dynamic power)."""
+    devices: list[Device] = []
+    for device in inventory.devices:
+        if device.parent_id or device.sharing:
+            devices.append(device)
+            continue
+        if device.model not in MIG_MODELS:
+            devices.append(replace(device, sharing="mps"))
+            continue
+        devices.append(device)
+        for i, (profile, memory_gb, share) in enumerate(MIG_LAYOUT):
+            devices.append(
+                replace(
+                    device,
+                    id=f"{device.id}/mig{i}",
+                    memory_gb=memory_gb,
+                    peak_tflops=device.peak_tflops * share / 1000,
+                    idle_power_w=0.0,
+                    peak_power_w=(device.peak_power_w - device.idle_power_w) * share / 1000,
+                    parent_id=device.id,
+                    partition_profile=profile,
+                    compute_share_milli=share,
+                )
+            )
+    return replace(inventory, devices=tuple(devices))
 
 
 def _split(count: int, shares: dict[str, float]) -> dict[str, int]:
@@ -97,7 +142,8 @@ def _split(count: int, shares: dict[str, float]) -> dict[str, int]:
 
 
 def v100_equivalents(catalogue: Catalogue, inventory: Inventory) -> float:
-    """The cluster's capacity in reference-V100 devices (median per-class speed of each model)."""
+    """The cluster's capacity in reference-V100 devices (median per-class speed of each model;
+    partitions left out: their parent counts once)."""
     reference = catalogue.reference_model
     speed: dict[str, float] = {}
     for model in {d.model for d in inventory.devices}:
@@ -107,7 +153,7 @@ def v100_equivalents(catalogue: Catalogue, inventory: Inventory) -> float:
             if catalogue.throughput(model, c, 1) > 0 and catalogue.throughput(reference, c, 1) > 0
         ]
         speed[model] = float(np.median(ratios)) if ratios else 0.0
-    return sum(speed[d.model] for d in inventory.devices)
+    return sum(speed[d.model] for d in inventory.devices if not d.parent_id)
 
 
 def at_load(tasks: list[Task], load: float, capacity: float) -> list[Task]:
@@ -148,6 +194,7 @@ WORKLOADS: dict[str, WorkloadBuilder] = {
     "inference": lambda seed, jobs, cat, load, cap: at_load(inference_pipelines(seed, jobs, cat), load, cap),
     "services": lambda seed, jobs, cat, load, cap: at_load(inference_services(seed, jobs, cat), load, cap),
     "mixed": _mixed,
+    "fractional": lambda seed, jobs, cat, load, cap: at_load(fractional_jobs(seed, jobs, cat, load, cap), load, cap),
 }
 
 

@@ -440,3 +440,105 @@ def merge_workloads(*workloads: Sequence[Task]) -> list[Task]:
     if len(ids) != len(set(ids)):
         raise ValueError("task ids collide between workloads")
     return merged
+
+
+# ---------------------------------------------------------------- fractional requests
+
+# Alibaba's 2023 GPU-sharing trace (cluster-trace-gpu-v2023, openb_pod_list_default.csv: 8,152 pods
+# on about 6,200 GPUs; the trace of the FGD paper, USENIX ATC'23). FRACTIONAL_SHARE: the share of
+# the pods using a GPU that ask for a fraction of one (41%, docs/simulator.md). The share
+# (gpu_milli) and GPU-count distributions are tallied from one window of the file (pods
+# openb-pod-4254 to openb-pod-4479: 226 pods, 189 using a GPU; docs/simulator.md says how far
+# they carry): counts per value.
+FRACTIONAL_SHARE = 0.41
+FRACTIONAL_SHARE_COUNTS: dict[int, int] = {
+    470: 36, 810: 26, 650: 14, 320: 12, 460: 7, 220: 4, 160: 4, 480: 1, 110: 1, 590: 1,
+}  # fmt: skip
+WHOLE_GPU_COUNTS: dict[int, int] = {1: 79, 2: 1, 4: 1, 8: 2}
+# Of the fractional requests, the share that are inference services (latency SLOs), the rest
+# training-like batch work: an assumption (about a third of the window's fractional pods are
+# latency-sensitive, QoS LS).
+FRACTIONAL_SERVICE_SHARE = 1.0 / 3.0
+
+
+def fractional_jobs(
+    seed: Seed, num_jobs: int, catalogue: Catalogue, load: float, capacity_devices: float
+) -> list[Task]:
+    """A workload of fractional and whole-device requests as the 2023 GPU-sharing trace has them.
+
+    Each job is, with probability :data:`FRACTIONAL_SHARE`, a request for a share of one device
+    (``device_share_milli`` drawn from :data:`FRACTIONAL_SHARE_COUNTS`), else a gang of whole
+    devices (:data:`WHOLE_GPU_COUNTS`). A fractional request is an inference service with
+    probability :data:`FRACTIONAL_SERVICE_SHARE` (a class of :data:`INFERENCE_SERVICE_CLASSES`,
+    lifetime 10**U(3, 4.5) s, its request rate keeping its share U(0.2, 0.7) busy, its SLO 2, 3
+    or 5 times a request's run time on its share of a V100), else a one-device training job of
+    Gavel's durations run on its share (its work is the share times Gavel's duration). Whole
+    gangs are Gavel's jobs with the trace's GPU counts. Memory is the class's (catalogue). Arrivals
+    are Poisson, stretched to ``load`` (:func:`hlb.sim.scenarios.at_load`'s rule: offered work over
+    capacity). Modelled shapes apart from the tallied distributions.
+    """
+    if load <= 0 or capacity_devices <= 0:
+        raise ValueError("load and capacity_devices must be > 0")
+    rng = as_generator(seed)
+    shares = np.array(sorted(FRACTIONAL_SHARE_COUNTS), dtype=np.int64)
+    share_p = np.array([FRACTIONAL_SHARE_COUNTS[int(s)] for s in shares], dtype=np.float64)
+    gangs = np.array(sorted(WHOLE_GPU_COUNTS), dtype=np.int64)
+    gang_p = np.array([WHOLE_GPU_COUNTS[int(g)] for g in gangs], dtype=np.float64)
+    classes = sorted(catalogue.classes.values(), key=lambda c: c.id)
+    reference = catalogue.reference_model
+    arrivals = poisson_arrivals(rng, num_jobs, 1.0)
+    tasks: list[Task] = []
+    for index in range(num_jobs):
+        low, high = GAVEL_SHORT_LOG10_MINUTES if rng.random() < GAVEL_SHORT_PROBABILITY else GAVEL_LONG_LOG10_MINUTES
+        duration_s = 60.0 * 10 ** rng.uniform(low, high)
+        fractional = rng.random() < FRACTIONAL_SHARE
+        share = int(rng.choice(shares, p=share_p / share_p.sum())) if fractional else 0
+        service = fractional and rng.random() < FRACTIONAL_SERVICE_SHARE
+        if service:
+            job_id = f"fractional-service-{index:06d}"
+            class_id = INFERENCE_SERVICE_CLASSES[int(rng.integers(len(INFERENCE_SERVICE_CLASSES)))]
+            request_work_ms = 1000.0 / catalogue.throughput(reference, class_id, 1)
+            lifetime_s = float(10 ** rng.uniform(3.0, 4.5))
+            on_share_ms = request_work_ms * 1000.0 / share
+            rate_per_s = float(rng.uniform(0.2, 0.7)) * 1000.0 / on_share_ms
+            tasks.append(
+                Task(
+                    id=f"{job_id}/serve",
+                    job_id=job_id,
+                    arrival_s=float(arrivals[index]),
+                    kind="inference",
+                    workload_class=class_id,
+                    num_devices=1,
+                    memory_per_device_gb=catalogue.classes[class_id].memory_gb,
+                    work_ref_s=rate_per_s * lifetime_s * request_work_ms / 1000.0,
+                    priority=1,
+                    latency_slo_ms=on_share_ms * float(rng.choice([2.0, 3.0, 5.0])),
+                    labels={
+                        "duration_s": repr(lifetime_s),
+                        REQUEST_RATE_LABEL: repr(rate_per_s),
+                        REQUEST_WORK_LABEL: repr(request_work_ms),
+                    },
+                    device_share_milli=share,
+                )
+            )
+            continue
+        gang = 1 if fractional else int(rng.choice(gangs, p=gang_p / gang_p.sum()))
+        candidates = [c for c in classes if gang in c.gang_sizes]
+        chosen = candidates[int(rng.integers(len(candidates)))]
+        job_id = f"fractional-{index:06d}"
+        work = work_ref_s(catalogue, chosen.id, gang, duration_s)
+        tasks.append(
+            Task(
+                id=f"{job_id}/train",
+                job_id=job_id,
+                arrival_s=float(arrivals[index]),
+                kind="training",
+                workload_class=chosen.id,
+                num_devices=gang,
+                memory_per_device_gb=chosen.memory_gb,
+                work_ref_s=work * share / 1000.0 if share else work,
+                labels={"gang_runtime_v100_s": repr(duration_s)},
+                device_share_milli=share,
+            )
+        )
+    return tasks

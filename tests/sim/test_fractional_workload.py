@@ -1,0 +1,64 @@
+"""The fractional workload family and the shared cluster of ``hlb eval`` (docs/simulator.md,
+"Shared and fractional devices")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlb.sim.catalogue import Catalogue
+from hlb.sim.scenarios import MIG_LAYOUT, build_cluster, build_workload, v100_equivalents
+from hlb.sim.simulator import simulate
+from hlb.sim.workloads import FRACTIONAL_SHARE, FRACTIONAL_SHARE_COUNTS, WHOLE_GPU_COUNTS, fractional_jobs
+
+
+def test_the_shared_cluster_shares_every_device_but_a100s_which_it_cuts_into_partitions(catalogue: Catalogue) -> None:
+    plain = build_cluster("mixed:64", catalogue)
+    shared = build_cluster("shared:64", catalogue)
+    whole = [d for d in shared.devices if not d.parent_id]
+    assert [d.id for d in whole] == [d.id for d in plain.devices]
+    a100 = [d for d in whole if d.model == "A100-SXM4-80GB"]
+    assert a100
+    assert all(not d.sharing for d in a100)
+    assert all(d.sharing == "mps" for d in whole if d.model != "A100-SXM4-80GB")
+    partitions = [d for d in shared.devices if d.parent_id]
+    assert len(partitions) == len(a100) * len(MIG_LAYOUT)
+    first = [p for p in partitions if p.parent_id == a100[0].id]
+    assert [(p.partition_profile, p.compute_share_milli, p.memory_gb) for p in first] == [
+        (profile, share, memory) for profile, memory, share in MIG_LAYOUT
+    ]
+    assert sum(p.compute_share_milli for p in first) <= 1000
+    # Capacity counts each physical device once, however it is cut.
+    assert v100_equivalents(catalogue, shared) == pytest.approx(v100_equivalents(catalogue, plain))
+
+
+def test_the_fractional_family_draws_the_trace_shares_and_gang_sizes(catalogue: Catalogue) -> None:
+    tasks = fractional_jobs(3, 4000, catalogue, load=1.0, capacity_devices=50.0)
+    assert tasks == fractional_jobs(3, 4000, catalogue, load=1.0, capacity_devices=50.0)
+    shares = np.array([t.device_share_milli for t in tasks])
+    fractional = shares > 0
+    assert fractional.mean() == pytest.approx(FRACTIONAL_SHARE, abs=0.03)
+    assert set(shares[fractional]) <= set(FRACTIONAL_SHARE_COUNTS)
+    # The most common share of the trace's window is the most common drawn.
+    drawn = {s: int((shares == s).sum()) for s in FRACTIONAL_SHARE_COUNTS}
+    assert max(drawn, key=lambda s: drawn[s]) == max(FRACTIONAL_SHARE_COUNTS, key=lambda s: FRACTIONAL_SHARE_COUNTS[s])
+    assert all(t.num_devices == 1 and t.memory_per_device_gb > 0 for t in tasks if t.device_share_milli)
+    assert {t.num_devices for t in tasks if not t.device_share_milli} <= set(WHOLE_GPU_COUNTS)
+    services = [t for t in tasks if t.kind == "inference"]
+    assert services
+    assert all(t.device_share_milli and t.latency_slo_ms > 0 for t in services)
+
+
+def test_fractional_requests_run_on_shares_and_partitions_of_the_shared_cluster(catalogue: Catalogue) -> None:
+    inventory = build_cluster("shared:32", catalogue)
+    tasks = build_workload("fractional", 1, 100, catalogue, inventory, 1.5)
+    result = simulate(catalogue, inventory, tasks, "hetero-greedy", seed=1)
+    records = {r.task_id: r for r in result.tasks}
+    assert all(r.state == "finished" for r in records.values())
+    partitions = {d.id for d in inventory.devices if d.parent_id}
+    fractional = [t for t in tasks if t.device_share_milli]
+    # Some shares went to partitions and some to shared devices: both paths ran.
+    on_partition = [t for t in fractional if records[t.id].device_ids[0] in partitions]
+    assert on_partition
+    assert len(on_partition) < len(fractional)
+    assert not any(records[t.id].device_ids[0] in partitions for t in tasks if not t.device_share_milli)
