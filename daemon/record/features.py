@@ -127,6 +127,7 @@ class FeatureLog:
         self._thread: threading.Thread | None = None
         self.published = 0
         self.published_bytes = 0
+        self.build_s = 0.0  # thread time building and handing over records (hlb bench features reports it)
         self._log_failure = FoldedLog("decision features not published; counted, the decision stands", logger=log)
 
     # -- inside the decision (under the daemon's lock) ------------------------------------------
@@ -235,6 +236,7 @@ class FeatureLog:
         return self._monotonic() - captured.queued_s
 
     def _publish(self, captured: Captured) -> None:
+        start = time.perf_counter()
         try:
             value = build_record(captured, self._shape_parts(captured))
             self.publisher.publish(self.topic, captured.placement.cell.encode(), value)
@@ -242,6 +244,8 @@ class FeatureLog:
             self.on_outcome("failed", 0)
             self._log_failure(type(exc).__name__, task_id=captured.placement.task_id, error=str(exc))
             return
+        finally:
+            self.build_s += time.perf_counter() - start
         self.published += 1
         self.published_bytes += len(value)
         self.on_outcome("published", len(value))
