@@ -112,7 +112,7 @@ class EmbeddingCache:
     # (1 for a row without an embedding), what an estimate multiplies the profiles' speeds by.
     factors: dict[tuple[ShapeKey, int, int], NDArray[np.float64]]
     # Per task shape: the head's prior features of every position [D, len(PRIOR_FEATURES)], kept
-    # with the predictions they gave (read by the feature log, hlb.daemon.record.features).
+    # once the feature log (hlb.daemon.record.features) asks for them (``GnnScorer.shape_inputs``).
     priors: dict[ShapeKey, NDArray[np.float32]] = field(default_factory=dict)
 
     def positions_of(self, graph: InfraGraph, rows: Rows) -> NDArray[np.int64] | None:
@@ -330,7 +330,6 @@ class GnnScorer(Policy):
                 prior = feat.prior_features(spec, cache.graph, rows, self.fallback.profiles, gang, key[3])
                 shape = feat.shape_features(spec, gang, key[3])
                 out = cache.model.predict(shape, cache.device_emb, prior, cache.context).astype(np.float64)
-                cache.priors[key] = prior
             else:
                 out = np.zeros((0, 2))
             if out.shape != (len(rows), 2) or not np.isfinite(out).all():
@@ -349,8 +348,8 @@ class GnnScorer(Policy):
     ) -> tuple[EmbeddingCache, NDArray[np.float64], NDArray[np.float32]] | None:
         """What the head read and predicted for ``spec``'s shape in the running cache, as a decision
         of that shape just used it: the cache, the predictions of every position [D, 2] and their
-        prior features [D, len(PRIOR_FEATURES)] (computed here for a shape the model was not trained
-        on, whose predictions are the prior's zeros). None while the model does not serve, or when no
+        prior features [D, len(PRIOR_FEATURES)] (computed at the first call for the shape and kept
+        with the cache). None while the model does not serve, or when no
         decision has asked for this shape since the last refresh. Call it under the daemon's lock."""
         cache = self._cache
         if cache is None:
