@@ -199,3 +199,31 @@ def test_the_record_outcomes_are_exported_from_the_start() -> None:
     assert 'hlb_feature_records_total{outcome="published"} 1.0' in text
     assert 'hlb_feature_records_total{outcome="dropped"} 0.0' in text
     assert "hlb_feature_bytes_total 600.0" in text
+
+
+def test_records_wait_while_a_decision_runs_and_go_out_at_stop(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    bus = MemoryBus()
+    features = FeatureLog(scheduler, bus.publisher(), TOPIC, busy=lambda: True, patience_s=3600.0)
+    scheduler.ledger.subscribe(features.placement)
+    features.start()
+    for i in range(3):
+        spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+        assert scheduler.place(spec).placement is not None
+    assert not features.drain(0.3)  # always busy, and patient: nothing built yet
+    assert records(bus) == []
+    features.stop()  # stopping builds what is queued, busy or not
+    assert [r.task_id for r in records(bus)] == ["t0", "t1", "t2"]
+
+
+def test_a_record_that_waited_its_patience_goes_out_while_busy(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    bus = MemoryBus()
+    features = FeatureLog(scheduler, bus.publisher(), TOPIC, busy=lambda: True, patience_s=0.0)
+    scheduler.ledger.subscribe(features.placement)
+    features.start()
+    spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+    assert scheduler.place(spec).placement is not None
+    assert features.drain(10.0)
+    assert [r.task_id for r in records(bus)] == ["t"]
+    features.stop()
