@@ -363,7 +363,16 @@ class SchedulerSettings(_Section):
     # rules below; "gnn": the model of the `model` section with the same rules, falling back to
     # plain hetero-greedy while the model cannot decide.
     policy: Literal[
-        "random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "rules", "rules-table", "gnn"
+        "random",
+        "round-robin",
+        "least-loaded",
+        "best-fit",
+        "hetero-greedy",
+        "heft",
+        "fgd",
+        "rules",
+        "rules-table",
+        "gnn",
     ] = "gnn"
     rules: RulesSettings = RulesSettings()
     weights: ObjectiveWeightsSettings = ObjectiveWeightsSettings()

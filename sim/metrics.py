@@ -78,6 +78,12 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("lookahead_ms_per_decision", "wall time per rolled-out decision", "ms", ""),
     MetricInfo("lookahead_changed_share", "rolled-out decisions changed", "share", ""),
     MetricInfo("slo_attainment", "SLO attainment", "share", "higher"),
+    # Shared devices only (:func:`share_metrics`); capacity in GPU-equivalents.
+    MetricInfo("gpu_allocation", "GPUs allocated, arrival window", "share", "higher"),
+    MetricInfo("unallocated_saturated", "GPUs unallocated while requests wait", "share", "lower"),
+    MetricInfo("fragmentation_share", "fragmentation, arrival window", "share", "lower"),
+    MetricInfo("fragmentation_saturated", "fragmentation while requests wait", "share", "lower"),
+    MetricInfo("saturated_time", "arrival window with requests waiting", "share", ""),
     MetricInfo("jct_gap", "JCT / lower bound", "x", "lower"),
     MetricInfo("makespan_gap", "makespan / lower bound", "x", "lower"),
     MetricInfo("jct_lb_mean_s", "JCT lower bound mean", "s", ""),
@@ -271,6 +277,43 @@ def _window_metrics(result: SimResult) -> dict[str, float]:
     return out
 
 
+def share_metrics(result: SimResult) -> dict[str, float]:
+    """On a cluster with shared devices (``result.shares``; none otherwise), each over the physical
+    devices (GPU-equivalents): the share allocated, averaged over the arrival window (the allocation
+    rate); the share left unallocated and FGD's expected fragmentation, averaged over the instants
+    at which some request waits for a device (saturation: what is free then is what the waiting
+    requests could not use, or what the policy kept them from), and fragmentation over the arrival
+    window; and the share of the arrival window during which requests waited."""
+    shares = result.shares
+    if shares is None or not shares.t_s or result.physical_devices <= 0:
+        return {}
+    gpus = float(result.physical_devices)
+    arrivals = [t.arrival_s for t in result.tasks]
+    window = [(min(arrivals), max(arrivals))] if max(arrivals) > min(arrivals) else []
+    window_s = window[0][1] - window[0][0] if window else 0.0
+    waiting = [1.0 if q > 0 else 0.0 for q in shares.queued]
+    run = [(shares.t_s[0], result.end_s)]
+    waited_s = step_integral(shares.t_s, waiting, run)
+    free_waiting = [f * w for f, w in zip(shares.free_gpus, waiting, strict=True)]
+    fragmented_waiting = [f * w for f, w in zip(shares.fragmentation_gpus, waiting, strict=True)]
+    nan = math.nan
+    return {
+        "gpu_allocation": step_integral(shares.t_s, shares.allocated_gpus, window) / (gpus * window_s)
+        if window_s > 0
+        else nan,
+        "unallocated_saturated": step_integral(shares.t_s, free_waiting, run) / (gpus * waited_s)
+        if waited_s > 0
+        else nan,
+        "fragmentation_share": step_integral(shares.t_s, shares.fragmentation_gpus, window) / (gpus * window_s)
+        if window_s > 0
+        else nan,
+        "fragmentation_saturated": step_integral(shares.t_s, fragmented_waiting, run) / (gpus * waited_s)
+        if waited_s > 0
+        else nan,
+        "saturated_time": step_integral(shares.t_s, waiting, window) / window_s if window_s > 0 else nan,
+    }
+
+
 def _rest_metrics(result: SimResult, jobs: Sequence[JobOutcome], longest: int) -> dict[str, float]:
     """The share of work the ``longest`` jobs carry, and JCT and queueing without them."""
     flagged = set(longest_jobs(result, longest))
@@ -333,4 +376,5 @@ def compute_metrics(result: SimResult, longest: int = 10) -> dict[str, float]:
         "task_failures": float(sum(t.failed_attempts for t in result.tasks)),
         **_window_metrics(result),
         **_rest_metrics(result, jobs, longest),
+        **share_metrics(result),
     }

@@ -42,6 +42,16 @@ ROBUST_TABLE_METRICS = (
     "jct_p50_s_rest",
     "longest_work_share",
 )
+# Runs on shared devices (hlb.sim.metrics.share_metrics): allocation, fragmentation, saturation.
+SHARE_TABLE_METRICS = (
+    "gpu_allocation",
+    "unallocated_saturated",
+    "fragmentation_saturated",
+    "fragmentation_share",
+    "saturated_time",
+    "jct_mean_s",
+    "slo_attainment",
+)
 # The controls a learned policy is measured against when they ran: the same rules with the prior
 # alone, and with the online table; ``oracle-speeds`` bounds what better run times could gain.
 CONTROLS = ("rules", "rules-table")
@@ -289,6 +299,11 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
     robust = [m for m in ROBUST_TABLE_METRICS if all(m in row["metrics"] for row in document["summary"])]
     if robust:
         table += "\n## Medians, windows and the longest jobs\n\n" + table_markdown(document["summary"], robust)
+    shared = [row for row in document["summary"] if "gpu_allocation" in row["metrics"]]
+    if shared:
+        table += "\n## Shared devices: allocation and fragmentation (GPU-equivalents)\n\n" + table_markdown(
+            shared, SHARE_TABLE_METRICS
+        )
     shares = sorted({k for row in document["summary"] for k in row["metrics"] if k.startswith("time_share:")})
     if shares:
         table += "\n## Device time by model\n\n" + table_markdown(document["summary"], shares, ": share of device time")

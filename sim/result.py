@@ -77,6 +77,47 @@ class Timeline:
 
 
 @dataclass
+class ShareTimeline:
+    """A cluster with shared devices, after each batch of events (a step function), in
+    GPU-equivalents (each physical device counted once, :mod:`hlb.daemon.decide.fgd`): held by
+    tasks, free, free but of no use to the workload's requests (FGD's expected fragmentation
+    against the workload's request mix), and the tasks waiting for a device. Shapes: each list [T]."""
+
+    t_s: list[float] = field(default_factory=list)
+    allocated_gpus: list[float] = field(default_factory=list)
+    free_gpus: list[float] = field(default_factory=list)
+    fragmentation_gpus: list[float] = field(default_factory=list)
+    queued: list[int] = field(default_factory=list)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShareTimeline:
+        twin = ShareTimeline(
+            list(self.t_s),
+            list(self.allocated_gpus),
+            list(self.free_gpus),
+            list(self.fragmentation_gpus),
+            list(self.queued),
+        )
+        memo[id(self)] = twin
+        return twin
+
+    def record(self, t_s: float, allocated: float, free: float, fragmentation: float, queued: int) -> None:
+        """The state at ``t_s``: replaces a step at the same instant; kept only when it changed."""
+        state = (allocated, free, fragmentation, queued)
+        if self.t_s and self.t_s[-1] == t_s:
+            self.allocated_gpus[-1], self.free_gpus[-1], self.fragmentation_gpus[-1], self.queued[-1] = state
+            return
+        if self.t_s and (self.allocated_gpus[-1], self.free_gpus[-1], self.fragmentation_gpus[-1], self.queued[-1]) == (
+            state
+        ):
+            return
+        self.t_s.append(t_s)
+        self.allocated_gpus.append(allocated)
+        self.free_gpus.append(free)
+        self.fragmentation_gpus.append(fragmentation)
+        self.queued.append(queued)
+
+
+@dataclass
 class SimResult:
     """What one run produced; plain data (picklable) for :mod:`hlb.sim.metrics`."""
 
@@ -93,3 +134,7 @@ class SimResult:
     failures: int
     modelled_devices: int
     device_models: dict[str, int] = field(default_factory=dict)  # devices per model
+    # Shared devices only (None otherwise): physical devices (partitions not counted) and the
+    # capacity held, free and fragmented over time.
+    physical_devices: int = 0
+    shares: ShareTimeline | None = None

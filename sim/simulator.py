@@ -45,6 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from hlb.daemon.decide.fgd import RequestMix, fragmentation_milli, free_milli
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.scheduler import Scheduler
@@ -71,7 +72,7 @@ from hlb.sim.events import (
 from hlb.sim.execution import ExecutionModel
 from hlb.sim.hidden import HiddenConfig, HiddenTruth
 from hlb.sim.network import Network
-from hlb.sim.result import SimResult, Timeline
+from hlb.sim.result import ShareTimeline, SimResult, Timeline
 from hlb.sim.telemetry import MetricsReport, TelemetryConfig
 from hlb.sim.topology import Inventory
 from hlb.sim.workloads import Task
@@ -210,6 +211,16 @@ class Simulation:
         self._applied_sequence = 0
         self._failures = 0
         self.timeline = Timeline()
+        # With shared devices: capacity held, free and fragmented over time, against the mix of the
+        # workload's own requests (share, memory rounded up to 1 GB, as the fgd policy counts them).
+        shared = any(d.sharing or d.parent_id for d in inventory.devices)
+        self.shares = ShareTimeline() if shared and tasks else None
+        self._request_mix = (
+            RequestMix.of((t.device_share_milli, float(math.ceil(t.memory_per_device_gb))) for t in tasks)
+            if self.shares is not None
+            else None
+        )
+        self._shares_key: tuple[int, float, int, int, int] | None = None
         self._started = False
         self._graph_rows = np.zeros(0, dtype=np.int64)  # the graph's row of each device, from the start
         self._arrivals_s: np.ndarray | None = None
@@ -269,6 +280,8 @@ class Simulation:
             failures=self._failures,
             modelled_devices=sum(1 for m in devices.models if self.catalogue.profile(m).modelled),
             device_models=dict(Counter(devices.models)),
+            physical_devices=sum(1 for d in self.inventory.devices if not d.parent_id),
+            shares=copy.deepcopy(self.shares),
         )
 
     # -- what policies may read ------------------------------------------------------------
@@ -455,6 +468,26 @@ class Simulation:
     def _record(self) -> None:
         devices = self.devices
         self.timeline.record(self.clock.t_s, devices.mean_utilization(), devices.power_w, devices.allocated_share())
+        if self.shares is not None and self._request_mix is not None:
+            # Only bindings, releases, failures and the queue change what is measured.
+            key = (
+                self._applied_sequence,
+                self.attempts.last_change_s,
+                self.scheduler.pending_count,
+                self._failures,
+                self._repairs_left,
+            )
+            if key == self._shares_key:
+                return
+            self._shares_key = key
+            graph = self.scheduler.graph
+            self.shares.record(
+                self.clock.t_s,
+                sum(graph.allocated_by_model().values()),
+                free_milli(graph) / 1000.0,
+                fragmentation_milli(graph, self._request_mix) / 1000.0,
+                self.scheduler.pending_count,
+            )
 
 
 def _schedule_pending(sim: Simulation) -> list[ev.Placement]:

@@ -1,6 +1,7 @@
 """Presets: the policies ``scheduler.policy`` and ``hlb eval`` name, each a scorer with its plugins.
 
-- a baseline (:data:`POLICY_NAMES`): its scorer alone (``hlb.daemon.decide.scorers``);
+- a baseline (:data:`POLICY_NAMES`): its scorer alone (``hlb.daemon.decide.scorers``; ``fgd``, the
+  FGD-style fragmentation baseline for shared devices: ``hlb.daemon.decide.fgd``);
 - ``rules``: hetero-greedy with the rules of ``scheduler.rules`` as plugins
   (``hlb.daemon.decide.rules``);
 - ``rules-table``: the same, its run-time estimates corrected online by the runs it sees, per
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from hlb.daemon.config import ModelRefreshSettings, ModelSettings, RulesSettings
+from hlb.daemon.decide.fgd import FragmentationGradient
 from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy, Policy
 from hlb.daemon.decide.gnn.scorer import GnnScorer, RefreshMode
 from hlb.daemon.decide.rules import rule_plugins
@@ -25,7 +27,7 @@ from hlb.daemon.decide.scorers import BestFit, Heft, HeteroGreedy, LeastLoaded, 
 from hlb.daemon.state.observed import ObservedSpeeds
 from hlb.daemon.state.profiles import DeviceProfiles, default_profiles
 
-POLICY_NAMES = ("random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft")
+POLICY_NAMES = ("random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "fgd")
 PRESETS = (*POLICY_NAMES, "rules", "rules-table", "gnn")
 
 
@@ -79,6 +81,8 @@ def make_policy(
         return HeteroGreedy(w, profiles)
     if name == "heft":
         return Heft(w, profiles)
+    if name == "fgd":
+        return FragmentationGradient(w, profiles)
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(PRESETS)}")
 
 

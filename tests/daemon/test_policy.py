@@ -37,7 +37,7 @@ def best(policy: Policy, graph: InfraGraph, spec: ev.TaskSpec) -> list[str]:
 
 
 def test_make_policy_knows_exactly_the_documented_names() -> None:
-    assert POLICY_NAMES == ("random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft")
+    assert POLICY_NAMES == ("random", "round-robin", "least-loaded", "best-fit", "hetero-greedy", "heft", "fgd")
     for name in POLICY_NAMES:
         assert make_policy(name, {"completion_time": 1.0}, seed=3).name == name
     with pytest.raises(ValueError, match="unknown policy"):

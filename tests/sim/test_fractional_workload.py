@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from hlb.sim.catalogue import Catalogue
+from hlb.sim.metrics import compute_metrics, share_metrics
+from hlb.sim.result import ShareTimeline, SimResult, TaskRecord, Timeline
 from hlb.sim.scenarios import MIG_LAYOUT, build_cluster, build_workload, v100_equivalents
 from hlb.sim.simulator import simulate
 from hlb.sim.workloads import FRACTIONAL_SHARE, FRACTIONAL_SHARE_COUNTS, WHOLE_GPU_COUNTS, fractional_jobs
@@ -62,3 +64,38 @@ def test_fractional_requests_run_on_shares_and_partitions_of_the_shared_cluster(
     assert on_partition
     assert len(on_partition) < len(fractional)
     assert not any(records[t.id].device_ids[0] in partitions for t in tasks if not t.device_share_milli)
+
+
+def test_share_metrics_average_allocation_over_arrivals_and_free_capacity_over_waits() -> None:
+    records = [
+        TaskRecord("a", "a", "training", "c", 1, 0.0, (), 1.0, 1.0),
+        TaskRecord("b", "b", "training", "c", 1, 100.0, (), 1.0, 1.0),
+    ]
+    # 4 physical devices; requests wait from 50 s to 150 s, while 1 GPU is free (0.5 of it a fragment).
+    shares = ShareTimeline(
+        t_s=[0.0, 50.0, 150.0],
+        allocated_gpus=[2.0, 3.0, 4.0],
+        free_gpus=[2.0, 1.0, 0.0],
+        fragmentation_gpus=[1.0, 0.5, 0.0],
+        queued=[0, 2, 0],
+    )
+    result = SimResult("p", 0, records, 4, 200.0, 0.0, 0.0, 1.0, Timeline(), 2, 0, 0, {}, 4, shares)
+    metrics = share_metrics(result)
+    assert metrics["gpu_allocation"] == pytest.approx((2.0 * 50 + 3.0 * 50) / (4 * 100))
+    assert metrics["unallocated_saturated"] == pytest.approx(1.0 / 4)
+    assert metrics["fragmentation_saturated"] == pytest.approx(0.5 / 4)
+    assert metrics["fragmentation_share"] == pytest.approx((1.0 * 50 + 0.5 * 50) / (4 * 100))
+    assert metrics["saturated_time"] == pytest.approx(0.5)
+    assert share_metrics(SimResult("p", 0, records, 4, 200.0, 0.0, 0.0, 1.0, Timeline(), 2, 0, 0)) == {}
+
+
+def test_a_run_on_shared_devices_reports_allocation_and_fragmentation(catalogue: Catalogue) -> None:
+    inventory = build_cluster("shared:32", catalogue)
+    tasks = build_workload("fractional", 2, 80, catalogue, inventory, 3.0)
+    metrics = compute_metrics(simulate(catalogue, inventory, tasks, "fgd", seed=2))
+    assert 0 < metrics["gpu_allocation"] <= 1
+    assert 0 <= metrics["fragmentation_saturated"] <= metrics["unallocated_saturated"] <= 1
+    assert metrics["saturated_time"] > 0
+    plain = build_cluster("mixed:16", catalogue)
+    whole = build_workload("gavel", 2, 20, catalogue, plain, 1.0)
+    assert "gpu_allocation" not in compute_metrics(simulate(catalogue, plain, whole, "fgd", seed=2))
