@@ -393,7 +393,11 @@ class Attempts:
     def _colocation_fraction(self, attempt: Attempt, row: int) -> float:
         others = [self._attempts[b].task for b in self._devices.running[row] if b != attempt.id]
         if attempt.task.device_share_milli:  # a share of the device (docs/fractional.md)
-            return self._execution.share_fraction(attempt.task, int(self._devices.partition_milli[row]), others)
+            partition = int(self._devices.partition_milli[row])
+            fraction = self._execution.share_fraction(attempt.task, partition, others)
+            if others and not partition and self._settings.hidden.share_interference:
+                fraction *= self._execution.share_interference(self._devices.models[row], attempt.task, others)
+            return fraction
         return self._execution.colocation_fraction(self._devices.models[row], attempt.task, others)
 
     # -- failure ---------------------------------------------------------------------------

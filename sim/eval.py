@@ -381,6 +381,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="concurrent transfers and spread gangs share their links' bandwidth (default: on with --hidden)",
     )
     hidden.add_argument(
+        "--share-interference",
+        action=argparse.BooleanOptionalAction,
+        help="tasks holding shares of one shared device (MPS, time slicing; not a partition) slow each other "
+        "beyond their shares, by Gavel's measured co-location pairs (default: on with --hidden; only clusters "
+        "with shared devices, such as shared:N, have any)",
+    )
+    hidden.add_argument(
         "--share-devices",
         type=int,
         metavar="K",
@@ -420,6 +427,7 @@ def _hidden(args: argparse.Namespace) -> tuple[HiddenConfig, int]:
             throttle_duration_s=base.throttle_duration_s,
             throttle_speed=base.throttle_speed,
             link_sharing=base.link_sharing if args.link_sharing is None else args.link_sharing,
+            share_interference=base.share_interference if args.share_interference is None else args.share_interference,
         )
     except ValueError as exc:
         raise ValueError(f"hidden truth: {exc}") from None

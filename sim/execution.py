@@ -13,8 +13,13 @@ Units: s, steps/s, ms.
 - Shares of a device (``Task.device_share_milli``, docs/fractional.md): a task that asks for a
   share runs at that share of its device's isolated rate (on a partition, at the partition's
   compute share), scaled down in proportion where the shares running on a time-sliced device add
-  up to more than one device (:meth:`ExecutionModel.share_fraction`). How such tasks slow each
-  other beyond their shares is not modelled here. Whole-device tasks follow the rule above.
+  up to more than one device (:meth:`ExecutionModel.share_fraction`). Interference (hidden truth,
+  ``HiddenConfig.share_interference``, on by default): on a shared device (never a partition:
+  MIG isolates them) each co-runner ``b`` further slows task ``a`` to ``1 - (s_b / 1000) * loss(a,
+  b)`` of that, with ``loss = max(0, 1 - 2 * pair(a, b))``: Gavel's measured pair (one-device
+  gangs) against the even split that time slicing gives (0.5), scaled by how much of the device
+  ``b`` holds; a pair Gavel did not measure loses the mean of the measured losses on that model
+  (:meth:`ExecutionModel.share_interference`). Whole-device tasks follow the rule above.
 - Inference services (``latency_slo_ms > 0``): they live ``labels["duration_s"]`` seconds when
   given (else they run their work like any task). Per-request latency is the M/M/1 response time
   ``S / (1 - rho)`` with ``S`` the request's run time on its device (slowed by co-location) and
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
 from hlb.sim.catalogue import Catalogue
@@ -48,10 +54,20 @@ class ExecutionModel:
     ``job_speed``: the hidden speed multiplier of each job (absent: 1, as catalogued).
     """
 
-    def __init__(self, catalogue: Catalogue, job_speed: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        job_speed: Mapping[str, float] | None = None,
+        share_offers: Mapping[str, tuple[bool, int]] | None = None,
+    ) -> None:
         self.catalogue = catalogue
         self._job_speed = dict(job_speed or {})
         self._pair_cache: dict[tuple[str, str, int, str, int], float] = {}
+        # Per model, whether the cluster has a shareable device of it and its largest partition's
+        # compute share (milli-devices; 0: none): how fast a share can run at best (ideal_s).
+        self._share_offers = dict(share_offers) if share_offers is not None else None
+        self._loss_cache: dict[tuple[str, str, str], float] = {}
+        self._mean_loss: dict[str, float] = {}
 
     def steps(self, task: Task) -> float:
         """The task's work in steps of its class."""
@@ -114,14 +130,30 @@ class ExecutionModel:
         if lifetime is not None:
             return lifetime
         steps = self.steps(task)
-        rates = [self.best_rate(task, m) for m in cluster_models if self.model_fits(task, m)]
+        rates = [
+            self.best_rate(task, m) * self._best_fraction(task, m) for m in cluster_models if self.model_fits(task, m)
+        ]
         best = max(rates, default=0.0)
         return steps / best if best > 0 else math.inf
+
+    def _best_fraction(self, task: Task, model: str) -> float:
+        """The most of a device of ``model`` a task gets: all of it for whole devices; for a share,
+        its share on a shareable device or the compute share of the largest partition that takes it."""
+        share = task.device_share_milli
+        if not share:
+            return 1.0
+        if self._share_offers is None:
+            return share / 1000.0
+        shareable, largest = self._share_offers.get(model, (False, 0))
+        return max(share / 1000.0 if shareable else 0.0, largest / 1000.0 if largest >= share else 0.0)
 
     def new_record(self, task: Task, cluster_models: Sequence[str]) -> TaskRecord:
         """The record of a task not yet submitted, with its ideal run time on this cluster."""
         ideal = self.ideal_s(task, cluster_models)
         fixed = service_lifetime_s(task) is not None
+        # Device-seconds at full speed (the makespan bound's work): a share holds part of a device.
+        whole = replace(task, device_share_milli=0) if task.device_share_milli else task
+        device_ideal = ideal if whole is task else self.ideal_s(whole, cluster_models)
         return TaskRecord(
             task_id=task.id,
             job_id=task.job_id,
@@ -131,7 +163,7 @@ class ExecutionModel:
             arrival_s=task.arrival_s,
             dependencies=tuple(d.task_id for d in task.dependencies),
             ideal_s=ideal,
-            min_device_s=0.0 if fixed or not math.isfinite(ideal) else task.num_devices * ideal,
+            min_device_s=0.0 if fixed or not math.isfinite(ideal) else task.num_devices * device_ideal,
             latency_slo_ms=task.latency_slo_ms,
             deadline_s=task.deadline_s,
         )
@@ -152,6 +184,40 @@ class ExecutionModel:
             return partition_milli / 1000.0
         running = task.device_share_milli + sum(o.device_share_milli for o in others)
         return task.device_share_milli / 1000.0 * min(1.0, 1000.0 / running)
+
+    def share_interference(self, model: str, task: Task, others: Sequence[Task]) -> float:
+        """The share of its rate a task holding a share keeps on a shared device of ``model`` with
+        ``others`` (shares or not) running there: the product over them of ``1 - (s_b / 1000) *
+        loss(task, b)`` (the module's rule). 1 alone."""
+        kept = 1.0
+        for other in others:
+            held = (other.device_share_milli or 1000) / 1000.0
+            kept *= 1.0 - held * self._loss(model, task.workload_class, other.workload_class)
+        return kept
+
+    def _loss(self, model: str, a: str, b: str) -> float:
+        key = (model, a, b)
+        loss = self._loss_cache.get(key)
+        if loss is None:
+            factor = self.catalogue.colocation_factors(model, a, b, 1)[0]
+            loss = max(0.0, 1.0 - 2.0 * factor) if factor > 0 else self._mean_measured_loss(model)
+            self._loss_cache[key] = loss
+        return loss
+
+    def _mean_measured_loss(self, model: str) -> float:
+        """The mean loss over the one-device pairs Gavel measured on ``model``'s co-location source."""
+        source = self.catalogue.profile(model).colocation_model
+        mean = self._mean_loss.get(source)
+        if mean is None:
+            losses = [
+                max(0.0, 1.0 - 2.0 * factor)
+                for (a, b, gang) in self.catalogue.colocation.get(source, {})
+                if gang == 1
+                for factor in self.catalogue.colocation_factors(source, a, b, 1)
+                if factor > 0
+            ]
+            mean = self._mean_loss[source] = sum(losses) / len(losses) if losses else 0.0
+        return mean
 
     def pair(self, model: str, a: Task, b: Task) -> float:
         """The share of its isolated speed ``a`` keeps sharing a device of ``model`` with ``b`` alone."""

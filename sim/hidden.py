@@ -18,6 +18,10 @@ strengths ``hlb eval --hidden`` uses. Sources and the reasons for each strength:
   episode, uniform in ``throttle_speed``.
 - **Link sharing** (``link_sharing``): concurrent transfers and spread gangs share the links they
   cross (:mod:`hlb.sim.network`, :mod:`hlb.sim.attempts`).
+- **Interference of shares** (``share_interference``): tasks holding shares of one shared device
+  slow each other beyond their shares, by Gavel's measured co-location pairs
+  (:mod:`hlb.sim.execution`); the scheduler counts a share as running at its share of the device.
+  Only a cluster with shared devices has any, so ``hlb eval`` turns it on with the rest.
 
 A device's speed is its persistent speed times its episode's (1 outside one); a task on it runs
 that much slower and the device reports it only through telemetry (:mod:`hlb.sim.devices`: it
@@ -53,6 +57,9 @@ class HiddenConfig:
     throttle_duration_s: float = 3600.0  # mean length of an episode
     throttle_speed: tuple[float, float] = (0.5, 0.9)  # an episode's speed, uniform in [low, high]
     link_sharing: bool = False  # False: every transfer and spread gang has its links to itself
+    # Tasks holding shares of one shared device (MPS, time slicing) slow each other beyond their
+    # shares (hlb.sim.execution.ExecutionModel.share_interference); partitions never do.
+    share_interference: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.job_speed_sigma) and 0.0 <= self.job_speed_sigma <= 3.0):
@@ -78,6 +85,7 @@ HIDDEN_DEFAULTS = HiddenConfig(
     slow_device_share=0.05,
     throttle_every_s=86400.0,
     link_sharing=True,
+    share_interference=True,
 )
 """Every part on, at the strengths ``hlb eval --hidden`` uses (``docs/simulator.md`` says why)."""
 

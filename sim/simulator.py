@@ -174,7 +174,11 @@ class Simulation:
         self.hidden = HiddenTruth(self.config.hidden, streams[3], (t.job_id for t in tasks), len(inventory.devices))
         self.devices = Devices(inventory)
         self.devices.speed[:] = self.hidden.speed
-        self.execution = ExecutionModel(catalogue, self.hidden.job_speed)
+        offers: dict[str, tuple[bool, int]] = {}
+        for device in inventory.devices:
+            shareable, largest = offers.get(device.model, (False, 0))
+            offers[device.model] = (shareable or bool(device.sharing), max(largest, device.compute_share_milli))
+        self.execution = ExecutionModel(catalogue, self.hidden.job_speed, offers)
         self._queue = EventQueue()
 
         self._tasks = {t.id: t for t in tasks}

@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 
 from hlb.sim.catalogue import Catalogue
+from hlb.sim.hidden import HiddenConfig
 from hlb.sim.metrics import compute_metrics, share_metrics
 from hlb.sim.result import ShareTimeline, SimResult, TaskRecord, Timeline
 from hlb.sim.scenarios import MIG_LAYOUT, build_cluster, build_workload, v100_equivalents
-from hlb.sim.simulator import simulate
+from hlb.sim.simulator import SimConfig, simulate
 from hlb.sim.workloads import FRACTIONAL_SHARE, FRACTIONAL_SHARE_COUNTS, WHOLE_GPU_COUNTS, fractional_jobs
+from tests.sim.builders import CLASS, EXACT, V100, task
+
+A100 = "A100-SXM4-80GB"
 
 
 def test_the_shared_cluster_shares_every_device_but_a100s_which_it_cuts_into_partitions(catalogue: Catalogue) -> None:
@@ -99,3 +103,51 @@ def test_a_run_on_shared_devices_reports_allocation_and_fragmentation(catalogue:
     plain = build_cluster("mixed:16", catalogue)
     whole = build_workload("gavel", 2, 20, catalogue, plain, 1.0)
     assert "gpu_allocation" not in compute_metrics(simulate(catalogue, plain, whole, "fgd", seed=2))
+
+
+def test_shares_of_one_device_interfere_as_gavel_measured_their_pair_and_partitions_do_not(
+    catalogue: Catalogue,
+) -> None:
+    inventory = build_cluster("shared:32", catalogue)
+    v100 = next(d.id for d in inventory.devices if d.model == V100 and d.sharing)
+    reco = task("reco", 6000.0, workload_class="recommendation-bs512", device_share_milli=500, allowed_models=(V100,))
+    resnet = task("resnet", 600.0, workload_class="resnet50-bs16", device_share_milli=500, allowed_models=(V100,))
+    on = SimConfig(telemetry=EXACT.telemetry, hidden=HiddenConfig(share_interference=True))
+    runs = {}
+    for name, config in (("off", EXACT), ("on", on)):
+        result = simulate(catalogue, inventory, [reco, resnet], "best-fit", config=config)
+        runs[name] = {r.task_id: r for r in result.tasks}
+        assert {r.device_ids for r in runs[name].values()} == {(v100,)}
+    kept = catalogue.colocation_factors(V100, "recommendation-bs512", "resnet50-bs16", 1)
+    assert max(kept) < 0.5  # a measured pair that hurts both sides
+    # Each keeps 1 - 0.5 * (1 - 2 * pair) of its share's rate while the other (a 500 share) runs.
+    loss_reco, loss_resnet = (0.5 * (1 - 2 * k) for k in kept)
+    resnet_alone = catalogue.runtime_s(600.0, "resnet50-bs16", V100) / 0.5
+    reco_alone = catalogue.runtime_s(6000.0, "recommendation-bs512", V100) / 0.5
+    off, both = runs["off"], runs["on"]
+    assert off["resnet"].finish_s - off["resnet"].start_s == pytest.approx(resnet_alone)
+    overlap = both["resnet"].finish_s - both["resnet"].start_s
+    assert overlap == pytest.approx(resnet_alone / (1 - loss_resnet))
+    assert both["reco"].finish_s - both["reco"].start_s == pytest.approx(
+        overlap + reco_alone - overlap * (1 - loss_reco)
+    )
+    # On a partition nothing interferes: MIG isolates.
+    mig = [task(f"m{i}", 600.0, device_share_milli=140, allowed_models=(A100,)) for i in range(2)]
+    for name, config in (("off", EXACT), ("on", on)):
+        result = simulate(catalogue, inventory, mig, "best-fit", config=config)
+        runs[name] = {r.task_id: r for r in result.tasks}
+    assert [runs["on"][t.id].finish_s for t in mig] == [runs["off"][t.id].finish_s for t in mig]
+
+
+def test_a_share_s_ideal_run_time_is_on_its_share_or_the_largest_partition_that_takes_it(
+    catalogue: Catalogue,
+) -> None:
+    inventory = build_cluster("shared:32", catalogue)
+    small = task("small", 600.0, device_share_milli=250, allowed_models=(A100,))
+    big = task("big", 600.0, device_share_milli=500, allowed_models=(A100,))
+    records = {r.task_id: r for r in simulate(catalogue, inventory, [small, big], config=EXACT).tasks}
+    a100_s = catalogue.runtime_s(600.0, CLASS, A100)
+    # A 250 share fits the 3g partition (428); no A100 partition takes 500, nor is any A100 shareable.
+    assert records["small"].ideal_s == pytest.approx(a100_s / 0.428)
+    assert records["small"].min_device_s == pytest.approx(a100_s)
+    assert records["big"].ideal_s == float("inf")
