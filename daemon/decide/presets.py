@@ -62,7 +62,7 @@ def make_policy(
     if name == "gnn":
         exact = ModelSettings(refresh=ModelRefreshSettings(mode="sync", min_changed_rows=1))
         scorer = GnnScorer(model or exact, w, mode=mode, on_fallback=on_fallback, profiles=profiles)
-        return with_rules("gnn", scorer, rules, scorer.fallback.profiles)
+        return with_rules("gnn", scorer, rules, scorer.estimates)
     if name == "rules":
         greedy = HeteroGreedy(w, profiles)
         return with_rules("rules", greedy, rules, greedy.profiles)

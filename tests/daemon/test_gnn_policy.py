@@ -118,6 +118,24 @@ def test_scores_come_from_the_scorer_over_cached_embeddings(model_dir: Path) -> 
     np.testing.assert_allclose(policy.estimates.device_speedups(graph, rows, SPEC), base * ratio, rtol=1e-5)
 
 
+def test_the_rules_of_the_gnn_preset_read_the_corrected_run_times(model_dir: Path) -> None:
+    """Every rule of the ``gnn`` preset estimates with the model's corrected speeds, as those of
+    ``rules-table`` do with its table: a gang's wait, a service's fit, shortest first and which busy
+    device a task waits for all read ``scorer.estimates``, never the prior it corrects."""
+    policy = make_policy("gnn", model=settings(model_dir))
+    scorer = gnn_scorer(policy)
+    assert scorer is not None
+    read = [plugin.profiles for plugin in (*policy.filters, *policy.permits) if hasattr(plugin, "profiles")]
+    read += [p.runtimes.profiles for p in (policy.queue_order, *policy.permits) if hasattr(p, "runtimes")]
+    assert len(read) == 5  # service fit, gang wait, service wait; shortest first, faster device
+    assert all(profiles is scorer.estimates for profiles in read)
+    graph = cluster()
+    rows = graph.feasible_rows(SPEC)
+    scorer.score(SPEC, graph, rows)  # loads the model: the estimates are no longer the prior's
+    gang_wait = next(p for p in policy.permits if p.name == "gang-wait")
+    assert not np.allclose(gang_wait.profiles.runtime_s(graph, rows, SPEC), default_profiles().runtime_s(graph, rows, SPEC))
+
+
 def test_one_head_run_per_task_shape_serves_every_later_estimate(model_dir: Path) -> None:
     graph = cluster()
     policy = GnnScorer(settings(model_dir), mode="sync")
