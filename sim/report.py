@@ -195,6 +195,49 @@ def paired_markdown(comparisons: Sequence[dict[str, Any]]) -> str:
     return "\n\n".join(blocks) + "\n" if blocks else ""
 
 
+# Against the FGD-style baseline, seed by seed (runs on shared devices): differences of these
+# shares of the physical devices, and the relative change of mean JCT.
+FGD_DIFFERENCES = (
+    "unallocated_saturated",
+    "fragmentation_saturated",
+    "fragmentation_share",
+    "gpu_allocation",
+    "slo_attainment",
+)
+
+
+def against_fgd_markdown(runs: Sequence[dict[str, Any]]) -> str:
+    """Per (workload, load) where ``fgd`` ran on shared devices: every other policy minus ``fgd``,
+    seed by seed (mean and 95% half-width over the seeds both ran), for :data:`FGD_DIFFERENCES`,
+    and policy / fgd - 1 of the mean JCT. Empty when there is none."""
+    blocks = []
+    for workload, load in dict.fromkeys((r["workload"], r["load"]) for r in runs):
+        by = {(r["policy"], r["seed"]): r["metrics"] for r in runs if r["workload"] == workload and r["load"] == load}
+        policies = list(dict.fromkeys(p for p, _ in by))
+        if "fgd" not in policies or not all("gpu_allocation" in m for m in by.values()):
+            continue
+        info = {m.key: m for m in METRICS}
+        lines = [
+            f"### {workload}, {load_label(load)}: minus fgd, per seed",
+            "",
+            "| policy | seeds | " + " | ".join(info[k].label for k in FGD_DIFFERENCES) + " | JCT mean |",
+            "|---|---|" + "---|" * (len(FGD_DIFFERENCES) + 1),
+        ]
+        for policy in (p for p in policies if p != "fgd"):
+            seeds = sorted(seed for (p, seed) in by if p == policy and ("fgd", seed) in by)
+            cells = []
+            for key in FGD_DIFFERENCES:
+                mean, half = confidence_interval([by[(policy, s)][key] - by[("fgd", s)][key] for s in seeds])
+                cells.append("n/a" if math.isnan(mean) else _interval(mean, half, "{:+.3f}"))
+            ratio = confidence_interval(
+                [by[(policy, s)]["jct_mean_s"] / by[("fgd", s)]["jct_mean_s"] - 1 for s in seeds]
+            )
+            cells.append(_percent({"mean": ratio[0], "ci95": ratio[1]}))
+            lines.append(f"| {policy} | {len(seeds)} | " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n" if blocks else ""
+
+
 def _percent(stat: dict[str, float]) -> str:
     return _interval(100.0 * stat["mean"], 100.0 * stat["ci95"], "{:+.1f}", "%")
 
@@ -304,6 +347,9 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
         table += "\n## Shared devices: allocation and fragmentation (GPU-equivalents)\n\n" + table_markdown(
             shared, SHARE_TABLE_METRICS
         )
+        fgd = against_fgd_markdown(runs)
+        if fgd:
+            table += "\n## Against the FGD-style baseline, seed by seed\n\n" + fgd
     shares = sorted({k for row in document["summary"] for k in row["metrics"] if k.startswith("time_share:")})
     if shares:
         table += "\n## Device time by model\n\n" + table_markdown(document["summary"], shares, ": share of device time")

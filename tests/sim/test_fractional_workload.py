@@ -9,6 +9,7 @@ import pytest
 from hlb.sim.catalogue import Catalogue
 from hlb.sim.hidden import HiddenConfig
 from hlb.sim.metrics import compute_metrics, share_metrics
+from hlb.sim.report import FGD_DIFFERENCES, against_fgd_markdown
 from hlb.sim.result import ShareTimeline, SimResult, TaskRecord, Timeline
 from hlb.sim.scenarios import MIG_LAYOUT, build_cluster, build_workload, v100_equivalents
 from hlb.sim.simulator import SimConfig, simulate
@@ -151,3 +152,17 @@ def test_a_share_s_ideal_run_time_is_on_its_share_or_the_largest_partition_that_
     assert records["small"].ideal_s == pytest.approx(a100_s / 0.428)
     assert records["small"].min_device_s == pytest.approx(a100_s)
     assert records["big"].ideal_s == float("inf")
+
+
+def test_every_policy_is_compared_with_fgd_seed_by_seed_on_shared_devices() -> None:
+    def run(policy: str, seed: int, unallocated: float, jct_s: float) -> dict[str, object]:
+        metrics = dict.fromkeys(FGD_DIFFERENCES, 0.5) | {"unallocated_saturated": unallocated, "jct_mean_s": jct_s}
+        return {"workload": "fractional", "load": 3.0, "policy": policy, "seed": seed, "metrics": metrics}
+
+    runs = [run("fgd", s, 0.1 + s / 100, 100.0) for s in range(3)]
+    runs += [run("rules", s, 0.3 + s / 100, 80.0) for s in range(3)]
+    table = against_fgd_markdown(runs)
+    # The same difference on every seed: +0.200 with no spread; JCT 20% lower on every seed.
+    assert "| rules | 3 | +0.200 [+0.200, +0.200] |" in table
+    assert "-20.0% [-20.0, -20.0]" in table
+    assert against_fgd_markdown([r for r in runs if r["policy"] == "rules"]) == ""
