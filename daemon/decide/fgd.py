@@ -32,6 +32,7 @@ paper's definitions; its code is not used.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -159,6 +160,24 @@ def free_milli(graph: InfraGraph) -> float:
     return float(_offers(graph, rows).free.sum()) if len(rows) else 0.0
 
 
+def held_mix(graph: InfraGraph, limit: int = MIX_WINDOW) -> RequestMix | None:
+    """The mix of the requests of the newest ``limit`` tasks ``graph`` holds (pending, placed,
+    running, and ended ones not forgotten yet): the daemon's view of the typical request; None
+    when it holds none."""
+    newest = itertools.islice(reversed(graph.tasks.values()), limit)
+    requests = [_request(task.spec) for task in newest]
+    return RequestMix.of(requests, MIX_TYPES) if requests else None
+
+
+def cluster_fragmentation_gpus(graph: InfraGraph) -> float | None:
+    """The expected fragmentation (GPU-equivalents) of ``graph`` against :func:`held_mix`; None
+    without shared devices (nothing fragments) or tasks (no request to measure against)."""
+    if not graph.shared_devices:
+        return None
+    mix = held_mix(graph)
+    return fragmentation_milli(graph, mix) / WHOLE_SHARE if mix is not None else None
+
+
 def fragmentation_delta(graph: InfraGraph, spec: ev.TaskSpec, rows: Rows, mix: RequestMix) -> NDArray[np.float64]:
     """How much F (milli-devices) would change if ``spec`` took each of ``rows`` (one member of its
     gang there). The row itself changes, and so do its partition siblings (they can no longer be
@@ -238,4 +257,12 @@ def _request(spec: ev.TaskSpec) -> tuple[int, float]:
     return int(spec.device_share_milli), float(math.ceil(spec.memory_per_device_gb))
 
 
-__all__ = ["FragmentationGradient", "RequestMix", "fragmentation_delta", "fragmentation_milli", "free_milli"]
+__all__ = [
+    "FragmentationGradient",
+    "RequestMix",
+    "cluster_fragmentation_gpus",
+    "fragmentation_delta",
+    "fragmentation_milli",
+    "free_milli",
+    "held_mix",
+]

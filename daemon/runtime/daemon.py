@@ -51,6 +51,7 @@ from grpc_health.v1 import health_pb2
 from hlb.daemon.bus.lag import Lag
 from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
 from hlb.daemon.config import Settings
+from hlb.daemon.decide.fgd import cluster_fragmentation_gpus
 from hlb.daemon.decide.leases import LeaseTimeouts
 from hlb.daemon.decide.scheduler import Clock, Scheduler
 from hlb.daemon.errors import ConfigError
@@ -525,6 +526,7 @@ class Daemon:
             leases = self.scheduler.leases
             leases_held, expired, reconciled = len(leases.table), dict(leases.expired), dict(leases.reconciled)
             allocated = self.scheduler.graph.allocated_by_model()
+            fragmentation = cluster_fragmentation_gpus(self.scheduler.graph)
         return StateSample(
             serving=self.serving and self.journal_writable,
             journal_writable=self.journal_writable,
@@ -552,6 +554,7 @@ class Daemon:
             leases_expired=expired,
             tasks_reconciled=reconciled,
             devices_allocated=allocated,
+            fragmentation_gpus=fragmentation,
         )
 
     # -- leases (hlb.daemon.decide.leases) ------------------------------------------------------

@@ -107,6 +107,8 @@ class StateSample:
     leases_expired: Mapping[str, int] = field(default_factory=dict)  # by kind: start, report
     tasks_reconciled: Mapping[str, int] = field(default_factory=dict)  # lost placements, by outcome
     devices_allocated: Mapping[str, float] = field(default_factory=dict)  # by model (InfraGraph.allocated_by_model)
+    # Expected fragmentation in GPU-equivalents (hlb.daemon.decide.fgd); None without shared devices.
+    fragmentation_gpus: float | None = None
 
 
 StateProvider = Callable[[], StateSample]
@@ -336,8 +338,16 @@ class _StateCollector(Collector):
         )
         for model, worth in sorted(s.devices_allocated.items()):
             allocated.add_metric([model or "unknown"], worth)
+        fragmentation = GaugeMetricFamily(
+            "hlb_fragmentation_gpus",
+            "Free capacity (GPU-equivalents) the typical request cannot use: FGD's expected fragmentation against "
+            "the requests of the tasks held (docs/simulator.md); only with shared devices.",
+        )
+        if s.fragmentation_gpus is not None:
+            fragmentation.add_metric([], s.fragmentation_gpus)
         return [
             allocated,
+            *([fragmentation] if s.fragmentation_gpus is not None else []),
             *metrics,
             info,
             degraded,

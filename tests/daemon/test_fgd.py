@@ -11,9 +11,11 @@ import pytest
 from hlb.daemon.decide.fgd import (
     FragmentationGradient,
     RequestMix,
+    cluster_fragmentation_gpus,
     fragmentation_delta,
     fragmentation_milli,
     free_milli,
+    held_mix,
 )
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.scheduler import Scheduler
@@ -147,3 +149,18 @@ def test_fgd_decides_like_hetero_greedy_where_nothing_is_shared() -> None:
             scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", device_upsert=spec))
     specs = [ev.TaskSpec(id=f"t{i}", workload_class="resnet50-bs64", work_ref_s=600, num_devices=1) for i in range(3)]
     assert [place(fgd, s) for s in specs] == [place(greedy, s) for s in specs]
+
+
+def test_the_daemon_s_fragmentation_is_against_the_requests_of_the_tasks_it_holds() -> None:
+    scheduler = make_scheduler()
+    upsert(scheduler, "x0")  # exclusive: nothing shared, nothing to measure
+    assert cluster_fragmentation_gpus(scheduler.graph) is None
+    upsert(scheduler, "g0", sharing=MPS)
+    assert cluster_fragmentation_gpus(scheduler.graph) is None  # no task: no request to measure against
+    place(scheduler, task("a", 700))
+    assert scheduler.place(task("b", 500)).placement is None  # g0 holds 700: b waits
+    mix = held_mix(scheduler.graph)
+    assert mix is not None
+    assert dict(zip(mix.share_milli.tolist(), mix.weight.tolist(), strict=True)) == {700: 0.5, 500: 0.5}
+    # g0's 300 free is no use to either; x0 (free, exclusive) is no use to shares.
+    assert cluster_fragmentation_gpus(scheduler.graph) == pytest.approx(0.3 + 1.0)
