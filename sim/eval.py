@@ -509,8 +509,16 @@ def _cluster_document(spec: RunSpec) -> dict[str, Any]:
     inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
     catalogue = inventory.catalogue(_catalogue())
     modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
-    models = {m: inventory.device_count(m) for m in sorted({d.model for d in inventory.devices})}
-    cluster: dict[str, Any] = {"spec": spec.cluster, "devices": inventory.device_count(), "models": models}
+    # Physical devices: a MIG partition is counted with its parent, not as a device of its own.
+    whole = [d for d in inventory.devices if not d.parent_id]
+    models = {m: sum(d.model == m for d in whole) for m in sorted({d.model for d in whole})}
+    cluster: dict[str, Any] = {"spec": spec.cluster, "devices": len(whole), "models": models}
+    partitions = len(inventory.devices) - len(whole)
+    if partitions:
+        cluster["partitions"] = partitions
+    shared = sum(bool(d.sharing) for d in whole)
+    if shared:
+        cluster["shareable"] = shared
     if spec.sample_devices:
         cluster["sample"] = {
             "devices_asked": spec.sample_devices,

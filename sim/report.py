@@ -364,6 +364,8 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
     note = (
         f"Cluster `{cluster['spec']}`: {cluster['devices']} devices "
         + ", ".join(f"{n} {m}" for m, n in cluster["models"].items())
+        + (f"; {cluster['shareable']} of them shareable" if cluster.get("shareable") else "")
+        + (f"; {cluster['partitions']} MIG partitions cut from the others" if cluster.get("partitions") else "")
         + (
             f". Modelled (not measured) device profiles: {', '.join(cluster['modelled'])}"
             + (
