@@ -79,8 +79,8 @@ demo: install kafka
 	$(PY) -m hlb.cli demo --duration $(DURATION)
 
 # The shipped GNN and its no-graph ablation: the default training recipe (logged simulations, then
-# about half an hour of fitting per model on 2 cores), the second model on the first one's data,
-# then hlb export into the package. CI never runs this; it trains a tiny model in the tests instead.
+# about 20 minutes of fitting per model on 2 cores; an hour in all), the second model on the first
+# one's data, then hlb export into the package. CI never runs this; it trains a tiny model in the tests.
 TRAIN_OUT ?= .cache/train
 model: install-export
 	rm -rf $(TRAIN_OUT)

@@ -47,6 +47,8 @@ from hlb.v1 import events_pb2 as ev
 PRIOR_PROFILES = "nameplate"
 # What the logging policy estimates with, by episode (seed modulo their count).
 LOGGING_PROFILES = ("nameplate", "coarse", "exact")
+# The shape feature ``gang`` of a one-device task (log1p(1)); a gang's is larger.
+GANG_OF_ONE = float(np.log1p(1.0)) + 1e-6
 
 
 @dataclass(frozen=True)
@@ -126,12 +128,12 @@ class LoggingGreedy(HeteroGreedy):
             return
         gang, consolidated = len(rows), on_one_host(graph, rows)
         prior = self.prior.gang_runtime_s(graph, rows, spec)
-        slowest = rows[int(np.argmax(prior))]
         inputs = self.snapshots[-1]
         try:
-            (position,) = inputs.device_positions(np.array([slowest], dtype=np.int64)).tolist()
+            position = _bounding_position(inputs, rows, prior)
         except KeyError:  # a device added since the snapshot
             return
+        slowest = int(inputs.device_rows[position])
         prior_x = feat.prior_features(spec, graph, np.array([slowest]), self.prior, gang, consolidated)[0]
         shape_x = feat.shape_features(spec, gang, consolidated)
         snapshot = len(self.snapshots) - 1
@@ -146,6 +148,20 @@ class LoggingGreedy(HeteroGreedy):
         self.examples.append(Example(snapshot, position, shape_x, prior_x, label, explored))
 
 
+def _bounding_position(inputs: feat.EncoderInputs, rows: Rows, prior_s: NDArray[np.float64]) -> int:
+    """The snapshot position of the member that bounds a gang's run time: the slowest by the prior,
+    and among members the prior rates alike, the one whose host carries the most spread gangs (the
+    uplink that slows a spread gang most). Raises KeyError for a device not in the snapshot."""
+    positions = inputs.device_positions(np.asarray(rows, dtype=np.int64))
+    slowest = np.flatnonzero(prior_s >= prior_s.max() * (1.0 - 1e-9))
+    if len(slowest) == 1:
+        return int(positions[slowest[0]])
+    hosts = inputs.lists["device_host"].index[positions[slowest], 0]
+    column = feat.names(feat.HOST_FEATURES).index("spread_gangs")
+    padded = np.vstack([inputs.host_x, np.zeros((1, inputs.host_x.shape[1]), dtype=np.float32)])
+    return int(positions[slowest[int(np.argmax(padded[hosts, column]))]])
+
+
 def simulate(
     catalogue: Catalogue,
     cluster: str,
@@ -155,19 +171,21 @@ def simulate(
     seed: int,
     explore: float = 0.2,
     explore_sigma: float = 0.7,
+    gangs_only: bool = False,
 ) -> Episode:
-    """One logged simulation of ``workload`` on ``cluster`` (seed ``seed``) with the hidden truth on."""
+    """One logged simulation of ``workload`` on ``cluster`` (seed ``seed``) with the hidden truth on;
+    ``gangs_only`` keeps the examples of tasks on more than one device (and their snapshots) only."""
     inventory = build_cluster(cluster, catalogue)
     tasks = build_workload(workload, seed, jobs, catalogue, inventory, load)
     told = profiles_of(LOGGING_PROFILES[seed % len(LOGGING_PROFILES)])
     logger = LoggingGreedy(told, profiles_of(PRIOR_PROFILES), np.random.default_rng(seed), explore, explore_sigma)
     policy = with_rules("rules", logger, RulesSettings(), told)
     Simulation(catalogue, inventory, tasks, policy, seed, SimConfig(hidden=HIDDEN_DEFAULTS)).run()
-    used = sorted({e.snapshot for e in logger.examples})
+    gang = feat.names(feat.SHAPE_FEATURES).index("gang")
+    kept = [e for e in logger.examples if not gangs_only or e.shape_x[gang] > GANG_OF_ONE]
+    used = sorted({e.snapshot for e in kept})
     renumber = {old: new for new, old in enumerate(used)}
-    examples = [
-        Example(renumber[e.snapshot], e.position, e.shape_x, e.prior_x, e.label, e.explored) for e in logger.examples
-    ]
+    examples = [Example(renumber[e.snapshot], e.position, e.shape_x, e.prior_x, e.label, e.explored) for e in kept]
     return Episode([logger.snapshots[i] for i in used], examples)
 
 

@@ -28,9 +28,11 @@ class Stage:
     workload: str
     load: float
     jobs: int
+    gangs_only: bool = False  # keep the examples of gangs only (their snapshots cost the most on large clusters)
 
     def label(self) -> str:
-        return f"{self.workload}@{self.cluster} load {self.load:g} x{self.jobs}"
+        gangs = ", gangs only" if self.gangs_only else ""
+        return f"{self.workload}@{self.cluster} load {self.load:g} x{self.jobs}{gangs}"
 
 
 DEFAULT_STAGES: tuple[Stage, ...] = (
@@ -38,6 +40,9 @@ DEFAULT_STAGES: tuple[Stage, ...] = (
     Stage("mixed:64", "gavel", 1.0, 200),
     Stage("mixed:128", "pipelines", 0.9, 100),
     Stage("gavel:48", "gavel", 0.9, 200),
+    # Spread gangs sharing uplinks: a few dozen per simulation at 256 devices, next to none below.
+    Stage("mixed:256", "gavel", 0.8, 600, gangs_only=True),
+    Stage("mixed:256", "gavel", 1.0, 600, gangs_only=True),
 )
 TINY_STAGES: tuple[Stage, ...] = (Stage("mixed:8", "gavel", 0.8, 12),)
 
@@ -51,7 +56,7 @@ class TrainConfig:
     validation_episodes: int = 3  # per stage, on validation seeds
     explore: float = 0.2  # share of decisions that perturb the estimates (hlb.export.dataset)
     explore_sigma: float = 0.7
-    epochs: int = 6
+    epochs: int = 2
     batch_snapshots: int = 8  # graph snapshots per optimizer step
     learning_rate: float = 2e-3
     weight_decay: float = 1e-5
@@ -83,13 +88,17 @@ PRESETS: dict[str, TrainConfig] = {
 
 
 def parse_stage(text: str) -> Stage:
-    """``CLUSTER/WORKLOAD/LOAD/JOBS``, e.g. ``mixed:64/gavel/0.8/200``; ValueError naming the problem."""
+    """``CLUSTER/WORKLOAD/LOAD/JOBS[/gangs]``, e.g. ``mixed:64/gavel/0.8/200`` (``/gangs``: keep the
+    examples of gangs only); ValueError naming the problem."""
     parts = text.split("/")
+    gangs_only = len(parts) == 5 and parts[4] == "gangs"
+    if gangs_only:
+        parts = parts[:4]
     if len(parts) != 4:
-        raise ValueError(f"stage {text!r}: expected CLUSTER/WORKLOAD/LOAD/JOBS, e.g. mixed:64/gavel/0.8/200")
+        raise ValueError(f"stage {text!r}: expected CLUSTER/WORKLOAD/LOAD/JOBS[/gangs], e.g. mixed:64/gavel/0.8/200")
     cluster, workload, load, jobs = parts
     try:
-        stage = Stage(cluster, workload, float(load), int(jobs))
+        stage = Stage(cluster, workload, float(load), int(jobs), gangs_only)
     except ValueError:
         raise ValueError(f"stage {text!r}: LOAD must be a number and JOBS an integer") from None
     if not stage.load > 0 or stage.jobs < 1:

@@ -207,7 +207,15 @@ class Trainer:
         validation: list[Episode] = []
         for stage, seed, is_train in self._bar(runs, "logging simulations"):
             episode = simulate(
-                catalogue, stage.cluster, stage.workload, stage.load, stage.jobs, seed, c.explore, c.explore_sigma
+                catalogue,
+                stage.cluster,
+                stage.workload,
+                stage.load,
+                stage.jobs,
+                seed,
+                c.explore,
+                c.explore_sigma,
+                gangs_only=stage.gangs_only,
             )
             (train if is_train else validation).append(episode)
         document = {"format": DATA_FORMAT, "description": c.describe(), "train": train, "validation": validation}

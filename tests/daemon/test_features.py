@@ -309,3 +309,27 @@ def test_features_do_not_import_torch() -> None:
     code = "import sys, hlb.daemon.decide.gnn.features, hlb.daemon.decide.gnn.inference; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_each_host_counts_the_spread_gangs_holding_a_device_on_it() -> None:
+    """h0 holds d0 and d1, h1 holds d2: a gang on d0+d2 spreads over h0 and h1; one on d0+d1 does
+    not; a second spread gang on d1+d2 makes two on each; releasing one leaves the other."""
+    graph = small_graph()
+    for task_id in ("a", "b", "c"):
+        submit(graph, task_id, gang=2)
+    d = graph.devices.index
+    graph.bind(graph.tasks["a"], [d["d0"], d["d2"]])
+    graph.bind(graph.tasks["b"], [d["d0"], d["d1"]])
+    column = feat.names(feat.HOST_FEATURES).index("spread_gangs")
+
+    def counts() -> dict[str, float]:
+        inputs = feat.encoder_inputs(graph)
+        raw = np.expm1(inputs.host_x[:, column].astype(np.float64))  # log1p at scale 1
+        return {graph.hosts.ids[r] or "": round(float(v), 6) for r, v in zip(inputs.host_rows, raw, strict=True)}
+
+    assert counts() == {"h0": 1.0, "h1": 1.0, "h2": 0.0}
+    graph.bind(graph.tasks["c"], [d["d1"], d["d2"]])
+    graph.mark_running(graph.tasks["c"])
+    assert counts() == {"h0": 2.0, "h1": 2.0, "h2": 0.0}
+    graph.release(graph.tasks["a"], TaskState.FINISHED)
+    assert counts() == {"h0": 1.0, "h1": 1.0, "h2": 0.0}

@@ -206,7 +206,7 @@ def test_training_learns_a_speed_that_depends_on_the_device(tmp_path: Path) -> N
         "validation": [synthetic_episode(seed) for seed in (8, 9)],
     }
     torch.save(document, data)
-    config = recipe.TrainConfig(epochs=16, batch_snapshots=2, learning_rate=1e-2, hidden=8, rounds=1, seed=0)
+    config = recipe.TrainConfig(epochs=16, batch_snapshots=2, learning_rate=5e-3, hidden=8, rounds=1, seed=0)
     trainer = train.Trainer(config, tmp_path / "run", lambda _: None, progress=False, data=data)
     best = trainer.run()
 

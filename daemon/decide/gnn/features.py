@@ -43,7 +43,7 @@ from hlb.daemon.state.tables import DEVICE_NODE, HOST_NODE, SWITCH_NODE, Rows, T
 from hlb.daemon.state.task import TaskState
 from hlb.v1 import events_pb2 as ev
 
-FEATURE_SCHEMA_VERSION = 3  # 3: the scorer predicts speed ratios from shape and prior features
+FEATURE_SCHEMA_VERSION = 4  # 3: speed ratios from shape and prior features; 4: spread gangs per host
 CLIP = 10.0
 
 # Peak dense throughput of the reference accelerator (V100-SXM2, FP16 tensor cores), TFLOPS.
@@ -107,6 +107,7 @@ HOST_FEATURES: tuple[Feature, ...] = (
     _f("link_gbps", "log1p", 100.0, "GB/s of links touching the host"),
     _f("has_rack", "linear", 1.0, "flag"),
     _f("placeholder", "linear", 1.0, "flag: named by a device, never described"),
+    _f("spread_gangs", "log1p", 1.0, "placed or running gangs across hosts with a device here (sharing its uplink)"),
 )
 
 SWITCH_FEATURES: tuple[Feature, ...] = (
@@ -387,7 +388,8 @@ def device_matrix(graph: InfraGraph, rows: Rows) -> Matrix:
     return normalize(raw.reshape(len(rows), len(DEVICE_FEATURES)), DEVICE_FEATURES)
 
 
-def _host_matrix(graph: InfraGraph, rows: Rows, device_rows: Rows) -> Matrix:
+def _host_matrix(graph: InfraGraph, rows: Rows, device_rows: Rows, spread_gangs: NDArray[np.int64]) -> Matrix:
+    """Host features of graph ``rows``; ``spread_gangs`` [H] by host position (:func:`_spread_gangs`)."""
     h, d = graph.hosts, graph.devices
     idle = (d.n_tasks[device_rows] == 0) & (d.health[device_rows] != ev.HEALTH_FAILED)
     n_idle = np.bincount(d.host[device_rows][idle], minlength=h.capacity)[: h.capacity]
@@ -400,9 +402,25 @@ def _host_matrix(graph: InfraGraph, rows: Rows, device_rows: Rows) -> Matrix:
             _link_gbps(graph, HOST_NODE, h.capacity)[rows],
             h.rack[rows] >= 0,
             h.placeholder[rows],
+            spread_gangs,
         ]
     ).astype(np.float64)
     return normalize(raw.reshape(len(rows), len(HOST_FEATURES)), HOST_FEATURES)
+
+
+def _spread_gangs(held_t: Index, held_d: Index, dev_host: Index, n_host: int) -> NDArray[np.int64]:
+    """Per host position, the placed or running tasks holding devices on more than one host that
+    hold one there: the gangs sharing the host's uplink. Shapes: held_t, held_d [E] -> [n_host]."""
+    if not len(held_t) or n_host == 0:
+        return np.zeros(n_host, dtype=np.int64)
+    hosts = dev_host[held_d]
+    known = hosts >= 0
+    pairs = np.unique(held_t[known] * n_host + hosts[known])  # (task, host) once each
+    task, host = pairs // n_host, pairs % n_host
+    hosts_per_task = np.bincount(task)
+    spread = hosts_per_task[task] > 1
+    counts: NDArray[np.int64] = np.bincount(host[spread], minlength=n_host)[:n_host].astype(np.int64)
+    return counts
 
 
 def _switch_matrix(graph: InfraGraph, rows: Rows) -> Matrix:
@@ -553,7 +571,7 @@ def encoder_inputs(graph: InfraGraph, now_ms: int = 0, message_passing: bool = T
     }
     inputs = EncoderInputs(
         device_x=device_matrix(graph, device_rows),
-        host_x=_host_matrix(graph, host_rows, device_rows),
+        host_x=_host_matrix(graph, host_rows, device_rows, _spread_gangs(held_t, held_d, dev_host, n_host)),
         switch_x=_switch_matrix(graph, switch_rows),
         task_x=task_table_matrix(t, task_rows, now_ms),
         device_rows=device_rows,
