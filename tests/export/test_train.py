@@ -52,7 +52,11 @@ def test_presets_match_the_command_line() -> None:
 
 def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
     assert recipe.parse_stage("mixed:64/gavel/0.8/200") == recipe.Stage("mixed:64", "gavel", 0.8, 200)
-    for bad in ("mixed:64/gavel/0.8", "mixed:64/gavel/x/200", "mixed:64/gavel/0/200", "mixed:64/gavel/0.8/0"):
+    gangs = recipe.parse_stage("mixed:256/gavel/1/600/gangs")
+    assert gangs == recipe.Stage("mixed:256", "gavel", 1.0, 600, gangs_only=True)
+    assert gangs.label().endswith("gangs only")
+    bad_stages = ("mixed:64/gavel/0.8", "mixed:64/gavel/x/200", "mixed:64/gavel/0/200", "mixed:64/gavel/0.8/0")
+    for bad in (*bad_stages, "mixed:64/gavel/0.8/200/singles"):
         with pytest.raises(ValueError, match="stage"):
             recipe.parse_stage(bad)
     with pytest.raises(ValueError, match="held out"):
@@ -151,6 +155,19 @@ def test_every_snapshot_is_used_and_some_decisions_explore(monkeypatch: pytest.M
         explored += sum(e.explored for e in episode.examples)
         assert all(np.isfinite(e.label) for e in episode.examples)
     assert 0 < explored < 3 * TINY.jobs  # exploration 0.2: some, not all
+
+
+def test_a_gangs_only_simulation_keeps_the_gangs_examples_and_their_snapshots_alone() -> None:
+    args = (load_catalogue(), "mixed:16", "gavel", 1.0, 40, 1002)
+    every = dataset.simulate(*args)
+    gangs = dataset.simulate(*args, gangs_only=True)
+    gang = feat.names(feat.SHAPE_FEATURES).index("gang")
+    sizes = [round(float(np.expm1(e.shape_x[gang]))) for e in every.examples]
+    assert 0 < sum(size > 1 for size in sizes) < len(sizes)  # this workload has both
+    assert sorted(e.label for e in gangs.examples) == sorted(
+        e.label for e, size in zip(every.examples, sizes, strict=True) if size > 1
+    )
+    assert sorted({e.snapshot for e in gangs.examples}) == list(range(len(gangs.snapshots)))
 
 
 def test_no_exploration_logs_none_and_full_exploration_logs_all() -> None:
