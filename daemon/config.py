@@ -312,6 +312,13 @@ class RulesSettings(_Section):
     # request_rate_per_s, request_work_ref_ms) on the slowest devices whose estimated request
     # latency meets its latency_slo_ms, keeping faster ones for work whose finish depends on speed.
     fit_services: bool = True
+    # With shared devices (shareable or partitioned): a task that asks for a share goes where it
+    # grows the expected fragmentation least (the fgd baseline's measure), its scorer choosing among
+    # those; and, with wait_on_shared off, no task waits for a busy device while it could take a
+    # shareable device or partition now (waiting would leave that capacity free). No effect on a
+    # cluster without shared devices.
+    fragmentation_fit: bool = True
+    wait_on_shared: bool = False
 
 
 class ModelSettings(_Section):

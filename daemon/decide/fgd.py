@@ -165,7 +165,7 @@ def held_mix(graph: InfraGraph, limit: int = MIX_WINDOW) -> RequestMix | None:
     running, and ended ones not forgotten yet): the daemon's view of the typical request; None
     when it holds none."""
     newest = itertools.islice(reversed(graph.tasks.values()), limit)
-    requests = [_request(task.spec) for task in newest]
+    requests = [request_type(task.spec) for task in newest]
     return RequestMix.of(requests, MIX_TYPES) if requests else None
 
 
@@ -235,7 +235,7 @@ class FragmentationGradient(Policy):
 
     def mix(self, spec: ev.TaskSpec) -> RequestMix:
         """The requests placed so far (the last :data:`MIX_WINDOW`), or ``spec`` alone before any."""
-        seen = list(self._seen) or [_request(spec)]
+        seen = list(self._seen) or [request_type(spec)]
         return RequestMix.of(seen, MIX_TYPES)
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
@@ -246,13 +246,13 @@ class FragmentationGradient(Policy):
         return scores
 
     def placed(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> None:
-        self._seen.append(_request(spec))
+        self._seen.append(request_type(spec))
 
     def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
         self.greedy.finished(spec, graph, rows, ran_s)
 
 
-def _request(spec: ev.TaskSpec) -> tuple[int, float]:
+def request_type(spec: ev.TaskSpec) -> tuple[int, float]:
     """A request's type: its share (0: whole devices) and its memory per device rounded up to 1 GB."""
     return int(spec.device_share_milli), float(math.ceil(spec.memory_per_device_gb))
 
@@ -265,4 +265,5 @@ __all__ = [
     "fragmentation_milli",
     "free_milli",
     "held_mix",
+    "request_type",
 ]

@@ -5,11 +5,15 @@ estimates of :mod:`hlb.daemon.decide.waiting` (which says what each rule does an
 
 - :class:`ShortestFirst` (queue order): shortest estimated run time first within a priority;
 - :class:`ServiceFit` (filter): a service that declares its load goes to the slowest devices that
-  meet its latency SLO;
+  meet its latency SLO (a share of a device: by its share's speed);
+- :class:`FragmentationFit` (filter, after it): a task that asks for a share goes where it grows
+  the cluster's expected fragmentation least (the ``fgd`` baseline's measure), the scorer choosing
+  among those;
 - :class:`GangWait`, :class:`ServiceWait`, :class:`FasterDevice` (permit, in that order): a gang
   waits for a host where it would finish in under ``factor`` of its finish now; a fitted service
   waits for a busy device that meets its SLO when no free one does; any other one-device task
-  waits for a busy device the scorer ranks above the free one it could take now.
+  waits for a busy device the scorer ranks above the free one it could take now. None waits when
+  it could take a shareable device or a partition now, unless ``wait_on_shared`` says so.
 
 ``scheduler.rules`` in the configuration turns each on or off; :func:`rule_plugins` builds them.
 """
@@ -23,8 +27,17 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.config import RulesSettings
+from hlb.daemon.decide.fgd import MIX_TYPES, RequestMix, fragmentation_delta, held_mix, request_type
 from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrder, Wait
-from hlb.daemon.decide.waiting import RunTimes, declared_load, gang_wait, service_wait, slo_fit, wait_options
+from hlb.daemon.decide.waiting import (
+    RunTimes,
+    declared_load,
+    declines_shared,
+    gang_wait,
+    service_wait,
+    slo_fit,
+    wait_options,
+)
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
@@ -60,17 +73,42 @@ class ServiceFit:
 
 
 @dataclass(frozen=True)
+class FragmentationFit:
+    """Filter: a task that asks for a share keeps, of its candidates, those where it would grow the
+    cluster's expected fragmentation least (:func:`~hlb.daemon.decide.fgd.fragmentation_delta`
+    against the mix of the requests the graph holds, as the ``fgd`` baseline measures it, within
+    ``tie_milli``); the scorer then ranks those. All of them on a graph without shared devices."""
+
+    tie_milli: float = 0.1
+    name: str = "fragmentation-fit"
+
+    def applies(self, spec: ev.TaskSpec) -> bool:
+        return spec.device_share_milli > 0
+
+    def filter(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Rows:
+        if not graph.shared_devices or len(rows) < 2:
+            return rows
+        mix = held_mix(graph) or RequestMix.of([request_type(spec)], MIX_TYPES)
+        delta = fragmentation_delta(graph, spec, rows, mix)
+        kept: Rows = rows[delta <= float(delta.min()) + self.tie_milli]
+        return kept
+
+
+@dataclass(frozen=True)
 class ServiceWait:
     """Permit: a one-device service with a declared load waits for a busy device meeting its SLO
     when no free one does (:func:`service_wait`)."""
 
     profiles: DeviceProfiles
+    on_shared: bool = False
     name: str = "service-wait"
 
     def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
         return len(gang) == 1 and declared_load(spec) is not None
 
     def wait(self, request: PermitRequest) -> Wait | None:
+        if not self.on_shared and declines_shared(request.graph, request.gang):
+            return None
         return service_wait(request.spec, request.graph, request.gang, request.now_ms, self.profiles)
 
 
@@ -81,6 +119,7 @@ class GangWait:
 
     profiles: DeviceProfiles
     factor: float
+    on_shared: bool = False
     name: str = "gang-wait"
 
     def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
@@ -88,6 +127,8 @@ class GangWait:
 
     def wait(self, request: PermitRequest) -> Wait | None:
         r = request
+        if not self.on_shared and declines_shared(r.graph, r.gang):
+            return None
         return gang_wait(r.spec, r.graph, r.gang, r.now_ms, r.queued_s, self.profiles, self.factor)
 
 
@@ -97,14 +138,17 @@ class FasterDevice:
 
     name = "faster-device"
 
-    def __init__(self, profiles: DeviceProfiles) -> None:
+    def __init__(self, profiles: DeviceProfiles, on_shared: bool = False) -> None:
         self.runtimes = RunTimes(profiles)
+        self.on_shared = on_shared
 
     def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
         return len(gang) == 1
 
     def wait(self, request: PermitRequest) -> Wait | None:
         r = request
+        if not self.on_shared and declines_shared(r.graph, r.gang):
+            return None
         options = wait_options(r.spec, r.graph, r.gang, r.now_ms, r.queued_s, self.runtimes)
         if options is None:
             return None
@@ -121,15 +165,18 @@ def rule_plugins(
     """The queue order, filters and permits ``settings`` turn on. Without ``wait_for_faster`` no task
     waits, gangs and services included."""
     queue_order = ShortestFirst(profiles) if settings.queue_order == "shortest-first" else None
-    filters: tuple[Filter, ...] = (ServiceFit(profiles),) if settings.fit_services else ()
+    filters: list[Filter] = [ServiceFit(profiles)] if settings.fit_services else []
+    if settings.fragmentation_fit:
+        filters.append(FragmentationFit())
     permits: list[Permit] = []
     if settings.wait_for_faster:
+        shared = settings.wait_on_shared
         if settings.gang_wait_factor > 0:
-            permits.append(GangWait(profiles, settings.gang_wait_factor))
+            permits.append(GangWait(profiles, settings.gang_wait_factor, shared))
         if settings.fit_services:
-            permits.append(ServiceWait(profiles))
-        permits.append(FasterDevice(profiles))
-    return queue_order, filters, tuple(permits)
+            permits.append(ServiceWait(profiles, shared))
+        permits.append(FasterDevice(profiles, shared))
+    return queue_order, tuple(filters), tuple(permits)
 
 
-__all__ = ["FasterDevice", "GangWait", "ServiceFit", "ServiceWait", "ShortestFirst", "rule_plugins"]
+__all__ = ["FasterDevice", "FragmentationFit", "GangWait", "ServiceFit", "ServiceWait", "ShortestFirst", "rule_plugins"]

@@ -28,6 +28,11 @@ training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` s
   faster ones to work whose finish depends on speed. When none of the free devices meets it but a
   busy one would, :func:`service_wait` has the service wait for the one expected free soonest
   (with waiting on); when no device would, it takes a free one as any task does, the fastest first.
+  A service that asks for a share of a device is fitted by its share's speed (:func:`service_speed`).
+- **Shared devices** (``wait_on_shared``, off): a task does not wait for a busy device when it
+  could take a shareable device or a partition now (:func:`declines_shared`); at saturation the
+  capacity it declined would stay free while requests wait (docs/evaluation.md, "Shared and
+  fractional devices"). No effect without shared devices.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from numpy.typing import NDArray
 
 from hlb.daemon.decide.framework import Wait, WaitOptions
 from hlb.daemon.decide.scorers import device_share
+from hlb.daemon.state.checks import WHOLE_SHARE
+from hlb.daemon.state.feasibility import share_charge
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import NEVER_S, DeviceProfiles
 from hlb.daemon.state.tables import Rows
@@ -48,6 +55,12 @@ from hlb.v1 import events_pb2 as ev
 # Busy devices compared with the free one (the best by estimated finish, wait included).
 WAIT_CANDIDATES = 8
 MAX_SHAPES = 4096
+# A service holding a share of a shareable (MPS, time-sliced) device is fitted to its SLO at this
+# share of its share's speed: its co-runners contend for what shares do not divide (memory
+# bandwidth, caches), which the scheduler does not see, and they come and go while the service
+# lives; a partition isolates it (1). 0.5 was chosen against 0.75 and 1 on seeds 0-2 of the
+# fractional family of hlb eval (docs/evaluation.md, "Shared and fractional devices").
+SHARED_HEADROOM = 0.5
 
 
 class RunTimes:
@@ -205,6 +218,17 @@ def gang_wait(
     return Wait(row, device_id, float(wait_s[best]), float(run_s[best]), free_finish, devices=size)
 
 
+def declines_shared(graph: InfraGraph, gang: Rows) -> bool:
+    """Whether taking ``gang`` now would take a shareable device or a partition. Waiting instead
+    would leave that capacity free: on shared devices at saturation, capacity that the queued
+    requests do not take (they are the ones declining it), so the rules with ``wait_on_shared``
+    off do not wait then. False on a graph without shared devices."""
+    if not graph.shared_devices or not len(gang):
+        return False
+    d = graph.devices
+    return bool(np.any((d.sharing[gang] > 0) | d.partition[gang]))
+
+
 def declared_load(spec: ev.TaskSpec) -> tuple[float, float] | None:
     """A service's declared request rate (1/s) and one request's work (reference-device ms), or None
     for a task without a latency SLO or without both labels (their values are checked on submit)."""
@@ -222,8 +246,25 @@ def request_latency_ms(
     """Estimated mean request latency (ms) of a service with ``load`` (rate, request work) on each of
     ``rows``, on a device of its own: one request takes ``S`` = work / speed, and with requests
     arriving at random at the rate the device is busy ``rho`` = rate * S, so a request's time in
-    the system is ``S / (1 - rho)`` (M/M/1); infinite where ``rho`` >= 1. [N] -> [N]."""
-    return _latency_ms(load, profiles.device_speedups(graph, rows, spec, 1))
+    the system is ``S / (1 - rho)`` (M/M/1); infinite where ``rho`` >= 1. A service that asks for a
+    share of a device runs at its share's speed (:func:`service_speed`). [N] -> [N]."""
+    return _latency_ms(load, service_speed(spec, graph, rows, profiles))
+
+
+def service_speed(spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, profiles: DeviceProfiles) -> NDArray[np.float64]:
+    """A one-device service's speed (relative to the reference device) on each of ``rows``, as the
+    service-fit rule counts it: the device's, times, when the service asks for a share
+    (``device_share_milli``), the share it keeps however the device fills up later (its share, all
+    of a partition, over the device's share capacity where time slicing lets that exceed one
+    device; docs/fractional.md), and on a shareable device times :data:`SHARED_HEADROOM`. [N] -> [N]."""
+    speed = profiles.device_speedups(graph, rows, spec, 1)
+    if spec.device_share_milli:
+        d = graph.devices
+        charge = share_charge(d, int(spec.device_share_milli), rows).astype(np.float64)
+        capacity = np.maximum(d.share_capacity[rows].astype(np.float64), float(WHOLE_SHARE))
+        headroom = np.where(d.sharing[rows] > 0, SHARED_HEADROOM, 1.0)
+        speed = speed * np.clip(charge / capacity, 1e-3, 1.0) * headroom
+    return speed
 
 
 def _latency_ms(load: tuple[float, float], speed: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -278,11 +319,12 @@ def service_wait(
 def slo_fit(spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, profiles: DeviceProfiles) -> Rows:
     """The rows of ``feasible`` a one-device service with a declared load should choose among: those
     of the slowest speed whose estimated request latency meets its SLO; all of ``feasible`` when
-    none does, for a gang, or for a task that declares no load."""
+    none does, for a gang, or for a task that declares no load. A service that asks for a share is
+    fitted by its share's speed on each device (:func:`service_speed`), not the whole device's."""
     load = declared_load(spec)
     if load is None or spec.num_devices > 1 or not len(feasible):
         return feasible
-    speed = profiles.device_speedups(graph, feasible, spec, 1)
+    speed = service_speed(spec, graph, feasible, profiles)
     meets = _latency_ms(load, speed) <= spec.latency_slo_ms
     if not meets.any():
         return feasible
@@ -292,15 +334,18 @@ def slo_fit(spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, profiles: Devi
 
 
 __all__ = [
+    "SHARED_HEADROOM",
     "WAIT_CANDIDATES",
     "RunTimes",
     "WaitOptions",
     "declared_load",
+    "declines_shared",
     "free_in_s",
     "gang_wait",
     "queued_behind_s",
     "request_latency_ms",
     "service_lifetime_s",
+    "service_speed",
     "service_wait",
     "slo_fit",
     "wait_options",

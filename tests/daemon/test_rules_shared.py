@@ -1,0 +1,139 @@
+"""The rules on shared devices (``scheduler.rules.fragmentation_fit``, ``wait_on_shared``, and
+``fit_services`` for a service that asks for a share): no wait that leaves a shareable device free,
+shares placed where fragmentation grows least, services fitted by their share's speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlb.daemon.config import RulesSettings
+from hlb.daemon.decide.presets import make_policy
+from hlb.daemon.decide.rules import FragmentationFit
+from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.waiting import SHARED_HEADROOM
+from hlb.daemon.state.graph import InfraGraph
+from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.profiles import default_profiles
+from hlb.v1 import events_pb2 as ev
+from tests.daemon.clock import T0, Clock
+
+FAST, SLOW = "A100-SXM4-80GB", "V100-SXM2-32GB"
+MPS = ev.DEVICE_SHARING_MPS
+RATE_PER_S, REQUEST_MS = 2.0, 50.0
+
+
+def make_scheduler(clock: Clock, shareable: tuple[str, ...], **rules: object) -> Scheduler:
+    """Both devices on one host, those in ``shareable`` shared by MPS; the ``rules`` preset."""
+    policy = make_policy("rules", rules=RulesSettings(**rules))
+    scheduler = Scheduler(InfraGraph(), policy, PlacementLedger(), "c", clock=clock)
+    for model in (FAST, SLOW):
+        sharing = MPS if model in shareable else ev.DEVICE_SHARING_UNSPECIFIED
+        device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32, sharing=sharing)
+        scheduler.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    return scheduler
+
+
+def submit(scheduler: Scheduler, task_id: str, work_ref_s: float, **fields: object) -> None:
+    spec = ev.TaskSpec(id=task_id, workload_class="resnet50", work_ref_s=work_ref_s, memory_per_device_gb=4, **fields)  # type: ignore[arg-type]
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", submitted=spec))
+
+
+def device_of(scheduler: Scheduler, task_id: str) -> str:
+    placement = scheduler.ledger.get(task_id)
+    return placement.device_ids[0] if placement is not None else ""
+
+
+def runtime_s(model: str, work_ref_s: float) -> float:
+    graph = InfraGraph()
+    device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
+    graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    spec = ev.TaskSpec(id="probe", workload_class="resnet50", work_ref_s=work_ref_s, memory_per_device_gb=4)
+    return float(default_profiles().runtime_s(graph, np.array([0]), spec)[0])
+
+
+@pytest.mark.parametrize(("wait_on_shared", "waits"), [(False, False), (True, True)])
+def test_a_task_does_not_wait_for_a_faster_device_leaving_a_shareable_one_free(
+    wait_on_shared: bool, waits: bool
+) -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(SLOW,), wait_on_shared=wait_on_shared)
+    submit(scheduler, "busy", work_ref_s=1000.0 * 3600.0 / runtime_s(FAST, 3600.0))
+    scheduler.schedule_pending()
+    assert device_of(scheduler, "busy") == FAST
+    # On the fast device after 1,000 s it would finish well before its 3,600 s on the free one.
+    submit(scheduler, "x", work_ref_s=3600.0)
+    placed = [p.task_id for p in scheduler.schedule_pending()]
+    if waits:
+        assert placed == []
+        assert scheduler.waiting_count == 1
+    else:
+        assert placed == ["x"]
+        assert device_of(scheduler, "x") == SLOW
+
+
+def test_without_shared_devices_the_task_still_waits() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=())
+    submit(scheduler, "busy", work_ref_s=1000.0 * 3600.0 / runtime_s(FAST, 3600.0))
+    scheduler.schedule_pending()
+    submit(scheduler, "x", work_ref_s=3600.0)
+    assert scheduler.schedule_pending() == []
+    assert scheduler.waiting_count == 1
+    assert T0 > 0
+
+
+@pytest.mark.parametrize(("fragmentation_fit", "device"), [(True, SLOW), (False, FAST)])
+def test_a_share_goes_where_fragmentation_grows_least(fragmentation_fit: bool, device: str) -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(FAST, SLOW), fragmentation_fit=fragmentation_fit)
+    submit(scheduler, "held", work_ref_s=36000.0, device_share_milli=600, allowed_models=[SLOW])
+    scheduler.schedule_pending()
+    assert device_of(scheduler, "held") == SLOW
+    # 400 fills what the slow device has left, which a 600 request could not use: no fragment
+    # remains; on the fast one it would leave the slow one's 400 free as a fragment. The scorer
+    # alone prefers the fast device.
+    submit(scheduler, "x", work_ref_s=3600.0, device_share_milli=400)
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["x"]
+    assert device_of(scheduler, "x") == device
+
+
+def test_the_fragmentation_filter_keeps_every_row_without_shared_devices() -> None:
+    graph = InfraGraph()
+    for model in (FAST, SLOW):
+        device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
+        graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    rows = np.array([0, 1])
+    spec = ev.TaskSpec(id="s", device_share_milli=400, memory_per_device_gb=4)
+    assert FragmentationFit().filter(spec, graph, rows).tolist() == [0, 1]
+    assert not FragmentationFit().applies(ev.TaskSpec(id="w", memory_per_device_gb=4))
+
+
+def latency_ms(model: str, share: float) -> float:
+    """The mean request latency (M/M/1) of the test's service on ``share`` of ``model``."""
+    service_ms = REQUEST_MS * runtime_s(model, 3600.0) / 3600.0 / share
+    rho = RATE_PER_S * service_ms / 1000.0
+    return service_ms / (1.0 - rho) if rho < 1.0 else float("inf")
+
+
+def test_a_service_on_a_share_is_fitted_by_its_shares_speed() -> None:
+    # Half of each device, counted at SHARED_HEADROOM of that for co-runners: only the fast one
+    # meets the SLO so, though the whole slow device would (where the rule used to fit it).
+    share = 0.5 * SHARED_HEADROOM
+    slo = latency_ms(FAST, share) * 1.01
+    assert latency_ms(SLOW, 1.0) < slo < latency_ms(SLOW, share)
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(FAST, SLOW), fragmentation_fit=False)
+    labels = {"request_rate_per_s": repr(RATE_PER_S), "request_work_ref_ms": repr(REQUEST_MS)}
+    work_ref_s = RATE_PER_S * REQUEST_MS / 1000.0 * 7200.0
+    submit(
+        scheduler,
+        "svc",
+        work_ref_s,
+        latency_slo_ms=slo,
+        kind=ev.TASK_KIND_INFERENCE,
+        labels=labels,
+        device_share_milli=500,
+    )
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
+    assert device_of(scheduler, "svc") == FAST
