@@ -19,7 +19,8 @@ training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` s
   could take now. A rule by estimated finish, as the service rule is: the scorer does not weigh
   it. The factor (0.5) was chosen on training seeds of the training families.
 - **Queue order** (``queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
-  time on the fastest device model it may use, times its gang (shortest first), with a service
+  time on the fastest device model it may use (on its share, for a share), times its gang
+  (shortest first), with a service
   (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
 - **Services where they meet their SLO** (``fit_services``): a service that declares its
   request rate and request work (:data:`hlb.daemon.state.task.SERVICE_LOAD_LABELS`) lives as long on any
@@ -110,15 +111,23 @@ class RunTimes:
     def ranks(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64]:
         """Shortest first, higher first: minus the fastest run time times the gang; 0 for a service
         and for a task without a run-time estimate (``work_ref_s`` 0), which are never put behind
-        estimated work: the order cannot know where their work belongs. [T] -> [T]."""
+        estimated work: the order cannot know where their work belongs. A task that asks for a
+        share of a device runs at that share: its run time is the whole device's over its share.
+        [T] -> [T]."""
         return np.array(
             [
                 0.0
                 if t.spec.latency_slo_ms > 0 or t.spec.work_ref_s <= 0
-                else -self.fastest(t.spec, graph) * t.gang_size
+                else -self.fastest(t.spec, graph) * t.gang_size * _share_stretch(t.spec)
                 for t in tasks
             ]
         )
+
+
+def _share_stretch(spec: ev.TaskSpec) -> float:
+    """How much longer a task runs on its share of a device than on the whole of it (1: whole)."""
+    share = int(spec.device_share_milli)
+    return WHOLE_SHARE / share if share else 1.0
 
 
 def free_in_s(graph: InfraGraph, busy: Rows, now_ms: int) -> NDArray[np.float64]:

@@ -1,6 +1,7 @@
 """The rules on shared devices (``scheduler.rules.fragmentation_fit``, ``wait_on_shared``, and
-``fit_services`` for a service that asks for a share): no wait that leaves a shareable device free,
-shares placed where fragmentation grows least, services fitted by their share's speed."""
+``fit_services`` and ``queue_order`` for a task that asks for a share): no wait that leaves a
+shareable device free, shares placed where fragmentation grows least, services fitted by their
+share's speed, shares ordered by their run time on their share."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import pytest
 
 from hlb.daemon.config import RulesSettings
 from hlb.daemon.decide.presets import make_policy
-from hlb.daemon.decide.rules import FragmentationFit
+from hlb.daemon.decide.rules import FragmentationFit, ShortestFirst
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.waiting import SHARED_HEADROOM
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 from tests.daemon.clock import T0, Clock
 
@@ -137,3 +139,18 @@ def test_a_service_on_a_share_is_fitted_by_its_shares_speed() -> None:
     )
     assert [p.task_id for p in scheduler.schedule_pending()] == ["svc"]
     assert device_of(scheduler, "svc") == FAST
+
+
+def test_shortest_first_counts_a_share_at_its_share_of_the_device() -> None:
+    graph = InfraGraph()
+    device = ev.Device(id=FAST, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=FAST, memory_gb=32, sharing=MPS)
+    graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    whole = ev.TaskSpec(id="whole", workload_class="resnet50", work_ref_s=1800.0, memory_per_device_gb=4)
+    # 1,000 s of work on a quarter of the device: 4,000 s, longer than the whole task's 1,800 s.
+    share = ev.TaskSpec(
+        id="share", workload_class="resnet50", work_ref_s=1000.0, memory_per_device_gb=4, device_share_milli=250
+    )
+    ranks = ShortestFirst(default_profiles()).rank(graph, [Task(whole, "c", 0), Task(share, "c", 1)])
+    assert ranks is not None
+    assert ranks[0] > ranks[1]  # the whole task first
+    assert ranks[1] == pytest.approx(4.0 * runtime_s(FAST, 1000.0) * -1.0)
