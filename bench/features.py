@@ -157,12 +157,12 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
         raise ModelNotServingError(f"the GNN does not serve ({scorer.degraded}); pass --model DIR")
     publisher, where = _publisher(args)
     outcomes: dict[str, int] = {}
-    sizes: list[int] = []
+    sizes: list[tuple[int, int]] = []  # per record: its bytes and decisions
 
-    def counted(outcome: str, size: int) -> None:
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    def counted(outcome: str, size: int, decisions: int) -> None:
+        outcomes[outcome] = outcomes.get(outcome, 0) + decisions
         if size:
-            sizes.append(size)
+            sizes.append((size, decisions))
 
     topic = f"hlb-bench-features-{uuid.uuid4().hex[:8]}"
     features = FeatureLog(
@@ -211,7 +211,7 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
     result = summarize(args, place_ns, batch, outcomes, sizes, where, undelivered, scheduler)
     # Wall time on a loaded machine includes time the thread was not running: an upper bound.
     result["records"]["capture_us_mean"] = round(capture["seconds"] / max(capture["calls"], 1) * 1e6, 2)
-    result["records"]["build_us_mean"] = round(features.build_s / max(features.published, 1) * 1e6, 2)
+    result["records"]["build_us_mean"] = round(features.build_s / max(features.published, 1) * 1e6, 2)  # per decision
     return result
 
 
@@ -254,7 +254,7 @@ def summarize(
     place_ns: dict[str, list[int]],
     batch: dict[str, dict[str, float]],
     outcomes: dict[str, int],
-    sizes: list[int],
+    sizes: list[tuple[int, int]],
     where: str,
     undelivered: int,
     scheduler: Any,
@@ -281,7 +281,7 @@ def summarize(
         throughput["on"]["placements_per_s"] / max(throughput["off"]["placements_per_s"], 1e-9), 3
     )
     throughput["ratio_with_drain"] = round(throughput["on"]["placements_per_s_with_drain"] / max(off, 1e-9), 3)
-    values = np.array(sizes or [0], dtype=np.float64)
+    values = np.array(sizes or [(0, 1)], dtype=np.float64)  # [records, (bytes, decisions)]
     result: dict[str, Any] = {
         "benchmark": "features",
         "devices": args.devices,
@@ -297,9 +297,11 @@ def summarize(
         "records": {
             **{k: outcomes.get(k, 0) for k in ("published", "dropped", "skipped", "failed")},
             "undelivered": undelivered,
-            "bytes_mean": round(float(values.mean()), 1),
-            "bytes_p50": float(np.percentile(values, 50)),
-            "bytes_max": int(values.max()),
+            "records": len(sizes),
+            "bytes_mean": round(float(values[:, 0].sum() / values[:, 1].sum()), 1),  # per decision
+            "record_bytes_mean": round(float(values[:, 0].mean()), 1),
+            "record_bytes_max": int(values[:, 0].max()),
+            "record_decisions_mean": round(float(values[:, 1].mean()), 1),
         },
         "target": {"max_cost": MAX_COST},
         "met": {
@@ -336,5 +338,8 @@ def run(args: argparse.Namespace) -> int:
         f"PlaceBatch placements/s with drain: off {batch['off']['placements_per_s_with_drain']}, "
         f"on {batch['on']['placements_per_s_with_drain']} (x{batch['ratio_with_drain']})"
     )
-    print(f"records: {records['published']} published, {records['dropped']} dropped, {records['bytes_mean']} B mean")
+    print(
+        f"decisions: {records['published']} published in {records['records']} records, "
+        f"{records['dropped']} dropped, {records['bytes_mean']} B a decision"
+    )
     return 0

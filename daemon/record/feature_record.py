@@ -1,35 +1,33 @@
-"""One decision's ``hlb.v1.DecisionFeatures``, built from what :mod:`hlb.daemon.record.features`
-captured under the daemon's lock, on the feature log's thread (no graph is read here).
+"""The feature log's records: ``hlb.v1.DecisionFeaturesBatch``, many GNN decisions of one cell
+column by column, built on the feature log's thread from what :mod:`hlb.daemon.record.features`
+captured under the daemon's lock (no graph is read here); and :func:`unfold`, which turns a
+record back into one ``hlb.v1.DecisionFeatures`` per decision for a reader.
 
-Most of a record is the same for every decision of one task shape between two embedding
-refreshes: the versions, the shape's flags and head input, the devices the model predicts
-fastest, and what each device's entry says but for the decision's own figures. Those parts are
-serialized once per shape and cache (:class:`ShapeRecordParts`) and joined with each record's own
-fields as bytes. Serialized protobuf messages joined parse as one message with the fields of both,
-and a sub-message given twice (``shape``, a candidate's ``neighbourhood``) is merged, so a record
-reads as if built whole (``tests/daemon/test_feature_log.py`` parses them).
+What every decision of one task shape shares between two embedding refreshes (the versions, the
+shape's flags and head input, the devices the model predicts fastest) is one :class:`ShapeEntry`,
+written once per record that holds such a decision (``shapes``); a decision adds one entry to
+each per-decision column and, per chosen device, one to each per-device column. The chosen
+devices' predictions, prior features and ranks are gathered with numpy, shape by shape.
+Record layout 1 (one ``DecisionFeatures`` per decision) is still read (:func:`unfold`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.decide.gnn import features as feat
-from hlb.daemon.decide.gnn.scorer import EmbeddingCache, ShapeKey
+from hlb.daemon.decide.gnn.scorer import EmbeddingCache
 from hlb.daemon.state.graph import InfraGraph
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # DecisionFeaturesBatch; 1: one DecisionFeatures per record
 PROPENSITY = 1.0  # the daemon places by its scores alone; a learner weighs examples by 1 / this
 _LOG_PRIOR = "log_prior_speed"
-# The key of a ``candidates`` entry on the wire: field 10, length-delimited.
-_CANDIDATE_TAG = bytes([lrn.DecisionFeatures.CANDIDATES_FIELD_NUMBER << 3 | 2])
 
 
 @dataclass(frozen=True)
@@ -55,33 +53,6 @@ class DeviceSite:
     host_devices: int
 
 
-class Chosen(NamedTuple):
-    """A chosen device as the decision left it (before its task was bound)."""
-
-    site: DeviceSite
-    device_tasks: int
-    utilization: float
-    memory_free_gb: float
-    prior: NDArray[np.float32] | None  # [P], for a device without an embedding only
-
-
-class Captured(NamedTuple):
-    """What one decision hands the feature log's queue."""
-
-    placement: ev.Placement
-    spec: ev.TaskSpec
-    key: ShapeKey
-    gang: int
-    consolidated: bool
-    cache: EmbeddingCache
-    predictions: NDArray[np.float64]  # [D, 2] of every cache position
-    priors: NDArray[np.float32]  # [D, P]
-    fastest: FastestDevices
-    chosen: tuple[Chosen, ...]
-    embeddings_age_ms: int
-    queued_s: float  # monotonic, when queued
-
-
 def device_site(graph: InfraGraph, cache: EmbeddingCache, row: int) -> DeviceSite:
     d = graph.devices
     position = int(cache.positions[row]) if row < len(cache.positions) else -1
@@ -98,16 +69,6 @@ def device_site(graph: InfraGraph, cache: EmbeddingCache, row: int) -> DeviceSit
         if rack >= 0:
             rack_id = graph.switches.ids[rack] or ""
     return DeviceSite(position, device_id, graph.model_of(row), host_id, rack_id, host_devices)
-
-
-def chosen_device(graph: InfraGraph, site: DeviceSite, row: int, memory_gb: float) -> Chosen:
-    """The device of ``row`` as a task of ``memory_gb`` per device was just bound to it, with that
-    task and its memory taken off again."""
-    d = graph.devices
-    # As InfraGraph.free_memory_gb, on one row's scalars (a decision pays for this).
-    used = float(d.memory_used_gb[row]) + float(d.placed_gb[row]) - memory_gb
-    free = float(d.memory_gb[row]) - max(float(d.reserved_gb[row]) - memory_gb, used)
-    return Chosen(site, max(0, int(d.n_tasks[row]) - 1), float(d.utilization[row]), free, None)
 
 
 @cache
@@ -143,130 +104,287 @@ def fastest(
 
 
 @dataclass
-class ShapeRecordParts:
-    """What every record of one shape in one cache shares (module docstring)."""
+class ShapeEntry:
+    """One task shape in one cache, as the first decision of it captured it (under the daemon's
+    lock); what every record's ``shapes`` entry of it says is built once, on the log's thread.
+    Shapes: ``predictions`` [D, 2], ``priors`` [D, P] of every cache position."""
 
-    common: bytes  # versions, the shape's flags and head input, the propensity, the devices embedded
-    listed: tuple[bytes, ...]  # per FastestDevices position, its ``candidates`` entry
-    sorted_speeds: NDArray[np.float64]  # ascending: ranks a chosen device outside the list
-    chosen: dict[int, bytes] = field(default_factory=dict)  # position -> a chosen entry's shared part
+    spec: ev.TaskSpec  # a decision's of the shape: its workload class and kind
+    gang: int
+    consolidated: bool
+    cache: EmbeddingCache
+    predictions: NDArray[np.float64]
+    priors: NDArray[np.float32]
+    fastest: FastestDevices
+    message: lrn.BatchShape | None = None  # thread side (shape_message)
+    sorted_speeds: NDArray[np.float64] | None = field(default=None, repr=False)  # ascending: ranks
+
+    def shape_message(self) -> lrn.BatchShape:
+        if self.message is None:
+            self.message, self.sorted_speeds = _shape_message(self), np.sort(log_speeds(self.predictions, self.priors))
+        return self.message
 
 
-def shape_parts(captured: Captured) -> ShapeRecordParts:
-    top, predictions, priors = captured.fastest, captured.predictions, captured.priors
-    listed = []
-    for i, position in enumerate(top.positions):
-        device = lrn.ScoredDevice(
-            device_id=top.device_ids[i],
-            model=top.models[i],
-            prior_features=priors[position].tolist(),
-            log_speed_ratio=float(predictions[position, 0]),
-            log_sigma=float(predictions[position, 1]),
-            predicted=True,
-            rank=i,
-        )
-        listed.append(_entry(device.SerializeToString()))
-    spec, embeddings = captured.spec, captured.cache
-    common = lrn.DecisionFeatures(
-        record_version=RECORD_VERSION,
+@dataclass
+class Decisions:
+    """Captured decisions, column by column (the feature log's queue): per decision, and per
+    chosen device, decision by decision in gang order (a decision has its shape's ``gang``).
+
+    A decision appends to every column, its devices' first and ``queued_s`` last; the log's thread
+    :meth:`take` s the oldest meanwhile (each list operation is atomic under the interpreter's
+    lock, and appends go to the ends, takes to the starts)."""
+
+    placements: list[ev.Placement] = field(default_factory=list)
+    specs: list[ev.TaskSpec] = field(default_factory=list)
+    shapes: list[ShapeEntry] = field(default_factory=list)
+    queued_s: list[float] = field(default_factory=list)  # monotonic, when queued
+    sites: list[DeviceSite] = field(default_factory=list)
+    device_tasks: list[int] = field(default_factory=list)  # before this task
+    utilization: list[float] = field(default_factory=list)
+    memory_free_gb: list[float] = field(default_factory=list)  # before this task
+    priors: list[NDArray[np.float32] | None] = field(default_factory=list)  # [P] of a device without embedding
+
+    def add_device(
+        self, graph: InfraGraph, row: int, site: DeviceSite, memory_gb: float, prior: NDArray[np.float32] | None
+    ) -> None:
+        """A chosen device (before :meth:`add` of its decision), as a task of ``memory_gb`` per
+        device was just bound to it: its tasks, utilization and free memory without that task."""
+        d = graph.devices
+        # As InfraGraph.free_memory_gb, on one row's scalars (a decision pays for this).
+        used = d.memory_used_gb.item(row) + d.placed_gb.item(row) - memory_gb
+        self.memory_free_gb.append(d.memory_gb.item(row) - max(d.reserved_gb.item(row) - memory_gb, used))
+        self.device_tasks.append(max(0, d.n_tasks.item(row) - 1))
+        self.utilization.append(d.utilization.item(row))
+        self.sites.append(site)
+        self.priors.append(prior)
+
+    def add(self, placement: ev.Placement, spec: ev.TaskSpec, shape: ShapeEntry, now: float) -> None:
+        """A decision whose chosen devices were just added (:meth:`add_device`)."""
+        self.placements.append(placement)
+        self.specs.append(spec)
+        self.shapes.append(shape)
+        self.queued_s.append(now)
+
+    def take(self, n: int) -> Decisions:
+        """The oldest ``n`` decisions (all of them appended whole), removed from these."""
+        m = sum(shape.gang for shape in self.shapes[:n])
+        out = Decisions()
+        for name, k in _COLUMNS:
+            column = getattr(self, name)
+            getattr(out, name).extend(column[: n if k == "decision" else m])
+            del column[: n if k == "decision" else m]
+        return out
+
+    def select(self, indices: list[int]) -> Decisions:
+        """The decisions at ``indices`` (ascending), with their devices."""
+        starts = np.cumsum([0] + [shape.gang for shape in self.shapes]).tolist()
+        devices = [j for i in indices for j in range(starts[i], starts[i + 1])]
+        out = Decisions()
+        for name, k in _COLUMNS:
+            column = getattr(self, name)
+            getattr(out, name).extend([column[i] for i in (indices if k == "decision" else devices)])
+        return out
+
+
+_COLUMNS = (
+    *((name, "decision") for name in ("placements", "specs", "shapes", "queued_s")),
+    *((name, "device") for name in ("sites", "device_tasks", "utilization", "memory_free_gb", "priors")),
+)
+
+
+def _shape_message(entry: ShapeEntry) -> lrn.BatchShape:
+    top, predictions, priors, spec = entry.fastest, entry.predictions, entry.priors, entry.spec
+    message = lrn.BatchShape(
         feature_schema_version=feat.FEATURE_SCHEMA_VERSION,
-        model_version=embeddings.model.version,
+        model_version=entry.cache.model.version,
         shape=lrn.DecisionShape(
-            workload_class=spec.workload_class, kind=spec.kind, gang=captured.gang, consolidated=captured.consolidated
+            workload_class=spec.workload_class, kind=spec.kind, gang=entry.gang, consolidated=entry.consolidated
         ),
-        shape_features=feat.shape_features(spec, captured.gang, captured.consolidated).tolist(),
-        propensity=PROPENSITY,
-        embedded_devices=len(embeddings.device_rows),
+        shape_features=feat.shape_features(spec, entry.gang, entry.consolidated).tolist(),
+        embedded_devices=len(entry.cache.device_rows),
+        prior_width=priors.shape[1],
     )
-    return ShapeRecordParts(common.SerializeToString(), tuple(listed), np.sort(log_speeds(predictions, priors)))
+    for i, position in enumerate(top.positions):
+        message.listed.append(
+            lrn.ScoredDevice(
+                device_id=top.device_ids[i],
+                model=top.models[i],
+                prior_features=priors[position].tolist(),
+                log_speed_ratio=float(predictions[position, 0]),
+                log_sigma=float(predictions[position, 1]),
+                predicted=True,
+                rank=i,
+            )
+        )
+    return message
 
 
-def build_record(captured: Captured, parts: ShapeRecordParts | None = None) -> bytes:
-    """The serialized record of one captured decision; ``parts``: its shape's, kept by the caller."""
-    placement, spec = captured.placement, captured.spec
-    parts = parts or shape_parts(captured)
-    own = lrn.DecisionFeatures(
-        cell=placement.cell,
-        placement_sequence=placement.sequence,
-        task_id=placement.task_id,
-        decided_at_ms=placement.decided_at_ms,
-        shape=lrn.DecisionShape(work_ref_s=spec.work_ref_s, memory_per_device_gb=spec.memory_per_device_gb),
-        embeddings_age_ms=captured.embeddings_age_ms,
-    )
-    chosen_at = {c.site.position: g for g, c in enumerate(captured.chosen) if c.site.position >= 0}
-    entries = [parts.common, own.SerializeToString()]
-    listed = captured.fastest.positions
-    for i, position in enumerate(listed):
-        g = chosen_at.get(position)
-        entries.append(parts.listed[i] if g is None else _chosen_entry(captured, parts, g))
-    for g, chosen in enumerate(captured.chosen):
-        if chosen.site.position < 0 or chosen.site.position not in listed:
-            entries.append(_chosen_entry(captured, parts, g))
-    return b"".join(entries)
+def build_batch(cell: str, decisions: Decisions) -> bytes:
+    """The serialized ``DecisionFeaturesBatch`` of ``decisions`` (all of ``cell``, in ledger order)."""
+    batch = lrn.DecisionFeaturesBatch(record_version=RECORD_VERSION, cell=cell)
+    index: dict[int, int] = {}
+    entries: list[ShapeEntry] = []
+    shape_of = []
+    for entry in decisions.shapes:
+        i = index.get(id(entry))
+        if i is None:
+            i = index[id(entry)] = len(entries)
+            entries.append(entry)
+            batch.shapes.append(entry.shape_message())
+        shape_of.append(i)
+    placements, specs = decisions.placements, decisions.specs
+    batch.shape.extend(shape_of)
+    batch.placement_sequence.extend([p.sequence for p in placements])
+    batch.task_id.extend([p.task_id for p in placements])
+    batch.decided_at_ms.extend([p.decided_at_ms for p in placements])
+    batch.work_ref_s.extend([s.work_ref_s for s in specs])
+    batch.memory_per_device_gb.extend([s.memory_per_device_gb for s in specs])
+    built_at = np.array([entry.cache.built_at for entry in entries])[shape_of]
+    ages = np.maximum(0, ((np.array(decisions.queued_s) - built_at) * 1000).astype(np.int64))
+    batch.embeddings_age_ms.extend(ages.tolist())
+    batch.propensity.extend([PROPENSITY] * len(placements))
+    _devices(batch, decisions, shape_of, entries)
+    return batch.SerializeToString()
 
 
-def _chosen_entry(captured: Captured, parts: ShapeRecordParts, g: int) -> bytes:
-    """The ``candidates`` entry of the ``g``-th chosen device: its shared part (once per position)
-    and the decision's own figures."""
-    chosen = captured.chosen[g]
-    site = chosen.site
-    shared = parts.chosen.get(site.position) if site.position >= 0 else None
-    if shared is None:
-        shared = _chosen_shared(captured, parts, chosen)
-        if site.position >= 0:
-            parts.chosen[site.position] = shared
-    own = lrn.ScoredDevice(
-        chosen=g + 1,
-        neighbourhood=lrn.Neighbourhood(
-            device_tasks=chosen.device_tasks, utilization=chosen.utilization, memory_free_gb=chosen.memory_free_gb
-        ),
-    )
-    return _entry(shared + own.SerializeToString())
-
-
-def _chosen_shared(captured: Captured, parts: ShapeRecordParts, chosen: Chosen) -> bytes:
-    site, position = chosen.site, chosen.site.position
-    device = lrn.ScoredDevice(
-        device_id=site.device_id,
-        model=site.model,
-        neighbourhood=lrn.Neighbourhood(host_id=site.host_id, rack_id=site.rack_id, host_devices=site.host_devices),
-    )
-    if position < 0:  # no embedding: the profiles alone decided its speed
-        device.prior_features.extend(chosen.prior.tolist() if chosen.prior is not None else [])
-        return device.SerializeToString()
-    prior = captured.priors[position]
+def _devices(
+    batch: lrn.DecisionFeaturesBatch, decisions: Decisions, shape_of: list[int], entries: list[ShapeEntry]
+) -> None:
+    """The per-device columns: sites and neighbourhoods as captured, predictions and prior
+    features gathered shape by shape."""
+    sites = decisions.sites
+    n, width = len(sites), entries[0].priors.shape[1] if entries else 0
+    entry_of = np.repeat(np.array(shape_of, dtype=np.int64), [entry.gang for entry in decisions.shapes])
+    positions = np.array([site.position for site in sites], dtype=np.int64)
+    ratio, sigma = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64)
+    rank, priors = np.zeros(n, dtype=np.int64), np.zeros((n, width), dtype=np.float32)
     column = log_prior_column()
-    speed = float(captured.predictions[position, 0]) + (float(prior[column]) if column is not None else 0.0)
-    device.prior_features.extend(prior.tolist())
-    device.log_speed_ratio = float(captured.predictions[position, 0])
-    device.log_sigma = float(captured.predictions[position, 1])
-    device.predicted = True
-    device.rank = len(parts.sorted_speeds) - int(np.searchsorted(parts.sorted_speeds, speed, side="right"))
-    return device.SerializeToString()
+    for e, entry in enumerate(entries):
+        at = np.flatnonzero((entry_of == e) & (positions >= 0))
+        if not len(at):
+            continue
+        where = positions[at]
+        ratio[at], sigma[at] = entry.predictions[where, 0], entry.predictions[where, 1]
+        priors[at] = entry.priors[where]
+        speed = ratio[at] + (priors[at, column] if column is not None else 0.0)
+        assert entry.sorted_speeds is not None  # shape_message made it
+        rank[at] = len(entry.sorted_speeds) - np.searchsorted(entry.sorted_speeds, speed, side="right")
+    for i in np.flatnonzero(positions < 0).tolist():  # no embedding: the profiles alone decided its speed
+        prior = decisions.priors[i]
+        if prior is not None:
+            priors[i] = prior
+    batch.device_id.extend([site.device_id for site in sites])
+    batch.device_model.extend([site.model for site in sites])
+    batch.prior_features.extend(priors.ravel().tolist())
+    batch.log_speed_ratio.extend(ratio.tolist())
+    batch.log_sigma.extend(sigma.tolist())
+    batch.predicted.extend((positions >= 0).tolist())
+    batch.rank.extend(rank.tolist())
+    batch.host_id.extend([site.host_id for site in sites])
+    batch.rack_id.extend([site.rack_id for site in sites])
+    batch.host_devices.extend([site.host_devices for site in sites])
+    batch.device_tasks.extend(decisions.device_tasks)
+    batch.utilization.extend(decisions.utilization)
+    batch.memory_free_gb.extend(decisions.memory_free_gb)
 
 
-def _entry(body: bytes) -> bytes:
-    """``body`` (a serialized ScoredDevice) as one ``candidates`` entry of a DecisionFeatures."""
-    n, head = len(body), bytearray(_CANDIDATE_TAG)
-    while n >= 0x80:  # the length as a base-128 varint
-        head.append(n & 0x7F | 0x80)
-        n >>= 7
-    head.append(n)
-    return bytes(head) + body
+class MalformedRecordError(ValueError):
+    """A feature record whose columns do not line up."""
+
+
+def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
+    """A batch's decisions, one ``DecisionFeatures`` each, in record order, as a record of layout 1
+    held one. Raises ``MalformedRecordError`` when its columns do not line up."""
+    n = len(batch.shape)
+    per_decision = (
+        batch.placement_sequence,
+        batch.task_id,
+        batch.decided_at_ms,
+        batch.work_ref_s,
+        batch.memory_per_device_gb,
+        batch.embeddings_age_ms,
+        batch.propensity,
+    )
+    if any(len(c) != n for c in per_decision) or any(i >= len(batch.shapes) for i in batch.shape):
+        raise MalformedRecordError(f"a batch of {n} decisions whose per-decision columns differ in length")
+    m = sum(batch.shapes[i].shape.gang for i in batch.shape)
+    per_device = (
+        batch.device_id,
+        batch.device_model,
+        batch.log_speed_ratio,
+        batch.log_sigma,
+        batch.predicted,
+        batch.rank,
+        batch.host_id,
+        batch.rack_id,
+        batch.host_devices,
+        batch.device_tasks,
+        batch.utilization,
+        batch.memory_free_gb,
+    )
+    widths = {s.prior_width for s in batch.shapes}
+    width = widths.pop() if len(widths) == 1 else -1
+    if any(len(c) != m for c in per_device) or (m and len(batch.prior_features) != m * width):
+        raise MalformedRecordError(f"a batch of {m} chosen devices whose per-device columns differ in length")
+    out, d = [], 0
+    for i in range(n):
+        shape = batch.shapes[batch.shape[i]]
+        record = lrn.DecisionFeatures(
+            record_version=batch.record_version,
+            feature_schema_version=shape.feature_schema_version,
+            model_version=shape.model_version,
+            cell=batch.cell,
+            placement_sequence=batch.placement_sequence[i],
+            task_id=batch.task_id[i],
+            decided_at_ms=batch.decided_at_ms[i],
+            shape=shape.shape,
+            shape_features=shape.shape_features,
+            candidates=shape.listed,
+            propensity=batch.propensity[i],
+            embedded_devices=shape.embedded_devices,
+            embeddings_age_ms=batch.embeddings_age_ms[i],
+        )
+        record.shape.work_ref_s = batch.work_ref_s[i]
+        record.shape.memory_per_device_gb = batch.memory_per_device_gb[i]
+        listed = {c.device_id: c for c in record.candidates}
+        for g in range(shape.shape.gang):
+            device = listed.get(batch.device_id[d]) if batch.predicted[d] else None
+            if device is None:  # not among the listed: after them
+                device = record.candidates.add(
+                    device_id=batch.device_id[d],
+                    model=batch.device_model[d],
+                    prior_features=batch.prior_features[d * width : (d + 1) * width],
+                )
+                if batch.predicted[d]:
+                    device.log_speed_ratio, device.log_sigma = batch.log_speed_ratio[d], batch.log_sigma[d]
+                    device.predicted, device.rank = True, batch.rank[d]
+            device.chosen = g + 1
+            device.neighbourhood.CopyFrom(
+                lrn.Neighbourhood(
+                    host_id=batch.host_id[d],
+                    rack_id=batch.rack_id[d],
+                    host_devices=batch.host_devices[d],
+                    device_tasks=batch.device_tasks[d],
+                    utilization=batch.utilization[d],
+                    memory_free_gb=batch.memory_free_gb[d],
+                )
+            )
+            d += 1
+        out.append(record)
+    return out
 
 
 __all__ = [
     "PROPENSITY",
     "RECORD_VERSION",
-    "Captured",
-    "Chosen",
+    "Decisions",
     "DeviceSite",
     "FastestDevices",
-    "ShapeRecordParts",
-    "build_record",
-    "chosen_device",
+    "MalformedRecordError",
+    "ShapeEntry",
+    "build_batch",
     "device_site",
     "fastest",
     "log_prior_column",
-    "shape_parts",
+    "unfold",
 ]

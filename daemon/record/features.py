@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -36,27 +35,18 @@ import structlog
 from hlb.daemon.bus.kafkalog import FoldedLog
 from hlb.daemon.bus.seam import Publisher
 from hlb.daemon.decide.gnn import features as feat
-from hlb.daemon.decide.gnn.scorer import GnnScorer, ShapeKey, shape_key
+from hlb.daemon.decide.gnn.scorer import EmbeddingCache, GnnScorer, ShapeKey, shape_key
 from hlb.daemon.decide.presets import gnn_scorer
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.record.feature_record import (
-    Captured,
-    DeviceSite,
-    FastestDevices,
-    ShapeRecordParts,
-    build_record,
-    chosen_device,
-    device_site,
-    fastest,
-    shape_parts,
-)
+from hlb.daemon.record.feature_record import Decisions, DeviceSite, ShapeEntry, build_batch, device_site, fastest
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
 
 # What a record's fate is counted as (hlb_feature_records_total's outcome label).
 OUTCOMES = ("published", "dropped", "skipped", "failed")
-Outcome = Callable[[str, int], None]  # (outcome, bytes: the record's size when published, else 0)
+# (outcome, bytes: the record's size when published, else 0, decisions: how many it counts)
+Outcome = Callable[[str, int, int], None]
 
 
 def lock_busy(lock: threading.RLock) -> Callable[[], bool]:
@@ -90,6 +80,8 @@ class FeatureLog:
     POLL_S = 0.01
     BATCH = 64
     BATCH_WAIT_S = 0.1
+    BUSY_POLL_S = 0.001  # while decisions run and records wait
+    RECORD_DECISIONS = 512  # at most in one record (bounds its bytes: about 130 B a chosen device)
 
     def __init__(
         self,
@@ -112,21 +104,21 @@ class FeatureLog:
         self.top_k = top_k
         self.queue_size = queue_size
         self.enabled = True  # off: decisions are not looked at (``hlb bench features`` toggles it)
-        self.on_outcome: Outcome = on_outcome or (lambda outcome, size: None)
-        self._queue: deque[Captured] = deque()
+        self.on_outcome: Outcome = on_outcome or (lambda outcome, size, decisions: None)
+        self._queue = Decisions()
         self._queued = 0  # appended, ever (by decisions, which hold the daemon's lock)
+        self._taken = 0  # taken from the queue, ever (by the thread)
         self._handled = 0  # published or failed, ever (by the thread)
         self._monotonic = monotonic
-        # Lock side, of one cache and inventory (``_read_of``): each shape's fastest devices, each row's site.
-        self._fastest: dict[ShapeKey, FastestDevices] = {}
+        # Lock side, of one cache and inventory (``_read_of``): each shape's entry, each row's site.
+        self._shapes: dict[ShapeKey, ShapeEntry] = {}
         self._sites: dict[int, DeviceSite] = {}
-        self._read_of = (-1, -1)
-        self._parts: dict[ShapeKey, ShapeRecordParts] = {}  # of the cache ``_parts_of`` (thread side)
-        self._parts_of = -1
+        self._read_of: tuple[EmbeddingCache | None, int] = (None, -1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.published = 0
+        self.published = 0  # decisions
         self.published_bytes = 0
+        self.records = 0
         self.build_s = 0.0  # thread time building and handing over records (hlb bench features reports it)
         self._log_failure = FoldedLog("decision features not published; counted, the decision stands", logger=log)
 
@@ -137,59 +129,58 @@ class FeatureLog:
         if not self.enabled:
             return
         scorer = gnn_scorer(self.scheduler.policy)
-        task = self.scheduler.graph.tasks.get(placement.task_id)
+        graph = self.scheduler.graph
+        task = graph.tasks.get(placement.task_id)
         if scorer is None or task is None or not task.device_rows or placement.policy != "gnn":
-            self.on_outcome("skipped", 0)
+            self.on_outcome("skipped", 0, 1)
             return
-        if len(self._queue) >= self.queue_size:
-            self.on_outcome("dropped", 0)
+        if self._queued - self._taken >= self.queue_size:
+            self.on_outcome("dropped", 0, 1)
             return
-        captured = self._capture(scorer, placement, task.spec, task.device_rows)
-        if captured is None:
-            self.on_outcome("skipped", 0)
+        spec, rows = task.spec, task.device_rows
+        entry = self._shape_entry(scorer, spec, rows)
+        if entry is None:
+            self.on_outcome("skipped", 0, 1)
             return
-        self._queue.append(captured)
+        queue, known, memory_gb = self._queue, self._sites, spec.memory_per_device_gb
+        for r in rows:
+            site = known.get(r)
+            if site is None:
+                site = known[r] = device_site(graph, entry.cache, r)
+            prior = None
+            if site.position < 0:  # a device newer than the embeddings: its prior features now
+                rows_of = np.array([r], dtype=np.int64)
+                prior = feat.prior_features(
+                    spec, graph, rows_of, scorer.fallback.profiles, entry.gang, entry.consolidated
+                )[0]
+            queue.add_device(graph, r, site, memory_gb, prior)
+        queue.add(placement, spec, entry, self._monotonic())
         self._queued += 1
 
-    def _capture(
-        self, scorer: GnnScorer, placement: ev.Placement, spec: ev.TaskSpec, rows: tuple[int, ...]
-    ) -> Captured | None:
-        graph = self.scheduler.graph
+    def _shape_entry(self, scorer: GnnScorer, spec: ev.TaskSpec, rows: tuple[int, ...]) -> ShapeEntry | None:
+        """What the scorer kept of the decision's shape (read once per shape and cache)."""
+        graph, cache = self.scheduler.graph, scorer.cache
+        if cache is None:
+            return None
+        if cache is not self._read_of[0] or graph.version != self._read_of[1]:
+            self._shapes, self._sites, self._read_of = {}, {}, (cache, graph.version)
         gang = len(rows)
         consolidated = gang == 1 or len({int(graph.devices.host[r]) for r in rows}) == 1
+        key = shape_key(spec, gang, consolidated)
+        entry = self._shapes.get(key)
+        if entry is not None:
+            return entry
         inputs = scorer.shape_inputs(spec, gang, consolidated)
         if inputs is None and not consolidated:
             # A gang spread over hosts the policy scored as one on a host: log what it read (the
             # record's shape says so; hlb features tail does not label such a row).
             consolidated = True
             inputs = scorer.shape_inputs(spec, gang, consolidated)
-        if inputs is None:
+        if inputs is None or inputs[0] is not cache:
             return None
-        cache, predictions, priors = inputs
-        if (cache.serial, graph.version) != self._read_of:
-            self._fastest, self._sites, self._read_of = {}, {}, (cache.serial, graph.version)
-        key = shape_key(spec, gang, consolidated)
-        top = self._fastest.get(key)
-        if top is None:
-            top = self._fastest[key] = fastest(cache, graph, predictions, priors, self.top_k)
-        memory_gb, sites = spec.memory_per_device_gb, self._sites
-        chosen = []
-        for r in rows:
-            site = sites.get(r)
-            if site is None:
-                site = sites[r] = device_site(graph, cache, r)
-            chosen.append(chosen_device(graph, site, r, memory_gb))
-        for g, device in enumerate(chosen):
-            if device.site.position < 0:  # a device newer than the embeddings: its prior features now
-                prior = feat.prior_features(
-                    spec, graph, np.array([rows[g]], dtype=np.int64), scorer.fallback.profiles, gang, consolidated
-                )
-                chosen[g] = device._replace(prior=prior[0])
-        now = self._monotonic()
-        age_ms = max(0, int((now - cache.built_at) * 1000))
-        return Captured(
-            placement, spec, key, gang, consolidated, cache, predictions, priors, top, tuple(chosen), age_ms, now
-        )
+        top = fastest(cache, graph, inputs[1], inputs[2], self.top_k)
+        entry = self._shapes[key] = ShapeEntry(spec, gang, consolidated, cache, inputs[1], inputs[2], top)
+        return entry
 
     # -- the log's thread -----------------------------------------------------------------------
 
@@ -222,42 +213,53 @@ class FeatureLog:
         queue, busy, patience_s = self._queue, self.busy, self.patience_s
         while True:
             stopping = self._stop.is_set()
-            if queue and (stopping or len(queue) >= self.BATCH or self._waited(queue[0]) >= self.BATCH_WAIT_S):
-                while queue:
-                    if not stopping and busy() and self._waited(queue[0]) < patience_s:
-                        break  # a decision runs: build after it
-                    self._publish(queue.popleft())
-                    self._handled += 1
-            if stopping and not queue:
+            waiting = self._queued - self._taken
+            wait_s = self.POLL_S
+            if waiting and (stopping or waiting >= self.BATCH or self._waited() >= self.BATCH_WAIT_S):
+                while self._queued > self._taken:
+                    if not stopping and busy() and self._waited() < patience_s:
+                        wait_s = self.BUSY_POLL_S  # a decision runs: build soon after it
+                        break
+                    n = min(self._queued - self._taken, self.RECORD_DECISIONS)
+                    taken = queue.take(n)
+                    self._taken += n
+                    self._publish(taken)
+                    self._handled += n
+            if stopping and self._queued == self._taken:
                 return
-            self._stop.wait(self.POLL_S)
+            self._stop.wait(wait_s)
 
-    def _waited(self, captured: Captured) -> float:
-        return self._monotonic() - captured.queued_s
+    def _waited(self) -> float:
+        """How long the oldest queued decision has waited."""
+        return self._monotonic() - self._queue.queued_s[0]
 
-    def _publish(self, captured: Captured) -> None:
-        start = time.perf_counter()
+    def _publish(self, taken: Decisions) -> None:
+        """One record per cell of ``taken`` (in ledger order within each)."""
+        cells = [p.cell for p in taken.placements]
+        if all(cell == cells[0] for cell in cells):
+            self._publish_cell(cells[0], taken)
+            return
+        by_cell: dict[str, list[int]] = {}
+        for i, cell in enumerate(cells):
+            by_cell.setdefault(cell, []).append(i)
+        for cell, indices in by_cell.items():
+            self._publish_cell(cell, taken.select(indices))
+
+    def _publish_cell(self, cell: str, decisions: Decisions) -> None:
+        start, n = time.perf_counter(), len(decisions.placements)
         try:
-            value = build_record(captured, self._shape_parts(captured))
-            self.publisher.publish(self.topic, captured.placement.cell.encode(), value)
+            value = build_batch(cell, decisions)
+            self.publisher.publish(self.topic, cell.encode(), value)
         except Exception as exc:  # a bus that refuses, a record that cannot be built: counted, never fatal
-            self.on_outcome("failed", 0)
-            self._log_failure(type(exc).__name__, task_id=captured.placement.task_id, error=str(exc))
+            self.on_outcome("failed", 0, n)
+            self._log_failure(type(exc).__name__, task_id=decisions.placements[0].task_id, decisions=n, error=str(exc))
             return
         finally:
             self.build_s += time.perf_counter() - start
-        self.published += 1
+        self.published += n
         self.published_bytes += len(value)
-        self.on_outcome("published", len(value))
-
-    def _shape_parts(self, captured: Captured) -> ShapeRecordParts:
-        serial = captured.cache.serial
-        if serial != self._parts_of:
-            self._parts, self._parts_of = {}, serial
-        parts = self._parts.get(captured.key)
-        if parts is None or len(parts.listed) != len(captured.fastest.positions):
-            parts = self._parts[captured.key] = shape_parts(captured)
-        return parts
+        self.records += 1
+        self.on_outcome("published", len(value), n)
 
 
 __all__ = ["OUTCOMES", "FeatureLog", "lock_busy"]

@@ -34,7 +34,7 @@ from hlb.daemon.bus.seam import EventBus
 from hlb.daemon.config import EX_CONFIG, Settings, default_config_path, load_settings
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.errors import BrokerError, ConfigError, EventError
-from hlb.daemon.record.feature_record import log_prior_column
+from hlb.daemon.record.feature_record import MalformedRecordError, log_prior_column, unfold
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 
@@ -174,15 +174,15 @@ def _row(record: lrn.DecisionFeatures, ran_s: float, column: int) -> dict[str, A
 def read_topics(
     bus: EventBus, settings: Settings
 ) -> tuple[list[lrn.DecisionFeatures], list[ev.Placement], list[ev.TaskEvent], int]:
-    """The feature records, the ledger and the task events as the topics hold them now, and how
-    many records could not be read (skipped)."""
+    """The decisions of the feature records (:func:`unfold_record`), the ledger and the task events
+    as the topics hold them now, and how many records could not be read (skipped)."""
     limit = settings.kafka.max_event_bytes
     unreadable = 0
     records: list[lrn.DecisionFeatures] = []
     for raw in bus.read_all(settings.learning.topic):
         try:
-            records.append(decode(raw.value, lrn.DecisionFeatures, limit))
-        except EventError:
+            records.extend(unfold_record(raw.value, limit))
+        except (EventError, MalformedRecordError):
             unreadable += 1
     placements, events = [], []
     for raw in bus.read_all(settings.kafka.topics.placements):
@@ -196,6 +196,16 @@ def read_topics(
         except EventError:
             continue  # a dead letter for the daemon as well
     return records, placements, events, unreadable
+
+
+def unfold_record(value: bytes | None, limit: int) -> list[lrn.DecisionFeatures]:
+    """One feature record's decisions (a batch's, or a record of layout 1 alone). Raises
+    ``EventError`` for a value that does not parse or is over ``limit`` bytes, and
+    ``MalformedRecordError`` for a batch whose columns do not line up."""
+    batch = decode(value, lrn.DecisionFeaturesBatch, limit)
+    if batch.record_version == 1:  # one DecisionFeatures
+        return [decode(value, lrn.DecisionFeatures, limit)]
+    return unfold(batch)
 
 
 def run_time_errors(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, float | int]]:
@@ -282,4 +292,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["WHY", "Joined", "add_arguments", "join", "lifecycles", "read_topics", "run", "run_time_errors"]
+__all__ = [
+    "WHY",
+    "Joined",
+    "add_arguments",
+    "join",
+    "lifecycles",
+    "read_topics",
+    "run",
+    "run_time_errors",
+    "unfold_record",
+]

@@ -243,9 +243,9 @@ class DaemonMetrics:
         """One finished task's absolute error in log speed ratio of ``model`` (running, candidate, profiles)."""
         self.shadow_error.labels(model=model).observe(error)
 
-    def count_feature_record(self, outcome: str, size: int) -> None:
-        """Count one decision feature record's fate and, when published, its ``size`` in bytes."""
-        self.feature_records.labels(outcome=outcome).inc()
+    def count_feature_record(self, outcome: str, size: int, decisions: int = 1) -> None:
+        """Count the fate of ``decisions`` decisions' features and, when published, their record's ``size`` in bytes."""
+        self.feature_records.labels(outcome=outcome).inc(decisions)
         if size:
             self.feature_bytes.inc(size)
 

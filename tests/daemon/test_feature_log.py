@@ -1,5 +1,6 @@
-"""The feature log: one record per GNN decision, built off the request path from what the scorer
-kept, bounded in bytes, dropped and counted (never waited for) when its queue is full."""
+"""The feature log: the GNN's decisions in records of many each, column by column, built off the
+request path from what the scorer kept, bounded in bytes, dropped and counted (never waited for)
+when its queue is full; each record unfolds into one DecisionFeatures per decision."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hlb.daemon.decide.presets import gnn_scorer, make_policy
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.record.feature_record import log_prior_column
 from hlb.daemon.record.features import FeatureLog
+from hlb.daemon.record.training_rows import unfold_record
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
@@ -36,13 +38,13 @@ class Outcomes:
         self.counts: dict[str, int] = {}
         self.bytes = 0
 
-    def __call__(self, outcome: str, size: int) -> None:
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+    def __call__(self, outcome: str, size: int, decisions: int) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + decisions
         self.bytes += size
 
 
 def records(bus: MemoryBus) -> list[lrn.DecisionFeatures]:
-    return [lrn.DecisionFeatures.FromString(r.value or b"") for r in bus.read_all(TOPIC)]
+    return [d for r in bus.read_all(TOPIC) for d in unfold_record(r.value, 1 << 20)]
 
 
 def logged(scheduler: Scheduler, **options: Any) -> tuple[FeatureLog, MemoryBus, Outcomes]:
@@ -106,9 +108,53 @@ def test_a_record_stays_small_whatever_the_cluster_size(gnn_model_dir: Path) -> 
         spec = ev.TaskSpec(id=f"t{i}", workload_class="lm", work_ref_s=60.0, memory_per_device_gb=1.0)
         assert scheduler.place(spec).placement is not None
     features.stop()
-    sizes = [len(r.value or b"") for r in bus.read_all(TOPIC)]
-    assert len(sizes) == 20
-    assert max(sizes) < 1500  # 8 listed devices and the chosen one, never the 400
+    assert len(records(bus)) == 20
+    size = sum(len(r.value or b"") for r in bus.read_all(TOPIC))
+    assert size < 1500 + 20 * 150  # the shape's 8 listed devices once a record, then the chosen one a decision
+
+
+def test_decisions_share_a_record_and_unfold_as_each_was_logged_alone(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    features, bus, outcomes = logged(scheduler, top_k=3)
+    specs = [
+        ev.TaskSpec(id=f"t{i}", workload_class=("lm", "resnet50")[i % 2], work_ref_s=60.0 * (i + 1),
+                    memory_per_device_gb=1.0, num_devices=1 + i % 3)
+        for i in range(9)
+    ]  # fmt: skip
+    placed = [scheduler.place(spec).placement for spec in specs]  # queued: the thread is not started
+    features.start()
+    features.stop()
+    assert len(bus.read_all(TOPIC)) == 1  # one record for the nine
+    batch = lrn.DecisionFeaturesBatch.FromString(bus.read_all(TOPIC)[0].value or b"")
+    assert batch.record_version == 2
+    assert len(batch.shapes) == len({(s.workload_class, s.num_devices) for s in specs})
+    got = records(bus)
+    assert [(r.task_id, r.placement_sequence) for r in got] == [(p.task_id, p.sequence) for p in placed if p]
+    for record, spec, p in zip(got, specs, placed, strict=True):
+        assert p is not None
+        assert (record.cell, record.shape.gang, record.shape.work_ref_s) == ("c1", spec.num_devices, spec.work_ref_s)
+        chosen = sorted((d for d in record.candidates if d.chosen), key=lambda d: d.chosen)
+        assert [d.device_id for d in chosen] == list(p.device_ids)
+        listed = list(record.candidates[:3])
+        assert [d.rank for d in listed] == [0, 1, 2]
+        assert len(record.candidates) == 3 + sum(1 for d in chosen if d.rank >= 3)
+    assert outcomes.counts == {"published": 9}
+    assert outcomes.bytes == len(bus.read_all(TOPIC)[0].value or b"")
+
+
+def test_a_batch_whose_columns_do_not_line_up_is_unreadable() -> None:
+    from hlb.daemon.record.feature_record import MalformedRecordError
+
+    batch = lrn.DecisionFeaturesBatch(record_version=2, cell="c1", shape=[0], placement_sequence=[1, 2])
+    batch.shapes.add(shape=lrn.DecisionShape(gang=1))
+    with pytest.raises(MalformedRecordError):
+        unfold_record(batch.SerializeToString(), 1 << 20)
+
+
+def test_a_record_of_layout_1_still_reads() -> None:
+    old = lrn.DecisionFeatures(record_version=1, cell="c1", placement_sequence=7, task_id="t", propensity=1.0)
+    (record,) = unfold_record(old.SerializeToString(), 1 << 20)
+    assert record == old
 
 
 def test_a_full_queue_drops_the_record_and_counts_it_and_the_decision_stands(gnn_model_dir: Path) -> None:
@@ -157,7 +203,7 @@ def test_a_record_the_bus_refuses_is_counted_and_the_next_one_goes_out(gnn_model
     for i in range(2):
         spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
         assert scheduler.place(spec).placement is not None
-    assert features.drain()
+        assert features.drain()  # one record each
     features.stop()
     assert outcomes.counts == {"failed": 1, "published": 1}
 
@@ -194,9 +240,9 @@ def test_the_record_outcomes_are_exported_from_the_start() -> None:
     from hlb.daemon.runtime.metrics import DaemonMetrics
 
     metrics = DaemonMetrics()
-    metrics.count_feature_record("published", 600)
+    metrics.count_feature_record("published", 600, 3)
     text = generate_latest(metrics.registry).decode()
-    assert 'hlb_feature_records_total{outcome="published"} 1.0' in text
+    assert 'hlb_feature_records_total{outcome="published"} 3.0' in text
     assert 'hlb_feature_records_total{outcome="dropped"} 0.0' in text
     assert "hlb_feature_bytes_total 600.0" in text
 

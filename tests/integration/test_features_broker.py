@@ -21,6 +21,7 @@ import pytest
 from hlb.cli import main
 from hlb.daemon.bus.kafka import KafkaBus
 from hlb.daemon.config import KafkaSettings, Topics
+from hlb.daemon.record.training_rows import unfold_record
 from hlb.sim.agent import inventory_events
 from hlb.sim.kafka_local import free_port
 from hlb.v1 import events_pb2 as ev
@@ -126,8 +127,12 @@ def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
         produce(kafka_bootstrap, topics.tasks, [e.SerializeToString() for e in lifecycle(specs, placed)])
 
         bus = KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap))
-        wait_until(lambda: len(bus.read_all(features_topic)) >= len(specs))
-        records = [lrn.DecisionFeatures.FromString(r.value or b"") for r in bus.read_all(features_topic)]
+
+        def logged() -> list[lrn.DecisionFeatures]:
+            return [d for r in bus.read_all(features_topic) for d in unfold_record(r.value, 1 << 20)]
+
+        wait_until(lambda: len(logged()) >= len(specs))
+        records = logged()
         assert sorted((r.task_id, r.placement_sequence) for r in records) == sorted(
             (p.task_id, p.sequence) for p in placed.values()
         )

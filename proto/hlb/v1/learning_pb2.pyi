@@ -4,9 +4,11 @@ isort:skip_file
 What hlb logs to learn from the live cluster (docs/learning.md).
 
 Topics and the messages their values carry:
-  hlb.features    DecisionFeatures  (one per GNN decision, key = cell, as hlb.placements)
-Values are binary protobuf; a reader joins each record with the ledger's Placement of the same
-cell and sequence and with the task's lifecycle events (hlb.tasks) into training rows.
+  hlb.features    DecisionFeaturesBatch  (the GNN's decisions of one cell, many per record,
+                                          column by column; key = cell, as hlb.placements)
+Values are binary protobuf. A reader unfolds each batch into one DecisionFeatures per decision
+(hlb features tail does) and joins it with the ledger's Placement of the same cell and sequence
+and with the task's lifecycle events (hlb.tasks) into training rows.
 """
 
 from collections import abc as _abc
@@ -24,6 +26,180 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class DecisionFeaturesBatch(_message.Message):
+    """Decisions of the GNN policy in one cell, in ledger order, column by column (record_version 2):
+    what every decision of one task shape and one set of embeddings shares is in `shapes` once;
+    each decision is one entry of every per-decision column; its chosen devices are the next
+    `gang` entries (its shape's) of every per-device column. A batch unfolds into one
+    DecisionFeatures per decision, which is what a record held in record_version 1.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORD_VERSION_FIELD_NUMBER: _builtins.int
+    CELL_FIELD_NUMBER: _builtins.int
+    SHAPES_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    PLACEMENT_SEQUENCE_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_MS_FIELD_NUMBER: _builtins.int
+    WORK_REF_S_FIELD_NUMBER: _builtins.int
+    MEMORY_PER_DEVICE_GB_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_AGE_MS_FIELD_NUMBER: _builtins.int
+    PROPENSITY_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_MODEL_FIELD_NUMBER: _builtins.int
+    PRIOR_FEATURES_FIELD_NUMBER: _builtins.int
+    LOG_SPEED_RATIO_FIELD_NUMBER: _builtins.int
+    LOG_SIGMA_FIELD_NUMBER: _builtins.int
+    PREDICTED_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    RACK_ID_FIELD_NUMBER: _builtins.int
+    HOST_DEVICES_FIELD_NUMBER: _builtins.int
+    DEVICE_TASKS_FIELD_NUMBER: _builtins.int
+    UTILIZATION_FIELD_NUMBER: _builtins.int
+    MEMORY_FREE_GB_FIELD_NUMBER: _builtins.int
+    record_version: _builtins.int
+    """this message's layout: 2"""
+    cell: _builtins.str
+    """the ledger's cell (the record's key too)"""
+    @_builtins.property
+    def shapes(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchShape]: ...
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per decision:
+        its entry in shapes
+        """
+
+    @_builtins.property
+    def placement_sequence(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def task_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def decided_at_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def work_ref_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def memory_per_device_gb(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def embeddings_age_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def propensity(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def device_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per chosen device, decision by decision, in gang order:"""
+
+    @_builtins.property
+    def device_model(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def prior_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """the shape's prior_width floats per device"""
+
+    @_builtins.property
+    def log_speed_ratio(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def log_sigma(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def predicted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
+    @_builtins.property
+    def rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def host_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def rack_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def host_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def device_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def utilization(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def memory_free_gb(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        record_version: _builtins.int = ...,
+        cell: _builtins.str = ...,
+        shapes: _abc.Iterable[Global___BatchShape] | None = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        placement_sequence: _abc.Iterable[_builtins.int] | None = ...,
+        task_id: _abc.Iterable[_builtins.str] | None = ...,
+        decided_at_ms: _abc.Iterable[_builtins.int] | None = ...,
+        work_ref_s: _abc.Iterable[_builtins.float] | None = ...,
+        memory_per_device_gb: _abc.Iterable[_builtins.float] | None = ...,
+        embeddings_age_ms: _abc.Iterable[_builtins.int] | None = ...,
+        propensity: _abc.Iterable[_builtins.float] | None = ...,
+        device_id: _abc.Iterable[_builtins.str] | None = ...,
+        device_model: _abc.Iterable[_builtins.str] | None = ...,
+        prior_features: _abc.Iterable[_builtins.float] | None = ...,
+        log_speed_ratio: _abc.Iterable[_builtins.float] | None = ...,
+        log_sigma: _abc.Iterable[_builtins.float] | None = ...,
+        predicted: _abc.Iterable[_builtins.bool] | None = ...,
+        rank: _abc.Iterable[_builtins.int] | None = ...,
+        host_id: _abc.Iterable[_builtins.str] | None = ...,
+        rack_id: _abc.Iterable[_builtins.str] | None = ...,
+        host_devices: _abc.Iterable[_builtins.int] | None = ...,
+        device_tasks: _abc.Iterable[_builtins.int] | None = ...,
+        utilization: _abc.Iterable[_builtins.float] | None = ...,
+        memory_free_gb: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_id", b"device_id", "device_model", b"device_model", "device_tasks", b"device_tasks", "embeddings_age_ms", b"embeddings_age_ms", "host_devices", b"host_devices", "host_id", b"host_id", "log_sigma", b"log_sigma", "log_speed_ratio", b"log_speed_ratio", "memory_free_gb", b"memory_free_gb", "memory_per_device_gb", b"memory_per_device_gb", "placement_sequence", b"placement_sequence", "predicted", b"predicted", "prior_features", b"prior_features", "propensity", b"propensity", "rack_id", b"rack_id", "rank", b"rank", "record_version", b"record_version", "shape", b"shape", "shapes", b"shapes", "task_id", b"task_id", "utilization", b"utilization", "work_ref_s", b"work_ref_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecisionFeaturesBatch: _TypeAlias = DecisionFeaturesBatch  # noqa: Y015
+
+@_typing.final
+class BatchShape(_message.Message):
+    """What the decisions of one task shape in one set of embeddings share."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FEATURE_SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FEATURES_FIELD_NUMBER: _builtins.int
+    LISTED_FIELD_NUMBER: _builtins.int
+    EMBEDDED_DEVICES_FIELD_NUMBER: _builtins.int
+    PRIOR_WIDTH_FIELD_NUMBER: _builtins.int
+    feature_schema_version: _builtins.int
+    model_version: _builtins.str
+    embedded_devices: _builtins.int
+    prior_width: _builtins.int
+    """prior features per device"""
+    @_builtins.property
+    def shape(self) -> Global___DecisionShape:
+        """work_ref_s and memory_per_device_gb unset: per decision"""
+
+    @_builtins.property
+    def shape_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def listed(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScoredDevice]:
+        """the devices predicted fastest, as DecisionFeatures.candidates"""
+
+    def __init__(
+        self,
+        *,
+        feature_schema_version: _builtins.int = ...,
+        model_version: _builtins.str = ...,
+        shape: Global___DecisionShape | None = ...,
+        shape_features: _abc.Iterable[_builtins.float] | None = ...,
+        listed: _abc.Iterable[Global___ScoredDevice] | None = ...,
+        embedded_devices: _builtins.int = ...,
+        prior_width: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedded_devices", b"embedded_devices", "feature_schema_version", b"feature_schema_version", "listed", b"listed", "model_version", b"model_version", "prior_width", b"prior_width", "shape", b"shape", "shape_features", b"shape_features"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchShape: _TypeAlias = BatchShape  # noqa: Y015
 
 @_typing.final
 class DecisionFeatures(_message.Message):
@@ -49,7 +225,7 @@ class DecisionFeatures(_message.Message):
     EMBEDDED_DEVICES_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_AGE_MS_FIELD_NUMBER: _builtins.int
     record_version: _builtins.int
-    """this message's layout: 1"""
+    """the layout it was logged in: 1 (one per record), 2 (a batch's)"""
     feature_schema_version: _builtins.int
     """the feature schema the model read (features.FEATURE_SCHEMA_VERSION)"""
     model_version: _builtins.str

@@ -4,9 +4,11 @@ isort:skip_file
 What hlb logs to learn from the live cluster (docs/learning.md).
 
 Topics and the messages their values carry:
-  hlb.features    DecisionFeatures  (one per GNN decision, key = cell, as hlb.placements)
-Values are binary protobuf; a reader joins each record with the ledger's Placement of the same
-cell and sequence and with the task's lifecycle events (hlb.tasks) into training rows.
+  hlb.features    DecisionFeaturesBatch  (the GNN's decisions of one cell, many per record,
+                                          column by column; key = cell, as hlb.placements)
+Values are binary protobuf. A reader unfolds each batch into one DecisionFeatures per decision
+(hlb features tail does) and joins it with the ledger's Placement of the same cell and sequence
+and with the task's lifecycle events (hlb.tasks) into training rows.
 """
 
 from collections import abc as _abc
