@@ -205,7 +205,7 @@ def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     assert policy.scorer.settings.refresh.min_changed_rows == 256
     assert policy.scorer.mode == "sync"
     assert (policy.queue_order is not None) == (order == "shortest-first")
-    assert [f.name for f in policy.filters] == (["service-fit"] if fit else [])
+    assert [f.name for f in policy.filters] == (["service-fit"] if fit else []) + ["fragmentation-fit"]
     permits = ["gang-wait"] if wait and gang_factor > 0 else []
     permits += ["service-wait"] if wait and fit else []
     permits += ["faster-device"] if wait else []
