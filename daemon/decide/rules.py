@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hlb.daemon.config import RulesSettings
-from hlb.daemon.decide.fgd import MIX_TYPES, RequestMix, fragmentation_delta, held_mix, request_type
+from hlb.daemon.decide.fgd import MIX_TYPES, TIE_GPUS, RequestMix, fragmentation_delta, held_mix, request_type
 from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrder, Wait
 from hlb.daemon.decide.waiting import (
     RunTimes,
@@ -38,6 +38,7 @@ from hlb.daemon.decide.waiting import (
     slo_fit,
     wait_options,
 )
+from hlb.daemon.state.checks import WHOLE_SHARE
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
@@ -77,9 +78,10 @@ class FragmentationFit:
     """Filter: a task that asks for a share keeps, of its candidates, those where it would grow the
     cluster's expected fragmentation least (:func:`~hlb.daemon.decide.fgd.fragmentation_delta`
     against the mix of the requests the graph holds, as the ``fgd`` baseline measures it, within
-    ``tie_milli``); the scorer then ranks those. All of them on a graph without shared devices."""
+    ``tie_milli``, fgd's ties); the scorer then ranks those. All of them on a graph without shared
+    devices."""
 
-    tie_milli: float = 0.1
+    tie_milli: float = TIE_GPUS * WHOLE_SHARE
     name: str = "fragmentation-fit"
 
     def applies(self, spec: ev.TaskSpec) -> bool:
