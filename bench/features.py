@@ -23,7 +23,9 @@ whether logging costs at most 10% (the target of issue 34, docs/learning.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 import time
 import uuid
@@ -146,7 +148,7 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
 
     import grpc
 
-    from hlb.daemon.record.features import FeatureLog, lock_busy
+    from hlb.daemon.record.features import FeatureLog
     from hlb.v1 import scheduler_pb2 as api
     from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
@@ -172,7 +174,7 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
         top_k=args.top_k,
         queue_size=args.queue_size,
         on_outcome=counted,
-        busy=lock_busy(lock),  # as the daemon: records are built while no decision runs
+        lock=lock,  # as the daemon: records are built while no decision holds it
     )
     capture = {"seconds": 0.0, "calls": 0}
 
@@ -188,8 +190,9 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
     task = task_maker(args.gang)
     server = LoopbackServer(scheduler, lock)
     place_ns: dict[str, list[int]] = {"off": [], "on": []}
-    batch: dict[str, dict[str, float]] = {
-        mode: {"placed": 0, "seconds": 0.0, "seconds_with_drain": 0.0} for mode in ("off", "on")
+    batch: dict[str, dict[str, Any]] = {
+        mode: {"placed": 0, "seconds": 0.0, "seconds_with_drain": 0.0, "cpu_seconds_with_drain": 0.0, "per_batch": []}
+        for mode in ("off", "on")
     }
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -201,8 +204,8 @@ def measure_with(args: argparse.Namespace, policy: Any, scorer: Any) -> dict[str
             features.enabled = True
             for _ in range(args.warmup):
                 stub.Place(api.PlaceRequest(task=task("warm")), timeout=10)
-            for _ in range(args.rounds):
-                for mode in ("off", "on"):
+            for r in range(args.rounds):
+                for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # the cluster fills: neither always second
                     features.enabled = mode == "on"
                     half_round(args, stub, features, task, mode, place_ns[mode], batch[mode])
     finally:
@@ -222,37 +225,42 @@ def half_round(
     task: Callable[[str], Any],
     mode: str,
     place_ns: list[int],
-    figures: dict[str, float],
+    figures: dict[str, Any],
 ) -> None:
     """``--calls`` Place calls, timed one by one, then one timed PlaceBatch, the log as it is set."""
     from hlb.v1 import scheduler_pb2 as api
 
     features.drain(60.0)  # the last half-round's records: published before this one
+    gc.collect()
     for _ in range(args.calls):
         start = time.perf_counter_ns()
         stub.Place(api.PlaceRequest(task=task(mode)), timeout=10)
         place_ns.append(time.perf_counter_ns() - start)
     request = api.PlaceBatchRequest(tasks=[task(f"batch-{mode}") for _ in range(args.batch)])
     features.drain(60.0)  # the Place calls' records: not the batch's to pay for
+    gc.collect()  # the garbage of what came before: not the batch's either (its own it collects as it goes)
     timed_batch(stub, request, features, figures)
 
 
-def timed_batch(stub: Any, request: Any, features: Any, figures: dict[str, float]) -> None:
+def timed_batch(stub: Any, request: Any, features: Any, figures: dict[str, Any]) -> None:
     """One ``PlaceBatch``: placements, seconds to the reply, and to the last of its records published."""
-    start = time.perf_counter_ns()
+    cpu, start = time.process_time(), time.perf_counter_ns()
     reply = stub.PlaceBatch(request, timeout=600)
     replied = time.perf_counter_ns()
     features.drain(60.0)
-    drained = time.perf_counter_ns()
-    figures["placed"] += sum(r.HasField("placement") for r in reply.results)
+    drained, cpu = time.perf_counter_ns(), time.process_time() - cpu
+    placed = sum(r.HasField("placement") for r in reply.results)
+    figures["placed"] += placed
     figures["seconds"] += (replied - start) / 1e9
     figures["seconds_with_drain"] += (drained - start) / 1e9
+    figures["cpu_seconds_with_drain"] += cpu
+    figures["per_batch"].append(placed / ((drained - start) / 1e9))
 
 
 def summarize(
     args: argparse.Namespace,
     place_ns: dict[str, list[int]],
-    batch: dict[str, dict[str, float]],
+    batch: dict[str, dict[str, Any]],
     outcomes: dict[str, int],
     sizes: list[tuple[int, int]],
     where: str,
@@ -275,12 +283,24 @@ def summarize(
             "placements_per_s_with_drain": round(b["placed"] / b["seconds_with_drain"], 1)
             if b["seconds_with_drain"]
             else 0.0,
+            "placements_per_cpu_s_with_drain": round(b["placed"] / b["cpu_seconds_with_drain"], 1)
+            if b["cpu_seconds_with_drain"]
+            else 0.0,
         }
     off = throughput["off"]["placements_per_s_with_drain"]
     throughput["ratio"] = round(
         throughput["on"]["placements_per_s"] / max(throughput["off"]["placements_per_s"], 1e-9), 3
     )
     throughput["ratio_with_drain"] = round(throughput["on"]["placements_per_s_with_drain"] / max(off, 1e-9), 3)
+    # Less moved by other work on the machine: the process's CPU time (every thread of it), and the
+    # median of each round's own on/off ratio (its two batches ran next to each other).
+    throughput["ratio_cpu_with_drain"] = round(
+        throughput["on"]["placements_per_cpu_s_with_drain"]
+        / max(throughput["off"]["placements_per_cpu_s_with_drain"], 1e-9),
+        3,
+    )
+    paired = np.array(batch["on"]["per_batch"]) / np.maximum(np.array(batch["off"]["per_batch"]), 1e-9)
+    throughput["ratio_with_drain_median_of_rounds"] = round(float(np.median(paired)), 3) if len(paired) else 0.0
     values = np.array(sizes or [(0, 1)], dtype=np.float64)  # [records, (bytes, decisions)]
     result: dict[str, Any] = {
         "benchmark": "features",
@@ -310,6 +330,7 @@ def summarize(
         },
         "placed_total": len(scheduler.ledger),
         "machine": machine(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
     return result
 

@@ -42,10 +42,8 @@ class FastestDevices:
 
 @dataclass(frozen=True)
 class DeviceSite:
-    """What stays of a device while the inventory does: its id, model, host, rack and position in
-    the embeddings (-1: none)."""
+    """What stays of a device while the inventory does: its id, model, host and rack."""
 
-    position: int
     device_id: str
     model: str
     host_id: str
@@ -53,12 +51,8 @@ class DeviceSite:
     host_devices: int
 
 
-def device_site(graph: InfraGraph, cache: EmbeddingCache, row: int) -> DeviceSite:
+def device_site(graph: InfraGraph, row: int) -> DeviceSite:
     d = graph.devices
-    position = int(cache.positions[row]) if row < len(cache.positions) else -1
-    device_id = d.ids[row] or ""
-    if position >= 0 and graph.version != cache.version and cache.device_ids[row] != device_id:
-        position = -1  # the row holds another device than when the embeddings were built
     host = int(d.host[row])
     host_id = rack_id = ""
     host_devices = 0
@@ -68,7 +62,15 @@ def device_site(graph: InfraGraph, cache: EmbeddingCache, row: int) -> DeviceSit
         rack = int(graph.hosts.rack[host])
         if rack >= 0:
             rack_id = graph.switches.ids[rack] or ""
-    return DeviceSite(position, device_id, graph.model_of(row), host_id, rack_id, host_devices)
+    return DeviceSite(d.ids[row] or "", graph.model_of(row), host_id, rack_id, host_devices)
+
+
+def embedding_position(graph: InfraGraph, cache: EmbeddingCache, row: int) -> int:
+    """Where the device of ``row`` is in ``cache``'s embeddings; -1: nowhere."""
+    position = int(cache.positions[row]) if row < len(cache.positions) else -1
+    if position >= 0 and graph.version != cache.version and cache.device_ids[row] != graph.devices.ids[row]:
+        position = -1  # the row holds another device than when the embeddings were built
+    return position
 
 
 @cache
@@ -139,13 +141,20 @@ class Decisions:
     shapes: list[ShapeEntry] = field(default_factory=list)
     queued_s: list[float] = field(default_factory=list)  # monotonic, when queued
     sites: list[DeviceSite] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # in its shape's embeddings; -1: none
     device_tasks: list[int] = field(default_factory=list)  # before this task
     utilization: list[float] = field(default_factory=list)
     memory_free_gb: list[float] = field(default_factory=list)  # before this task
     priors: list[NDArray[np.float32] | None] = field(default_factory=list)  # [P] of a device without embedding
 
     def add_device(
-        self, graph: InfraGraph, row: int, site: DeviceSite, memory_gb: float, prior: NDArray[np.float32] | None
+        self,
+        graph: InfraGraph,
+        row: int,
+        site: DeviceSite,
+        position: int,
+        memory_gb: float,
+        prior: NDArray[np.float32] | None,
     ) -> None:
         """A chosen device (before :meth:`add` of its decision), as a task of ``memory_gb`` per
         device was just bound to it: its tasks, utilization and free memory without that task."""
@@ -156,6 +165,7 @@ class Decisions:
         self.device_tasks.append(max(0, d.n_tasks.item(row) - 1))
         self.utilization.append(d.utilization.item(row))
         self.sites.append(site)
+        self.positions.append(position)
         self.priors.append(prior)
 
     def add(self, placement: ev.Placement, spec: ev.TaskSpec, shape: ShapeEntry, now: float) -> None:
@@ -188,7 +198,7 @@ class Decisions:
 
 _COLUMNS = (
     *((name, "decision") for name in ("placements", "specs", "shapes", "queued_s")),
-    *((name, "device") for name in ("sites", "device_tasks", "utilization", "memory_free_gb", "priors")),
+    *((name, "device") for name in ("sites", "positions", "device_tasks", "utilization", "memory_free_gb", "priors")),
 )
 
 
@@ -255,7 +265,7 @@ def _devices(
     sites = decisions.sites
     n, width = len(sites), entries[0].priors.shape[1] if entries else 0
     entry_of = np.repeat(np.array(shape_of, dtype=np.int64), [entry.gang for entry in decisions.shapes])
-    positions = np.array([site.position for site in sites], dtype=np.int64)
+    positions = np.array(decisions.positions, dtype=np.int64)
     ratio, sigma = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64)
     rank, priors = np.zeros(n, dtype=np.int64), np.zeros((n, width), dtype=np.float32)
     column = log_prior_column()
@@ -384,6 +394,7 @@ __all__ = [
     "ShapeEntry",
     "build_batch",
     "device_site",
+    "embedding_position",
     "fastest",
     "log_prior_column",
     "unfold",

@@ -34,11 +34,20 @@ import structlog
 
 from hlb.daemon.bus.kafkalog import FoldedLog
 from hlb.daemon.bus.seam import Publisher
+from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.scorer import EmbeddingCache, GnnScorer, ShapeKey, shape_key
 from hlb.daemon.decide.presets import gnn_scorer
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.record.feature_record import Decisions, DeviceSite, ShapeEntry, build_batch, device_site, fastest
+from hlb.daemon.record.feature_record import (
+    Decisions,
+    DeviceSite,
+    ShapeEntry,
+    build_batch,
+    device_site,
+    embedding_position,
+    fastest,
+)
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -49,18 +58,6 @@ OUTCOMES = ("published", "dropped", "skipped", "failed")
 Outcome = Callable[[str, int, int], None]
 
 
-def lock_busy(lock: threading.RLock) -> Callable[[], bool]:
-    """Whether another thread holds ``lock`` now (a probe: taken and released at once when free)."""
-
-    def busy() -> bool:
-        if lock.acquire(blocking=False):
-            lock.release()
-            return False
-        return True
-
-    return busy
-
-
 class FeatureLog:
     """The ledger listener that logs the GNN's decisions (module docstring).
 
@@ -68,19 +65,19 @@ class FeatureLog:
     never queues behind features); ``on_outcome``: counts each record's fate (:data:`OUTCOMES`)
     and its bytes. :meth:`start` the thread, :meth:`stop` it (publishing what is queued first).
 
-    The queue is a deque that the decision appends to (never waiting, never waking anything: an
-    append and a length check) and the thread empties, looking every ``POLL_S`` while it is empty.
-    Building a record is Python work, which holds the interpreter's lock as a decision does: with
-    ``busy`` (the daemon's: whether a request or ingest holds the daemon's lock, :func:`lock_busy`),
-    the thread builds only while no decision runs, unless the oldest record has waited
-    ``patience_s`` (under a load that never pauses, records then go out interleaved with decisions)."""
+    The queue is columns (:class:`Decisions`) that a decision appends to (never waiting, never
+    waking anything) and the thread takes from, looking every ``POLL_S`` while fewer than
+    ``BATCH`` wait (unless the oldest has waited ``BATCH_WAIT_S``). Building a record is Python
+    work, which holds the interpreter's lock as a decision does: given ``lock`` (the daemon's,
+    held by requests and ingest while they decide), the thread waits on it and builds only while no
+    decision runs, one record at a time, unless the oldest decision has waited ``patience_s``
+    (under a load that never pauses, records then go out interleaved with decisions). Waiting on
+    the lock rather than polling it leaves the interpreter to the decisions until they are done."""
 
-    # Each wake takes the interpreter's lock from whatever runs: seldom, and then for many records
-    # (``BATCH`` at least, unless the oldest has waited ``BATCH_WAIT_S``), each when no decision runs.
     POLL_S = 0.01
     BATCH = 64
     BATCH_WAIT_S = 0.1
-    BUSY_POLL_S = 0.001  # while decisions run and records wait
+    IDLE_WAIT_S = 0.1  # the longest one wait on the daemon's lock (then stopping is looked at)
     RECORD_DECISIONS = 512  # at most in one record (bounds its bytes: about 130 B a chosen device)
 
     def __init__(
@@ -92,12 +89,12 @@ class FeatureLog:
         top_k: int = 8,
         queue_size: int = 10_000,
         on_outcome: Outcome | None = None,
-        busy: Callable[[], bool] | None = None,
+        lock: threading.RLock | None = None,
         patience_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
-        self.busy = busy or (lambda: False)
+        self.lock = lock
         self.patience_s = patience_s
         self.publisher = publisher
         self.topic = topic
@@ -110,10 +107,14 @@ class FeatureLog:
         self._taken = 0  # taken from the queue, ever (by the thread)
         self._handled = 0  # published or failed, ever (by the thread)
         self._monotonic = monotonic
-        # Lock side, of one cache and inventory (``_read_of``): each shape's entry, each row's site.
+        # Lock side, of one cache and inventory (``_read_of``): each shape's entry, each row's
+        # position in the embeddings; of one inventory, each row's site.
         self._shapes: dict[ShapeKey, ShapeEntry] = {}
+        self._positions: dict[int, int] = {}
         self._sites: dict[int, DeviceSite] = {}
         self._read_of: tuple[EmbeddingCache | None, int] = (None, -1)
+        self._policy: Policy | None = None
+        self._scorer: GnnScorer | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.published = 0  # decisions
@@ -128,8 +129,10 @@ class FeatureLog:
         """The ledger recorded ``placement``: capture what the GNN read for it and queue it."""
         if not self.enabled:
             return
-        scorer = gnn_scorer(self.scheduler.policy)
-        graph = self.scheduler.graph
+        policy = self.scheduler.policy
+        if policy is not self._policy:  # a reload swapped it
+            self._policy, self._scorer = policy, gnn_scorer(policy)
+        scorer, graph = self._scorer, self.scheduler.graph
         task = graph.tasks.get(placement.task_id)
         if scorer is None or task is None or not task.device_rows or placement.policy != "gnn":
             self.on_outcome("skipped", 0, 1)
@@ -142,18 +145,21 @@ class FeatureLog:
         if entry is None:
             self.on_outcome("skipped", 0, 1)
             return
-        queue, known, memory_gb = self._queue, self._sites, spec.memory_per_device_gb
+        queue, sites, positions, memory_gb = self._queue, self._sites, self._positions, spec.memory_per_device_gb
         for r in rows:
-            site = known.get(r)
+            site = sites.get(r)
             if site is None:
-                site = known[r] = device_site(graph, entry.cache, r)
+                site = sites[r] = device_site(graph, r)
+            position = positions.get(r)
+            if position is None:
+                position = positions[r] = embedding_position(graph, entry.cache, r)
             prior = None
-            if site.position < 0:  # a device newer than the embeddings: its prior features now
+            if position < 0:  # a device newer than the embeddings: its prior features now
                 rows_of = np.array([r], dtype=np.int64)
                 prior = feat.prior_features(
                     spec, graph, rows_of, scorer.fallback.profiles, entry.gang, entry.consolidated
                 )[0]
-            queue.add_device(graph, r, site, memory_gb, prior)
+            queue.add_device(graph, r, site, position, memory_gb, prior)
         queue.add(placement, spec, entry, self._monotonic())
         self._queued += 1
 
@@ -163,7 +169,9 @@ class FeatureLog:
         if cache is None:
             return None
         if cache is not self._read_of[0] or graph.version != self._read_of[1]:
-            self._shapes, self._sites, self._read_of = {}, {}, (cache, graph.version)
+            if graph.version != self._read_of[1]:
+                self._sites = {}
+            self._shapes, self._positions, self._read_of = {}, {}, (cache, graph.version)
         gang = len(rows)
         consolidated = gang == 1 or len({int(graph.devices.host[r]) for r in rows}) == 1
         key = shape_key(spec, gang, consolidated)
@@ -210,24 +218,36 @@ class FeatureLog:
         return True
 
     def _run(self) -> None:
-        queue, busy, patience_s = self._queue, self.busy, self.patience_s
+        draining = False  # building until the queue is empty
         while True:
             stopping = self._stop.is_set()
             waiting = self._queued - self._taken
-            wait_s = self.POLL_S
-            if waiting and (stopping or waiting >= self.BATCH or self._waited() >= self.BATCH_WAIT_S):
-                while self._queued > self._taken:
-                    if not stopping and busy() and self._waited() < patience_s:
-                        wait_s = self.BUSY_POLL_S  # a decision runs: build soon after it
-                        break
-                    n = min(self._queued - self._taken, self.RECORD_DECISIONS)
-                    taken = queue.take(n)
-                    self._taken += n
-                    self._publish(taken)
-                    self._handled += n
-            if stopping and self._queued == self._taken:
-                return
-            self._stop.wait(wait_s)
+            if not waiting:
+                if stopping:
+                    return
+                draining = False
+                self._stop.wait(self.POLL_S)
+                continue
+            draining = draining or stopping or waiting >= self.BATCH or self._waited() >= self.BATCH_WAIT_S
+            if not draining:
+                self._stop.wait(self.POLL_S)
+            elif stopping or self._idle():
+                n = min(waiting, self.RECORD_DECISIONS)
+                taken = self._queue.take(n)
+                self._taken += n
+                self._publish(taken)
+                self._handled += n
+
+    def _idle(self) -> bool:
+        """Whether the thread may build now: once no decision runs (waiting on the daemon's lock at
+        most ``IDLE_WAIT_S``), or when the oldest decision has waited ``patience_s``."""
+        left = self.patience_s - self._waited()
+        if self.lock is None or left <= 0:
+            return True
+        if self.lock.acquire(timeout=min(left, self.IDLE_WAIT_S)):
+            self.lock.release()
+            return True
+        return False
 
     def _waited(self) -> float:
         """How long the oldest queued decision has waited."""
@@ -236,7 +256,7 @@ class FeatureLog:
     def _publish(self, taken: Decisions) -> None:
         """One record per cell of ``taken`` (in ledger order within each)."""
         cells = [p.cell for p in taken.placements]
-        if all(cell == cells[0] for cell in cells):
+        if cells.count(cells[0]) == len(cells):
             self._publish_cell(cells[0], taken)
             return
         by_cell: dict[str, list[int]] = {}
@@ -262,4 +282,4 @@ class FeatureLog:
         self.on_outcome("published", len(value), n)
 
 
-__all__ = ["OUTCOMES", "FeatureLog", "lock_busy"]
+__all__ = ["OUTCOMES", "FeatureLog"]

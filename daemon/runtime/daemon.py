@@ -59,7 +59,7 @@ from hlb.daemon.ingest.backlog import TenantBacklog
 from hlb.daemon.ingest.pipeline import Ingestor, IngestStats, IngestThread
 from hlb.daemon.record import snapshot
 from hlb.daemon.record.answers import AnswerGate, JournaledPublisher
-from hlb.daemon.record.features import FeatureLog, lock_busy
+from hlb.daemon.record.features import FeatureLog
 from hlb.daemon.record.journal import PROBE_BYTES, JournalFile, NotDurableError
 from hlb.daemon.record.shadow import Shadow
 from hlb.daemon.record.statedump import canonical_state, write_dump
@@ -255,7 +255,7 @@ class Daemon:
             top_k=learning.top_k,
             queue_size=learning.queue_size,
             on_outcome=self.metrics.count_feature_record,
-            busy=lock_busy(self.lock),
+            lock=self.lock,  # records are built while no decision holds it
         )
 
     def _shadow(self, settings: Settings) -> Shadow | None:

@@ -4,6 +4,7 @@ when its queue is full; each record unfolds into one DecisionFeatures per decisi
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -249,27 +250,46 @@ def test_the_record_outcomes_are_exported_from_the_start() -> None:
 
 def test_records_wait_while_a_decision_runs_and_go_out_at_stop(gnn_model_dir: Path) -> None:
     scheduler = gnn_scheduler(gnn_model_dir)
-    bus = MemoryBus()
-    features = FeatureLog(scheduler, bus.publisher(), TOPIC, busy=lambda: True, patience_s=3600.0)
+    bus, lock = MemoryBus(), threading.RLock()
+    features = FeatureLog(scheduler, bus.publisher(), TOPIC, lock=lock, patience_s=3600.0)
     scheduler.ledger.subscribe(features.placement)
     features.start()
-    for i in range(3):
-        spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
-        assert scheduler.place(spec).placement is not None
-    assert not features.drain(0.3)  # always busy, and patient: nothing built yet
-    assert records(bus) == []
-    features.stop()  # stopping builds what is queued, busy or not
+    with lock:  # a decision runs throughout
+        for i in range(3):
+            spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+            assert scheduler.place(spec).placement is not None
+        assert not features.drain(0.3)  # busy, and patient: nothing built yet
+        assert records(bus) == []
+        features.stop()  # stopping builds what is queued, busy or not
+        assert [r.task_id for r in records(bus)] == ["t0", "t1", "t2"]
+
+
+def test_records_go_out_once_the_decisions_let_go_of_the_lock(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    bus, lock = MemoryBus(), threading.RLock()
+    features = FeatureLog(scheduler, bus.publisher(), TOPIC, lock=lock, patience_s=3600.0)
+    scheduler.ledger.subscribe(features.placement)
+    features.start()
+    with lock:
+        for i in range(3):
+            spec = ev.TaskSpec(id=f"t{i}", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+            assert scheduler.place(spec).placement is not None
+        assert not features.drain(0.3)
+    assert features.drain(10.0)  # the thread waited on the lock: built once it was free
     assert [r.task_id for r in records(bus)] == ["t0", "t1", "t2"]
+    assert len(bus.read_all(TOPIC)) == 1
+    features.stop()
 
 
 def test_a_record_that_waited_its_patience_goes_out_while_busy(gnn_model_dir: Path) -> None:
     scheduler = gnn_scheduler(gnn_model_dir)
-    bus = MemoryBus()
-    features = FeatureLog(scheduler, bus.publisher(), TOPIC, busy=lambda: True, patience_s=0.0)
+    bus, lock = MemoryBus(), threading.RLock()
+    features = FeatureLog(scheduler, bus.publisher(), TOPIC, lock=lock, patience_s=0.0)
     scheduler.ledger.subscribe(features.placement)
     features.start()
-    spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
-    assert scheduler.place(spec).placement is not None
-    assert features.drain(10.0)
-    assert [r.task_id for r in records(bus)] == ["t"]
+    with lock:
+        spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=60.0, memory_per_device_gb=1.0)
+        assert scheduler.place(spec).placement is not None
+        assert features.drain(10.0)
+        assert [r.task_id for r in records(bus)] == ["t"]
     features.stop()
