@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -40,9 +41,9 @@ class FastestDevices:
     models: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class DeviceSite:
-    """What stays of a device while the inventory does: its id, model, host and rack."""
+class DeviceSite(NamedTuple):
+    """What stays of a device while the inventory does: its id, model, host and rack (a tuple: a
+    record's columns are its fields transposed)."""
 
     device_id: str
     model: str
@@ -232,16 +233,13 @@ def _shape_message(entry: ShapeEntry) -> lrn.BatchShape:
 def build_batch(cell: str, decisions: Decisions) -> bytes:
     """The serialized ``DecisionFeaturesBatch`` of ``decisions`` (all of ``cell``, in ledger order)."""
     batch = lrn.DecisionFeaturesBatch(record_version=RECORD_VERSION, cell=cell)
-    index: dict[int, int] = {}
-    entries: list[ShapeEntry] = []
-    shape_of = []
-    for entry in decisions.shapes:
-        i = index.get(id(entry))
-        if i is None:
-            i = index[id(entry)] = len(entries)
-            entries.append(entry)
-            batch.shapes.append(entry.shape_message())
-        shape_of.append(i)
+    ids = [id(entry) for entry in decisions.shapes]
+    index = {key: i for i, key in enumerate(dict.fromkeys(ids))}  # in order of first use
+    by_id = dict(zip(ids, decisions.shapes, strict=True))
+    entries = [by_id[key] for key in index]
+    for entry in entries:
+        batch.shapes.append(entry.shape_message())
+    shape_of = list(map(index.__getitem__, ids))
     placements, specs = decisions.placements, decisions.specs
     batch.shape.extend(shape_of)
     batch.placement_sequence.extend([p.sequence for p in placements])
@@ -264,7 +262,8 @@ def _devices(
     features gathered shape by shape."""
     sites = decisions.sites
     n, width = len(sites), entries[0].priors.shape[1] if entries else 0
-    entry_of = np.repeat(np.array(shape_of, dtype=np.int64), [entry.gang for entry in decisions.shapes])
+    shape_index = np.array(shape_of, dtype=np.int64)
+    entry_of = np.repeat(shape_index, np.array([entry.gang for entry in entries], dtype=np.int64)[shape_index])
     positions = np.array(decisions.positions, dtype=np.int64)
     ratio, sigma = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64)
     rank, priors = np.zeros(n, dtype=np.int64), np.zeros((n, width), dtype=np.float32)
@@ -283,16 +282,17 @@ def _devices(
         prior = decisions.priors[i]
         if prior is not None:
             priors[i] = prior
-    batch.device_id.extend([site.device_id for site in sites])
-    batch.device_model.extend([site.model for site in sites])
+    device_ids, models, host_ids, rack_ids, host_devices = zip(*sites, strict=True) if sites else ((),) * 5
+    batch.device_id.extend(device_ids)
+    batch.device_model.extend(models)
     batch.prior_features.extend(priors.ravel().tolist())
     batch.log_speed_ratio.extend(ratio.tolist())
     batch.log_sigma.extend(sigma.tolist())
     batch.predicted.extend((positions >= 0).tolist())
     batch.rank.extend(rank.tolist())
-    batch.host_id.extend([site.host_id for site in sites])
-    batch.rack_id.extend([site.rack_id for site in sites])
-    batch.host_devices.extend([site.host_devices for site in sites])
+    batch.host_id.extend(host_ids)
+    batch.rack_id.extend(rack_ids)
+    batch.host_devices.extend(host_devices)
     batch.device_tasks.extend(decisions.device_tasks)
     batch.utilization.extend(decisions.utilization)
     batch.memory_free_gb.extend(decisions.memory_free_gb)

@@ -1,27 +1,31 @@
 """Decision features on Kafka: what the GNN read and predicted for each of its decisions.
 
 With ``learning.log_features`` on, :class:`FeatureLog` listens to the placement ledger (as the
-publisher of the ledger topic does) and writes, for each placement the GNN policy decided, one
-``hlb.v1.DecisionFeatures`` to ``learning.topic``, keyed by the cell as the ledger is: the task's
-shape and the speed head's task input, the devices the model predicts fastest for that shape
-(``learning.top_k``, of every device it has an embedding of) and the chosen ones, each with the
-head's prior features (the log of the profiles' speed first), the predicted log speed ratio and
-log standard deviation, where a chosen device sits (its host, rack and load), the model and feature
-schema versions, and the propensity of the choice (1: the daemon does not explore). The device
-embeddings are not logged: 32 floats a device, and a learner re-encodes the graph anyway.
+publisher of the ledger topic does) and writes the placements the GNN policy decided to
+``learning.topic``, many to a record (``hlb.v1.DecisionFeaturesBatch``, column by column), keyed
+by the cell as the ledger is. Per decision: the task's shape and the speed head's task input, the
+devices the model predicts fastest for that shape (``learning.top_k``, of every device it has an
+embedding of) and the chosen ones, each with the head's prior features (the log of the profiles'
+speed first), the predicted log speed ratio and log standard deviation, where a chosen device
+sits (its host, rack and load), the model and feature schema versions, and the propensity of the
+choice (1: the daemon does not explore). What a shape shares is written once per record. The
+device embeddings are not logged: 32 floats a device, and a learner re-encodes the graph anyway.
+``hlb features tail`` unfolds a record into one ``hlb.v1.DecisionFeatures`` per decision.
 
 Off the request path. The listener runs inside the decision, under the daemon's lock: it reads
-what the scorer kept of the shape (:meth:`GnnScorer.shape_inputs`, array references), the
-chosen devices' few fields, and the fastest devices of the shape (once per shape and embedding
-refresh), then hands them to a bounded queue without waiting. A thread builds each record
-(:mod:`hlb.daemon.record.feature_record`) and publishes it; a full queue drops the record and counts
-it, a record the bus refuses is counted too. Nothing here can fail or slow a decision beyond those
-reads, and the thread builds while no decision runs (:class:`FeatureLog`).
+what the scorer kept of the shape (once per shape and embedding refresh: array references and the
+fastest devices) and the chosen devices' few fields, and appends them to columns
+(:class:`~hlb.daemon.record.feature_record.Decisions`): references and numbers, no object per
+decision, never waiting. A thread takes the columns once no decision holds the daemon's lock,
+builds records of up to ``RECORD_DECISIONS`` decisions with numpy
+(:mod:`hlb.daemon.record.feature_record`) and publishes them; a full queue drops the decision and
+counts it, a record the bus refuses is counted too (each of its decisions).
 
 A record may outlive its decision: a placement the ledger topic refused is undone
-(``DecisionPublisher.take_back``) after its record was queued. Readers join records with the
-ledger (``hlb features tail``), so such a record joins nothing.
+(``DecisionPublisher.take_back``) after it was queued. Readers join decisions with the ledger
+(``hlb features tail``), so such a decision joins nothing.
 """
+
 
 from __future__ import annotations
 
@@ -90,11 +94,13 @@ class FeatureLog:
         queue_size: int = 10_000,
         on_outcome: Outcome | None = None,
         lock: threading.RLock | None = None,
+        max_record_bytes: int = 1_048_576,
         patience_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
         self.lock = lock
+        self.max_record_bytes = max_record_bytes  # a record's value at most (kafka.max_event_bytes)
         self.patience_s = patience_s
         self.publisher = publisher
         self.topic = topic
@@ -116,6 +122,7 @@ class FeatureLog:
         self._policy: Policy | None = None
         self._scorer: GnnScorer | None = None
         self._stop = threading.Event()
+        self._handed = threading.Condition()  # _handled grew
         self._thread: threading.Thread | None = None
         self.published = 0  # decisions
         self.published_bytes = 0
@@ -210,12 +217,8 @@ class FeatureLog:
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued record has been handled (published, or counted failed); False
         when ``timeout_s`` passed first."""
-        deadline = self._monotonic() + timeout_s
-        while self._handled < self._queued:
-            if self._monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-        return True
+        with self._handed:  # told by the thread (no polling: it would take the interpreter from the builder)
+            return self._handed.wait_for(lambda: self._handled >= self._queued, timeout_s)
 
     def _run(self) -> None:
         draining = False  # building until the queue is empty
@@ -236,7 +239,9 @@ class FeatureLog:
                 taken = self._queue.take(n)
                 self._taken += n
                 self._publish(taken)
-                self._handled += n
+                with self._handed:
+                    self._handled += n
+                    self._handed.notify_all()
 
     def _idle(self) -> bool:
         """Whether the thread may build now: once no decision runs (waiting on the daemon's lock at
@@ -267,15 +272,21 @@ class FeatureLog:
 
     def _publish_cell(self, cell: str, decisions: Decisions) -> None:
         start, n = time.perf_counter(), len(decisions.placements)
+        value: bytes | None = None
         try:
             value = build_batch(cell, decisions)
-            self.publisher.publish(self.topic, cell.encode(), value)
+            if len(value) <= self.max_record_bytes or n == 1:
+                self.publisher.publish(self.topic, cell.encode(), value)
         except Exception as exc:  # a bus that refuses, a record that cannot be built: counted, never fatal
             self.on_outcome("failed", 0, n)
             self._log_failure(type(exc).__name__, task_id=decisions.placements[0].task_id, decisions=n, error=str(exc))
             return
         finally:
             self.build_s += time.perf_counter() - start
+        if len(value) > self.max_record_bytes and n > 1:  # in halves, each within the bound
+            for half in (range(n // 2), range(n // 2, n)):
+                self._publish_cell(cell, decisions.select(list(half)))
+            return
         self.published += n
         self.published_bytes += len(value)
         self.records += 1

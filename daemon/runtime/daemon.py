@@ -256,6 +256,7 @@ class Daemon:
             queue_size=learning.queue_size,
             on_outcome=self.metrics.count_feature_record,
             lock=self.lock,  # records are built while no decision holds it
+            max_record_bytes=settings.kafka.max_event_bytes,
         )
 
     def _shadow(self, settings: Settings) -> Shadow | None:

@@ -143,6 +143,21 @@ def test_decisions_share_a_record_and_unfold_as_each_was_logged_alone(gnn_model_
     assert outcomes.bytes == len(bus.read_all(TOPIC)[0].value or b"")
 
 
+def test_a_record_over_its_bound_goes_out_in_parts_within_it(gnn_model_dir: Path) -> None:
+    scheduler = gnn_scheduler(gnn_model_dir)
+    features, bus, outcomes = logged(scheduler, top_k=3, max_record_bytes=1500)
+    for i in range(9):
+        spec = ev.TaskSpec(id=f"t{i}", workload_class="lm", work_ref_s=60.0, memory_per_device_gb=1.0, num_devices=2)
+        assert scheduler.place(spec).placement is not None
+    features.start()
+    features.stop()
+    sizes = [len(r.value or b"") for r in bus.read_all(TOPIC)]
+    assert len(sizes) > 1
+    assert max(sizes) <= 1500
+    assert [r.task_id for r in records(bus)] == [f"t{i}" for i in range(9)]
+    assert outcomes.counts == {"published": 9}
+
+
 def test_a_batch_whose_columns_do_not_line_up_is_unreadable() -> None:
     from hlb.daemon.record.feature_record import MalformedRecordError
 
