@@ -282,7 +282,9 @@ def _devices(
         prior = decisions.priors[i]
         if prior is not None:
             priors[i] = prior
-    device_ids, models, host_ids, rack_ids, host_devices = zip(*sites, strict=True) if sites else ((),) * 5
+    site_index = {site: i for i, site in enumerate(dict.fromkeys(sites))}  # each device once a record
+    batch.site.extend(list(map(site_index.__getitem__, sites)))
+    device_ids, models, host_ids, rack_ids, host_devices = zip(*site_index, strict=True) if sites else ((),) * 5
     batch.device_id.extend(device_ids)
     batch.device_model.extend(models)
     batch.prior_features.extend(priors.ravel().tolist())
@@ -319,15 +321,11 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
         raise MalformedRecordError(f"a batch of {n} decisions whose per-decision columns differ in length")
     m = sum(batch.shapes[i].shape.gang for i in batch.shape)
     per_device = (
-        batch.device_id,
-        batch.device_model,
+        batch.site,
         batch.log_speed_ratio,
         batch.log_sigma,
         batch.predicted,
         batch.rank,
-        batch.host_id,
-        batch.rack_id,
-        batch.host_devices,
         batch.device_tasks,
         batch.utilization,
         batch.memory_free_gb,
@@ -336,6 +334,10 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
     width = widths.pop() if len(widths) == 1 else -1
     if any(len(c) != m for c in per_device) or (m and len(batch.prior_features) != m * width):
         raise MalformedRecordError(f"a batch of {m} chosen devices whose per-device columns differ in length")
+    k = len(batch.device_id)
+    per_site = (batch.device_model, batch.host_id, batch.rack_id, batch.host_devices)
+    if any(len(c) != k for c in per_site) or any(i >= k for i in batch.site):
+        raise MalformedRecordError(f"a batch of {k} devices whose site columns differ in length")
     out, d = [], 0
     for i in range(n):
         shape = batch.shapes[batch.shape[i]]
@@ -358,11 +360,12 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
         record.shape.memory_per_device_gb = batch.memory_per_device_gb[i]
         listed = {c.device_id: c for c in record.candidates}
         for g in range(shape.shape.gang):
-            device = listed.get(batch.device_id[d]) if batch.predicted[d] else None
+            at = batch.site[d]
+            device = listed.get(batch.device_id[at]) if batch.predicted[d] else None
             if device is None:  # not among the listed: after them
                 device = record.candidates.add(
-                    device_id=batch.device_id[d],
-                    model=batch.device_model[d],
+                    device_id=batch.device_id[at],
+                    model=batch.device_model[at],
                     prior_features=batch.prior_features[d * width : (d + 1) * width],
                 )
                 if batch.predicted[d]:
@@ -371,9 +374,9 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
             device.chosen = g + 1
             device.neighbourhood.CopyFrom(
                 lrn.Neighbourhood(
-                    host_id=batch.host_id[d],
-                    rack_id=batch.rack_id[d],
-                    host_devices=batch.host_devices[d],
+                    host_id=batch.host_id[at],
+                    rack_id=batch.rack_id[at],
+                    host_devices=batch.host_devices[at],
                     device_tasks=batch.device_tasks[d],
                     utilization=batch.utilization[d],
                     memory_free_gb=batch.memory_free_gb[d],

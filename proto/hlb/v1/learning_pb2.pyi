@@ -49,19 +49,20 @@ class DecisionFeaturesBatch(_message.Message):
     MEMORY_PER_DEVICE_GB_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_AGE_MS_FIELD_NUMBER: _builtins.int
     PROPENSITY_FIELD_NUMBER: _builtins.int
-    DEVICE_ID_FIELD_NUMBER: _builtins.int
-    DEVICE_MODEL_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
     PRIOR_FEATURES_FIELD_NUMBER: _builtins.int
     LOG_SPEED_RATIO_FIELD_NUMBER: _builtins.int
     LOG_SIGMA_FIELD_NUMBER: _builtins.int
     PREDICTED_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
-    HOST_ID_FIELD_NUMBER: _builtins.int
-    RACK_ID_FIELD_NUMBER: _builtins.int
-    HOST_DEVICES_FIELD_NUMBER: _builtins.int
     DEVICE_TASKS_FIELD_NUMBER: _builtins.int
     UTILIZATION_FIELD_NUMBER: _builtins.int
     MEMORY_FREE_GB_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_MODEL_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    RACK_ID_FIELD_NUMBER: _builtins.int
+    HOST_DEVICES_FIELD_NUMBER: _builtins.int
     record_version: _builtins.int
     """this message's layout: 2"""
     cell: _builtins.str
@@ -89,11 +90,11 @@ class DecisionFeaturesBatch(_message.Message):
     @_builtins.property
     def propensity(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     @_builtins.property
-    def device_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Per chosen device, decision by decision, in gang order:"""
+    def site(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per chosen device, decision by decision, in gang order:
+        its entry in the site columns below
+        """
 
-    @_builtins.property
-    def device_model(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def prior_features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """the shape's prior_width floats per device"""
@@ -107,17 +108,23 @@ class DecisionFeaturesBatch(_message.Message):
     @_builtins.property
     def rank(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
-    def host_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
-    @_builtins.property
-    def rack_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
-    @_builtins.property
-    def host_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
     def device_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def utilization(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     @_builtins.property
     def memory_free_gb(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def device_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per device chosen in this record (each once), where it sits:"""
+
+    @_builtins.property
+    def device_model(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def host_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def rack_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def host_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -132,23 +139,24 @@ class DecisionFeaturesBatch(_message.Message):
         memory_per_device_gb: _abc.Iterable[_builtins.float] | None = ...,
         embeddings_age_ms: _abc.Iterable[_builtins.int] | None = ...,
         propensity: _abc.Iterable[_builtins.float] | None = ...,
-        device_id: _abc.Iterable[_builtins.str] | None = ...,
-        device_model: _abc.Iterable[_builtins.str] | None = ...,
+        site: _abc.Iterable[_builtins.int] | None = ...,
         prior_features: _abc.Iterable[_builtins.float] | None = ...,
         log_speed_ratio: _abc.Iterable[_builtins.float] | None = ...,
         log_sigma: _abc.Iterable[_builtins.float] | None = ...,
         predicted: _abc.Iterable[_builtins.bool] | None = ...,
         rank: _abc.Iterable[_builtins.int] | None = ...,
-        host_id: _abc.Iterable[_builtins.str] | None = ...,
-        rack_id: _abc.Iterable[_builtins.str] | None = ...,
-        host_devices: _abc.Iterable[_builtins.int] | None = ...,
         device_tasks: _abc.Iterable[_builtins.int] | None = ...,
         utilization: _abc.Iterable[_builtins.float] | None = ...,
         memory_free_gb: _abc.Iterable[_builtins.float] | None = ...,
+        device_id: _abc.Iterable[_builtins.str] | None = ...,
+        device_model: _abc.Iterable[_builtins.str] | None = ...,
+        host_id: _abc.Iterable[_builtins.str] | None = ...,
+        rack_id: _abc.Iterable[_builtins.str] | None = ...,
+        host_devices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_id", b"device_id", "device_model", b"device_model", "device_tasks", b"device_tasks", "embeddings_age_ms", b"embeddings_age_ms", "host_devices", b"host_devices", "host_id", b"host_id", "log_sigma", b"log_sigma", "log_speed_ratio", b"log_speed_ratio", "memory_free_gb", b"memory_free_gb", "memory_per_device_gb", b"memory_per_device_gb", "placement_sequence", b"placement_sequence", "predicted", b"predicted", "prior_features", b"prior_features", "propensity", b"propensity", "rack_id", b"rack_id", "rank", b"rank", "record_version", b"record_version", "shape", b"shape", "shapes", b"shapes", "task_id", b"task_id", "utilization", b"utilization", "work_ref_s", b"work_ref_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_id", b"device_id", "device_model", b"device_model", "device_tasks", b"device_tasks", "embeddings_age_ms", b"embeddings_age_ms", "host_devices", b"host_devices", "host_id", b"host_id", "log_sigma", b"log_sigma", "log_speed_ratio", b"log_speed_ratio", "memory_free_gb", b"memory_free_gb", "memory_per_device_gb", b"memory_per_device_gb", "placement_sequence", b"placement_sequence", "predicted", b"predicted", "prior_features", b"prior_features", "propensity", b"propensity", "rack_id", b"rack_id", "rank", b"rank", "record_version", b"record_version", "shape", b"shape", "shapes", b"shapes", "site", b"site", "task_id", b"task_id", "utilization", b"utilization", "work_ref_s", b"work_ref_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
