@@ -12,12 +12,15 @@ With the log on, its thread builds and publishes records while the server decide
 daemon. A batch's throughput is counted twice: to the reply (``placements_per_s``), and to the
 moment the log has published every record the batch made (``placements_per_s_with_drain``), the
 stricter figure, which the cost is taken from. Before each half-round, and before each batch,
-the records queued so far are published first, so that their cost falls on what made them.
+the decisions queued so far are published first and garbage is collected, so that their cost
+falls on what made them. Rounds alternate which half goes first (the cluster fills as they go).
+On a machine shared with other work, two figures move less than the wall-time ratio: the ratio
+in the process's CPU time, and the median of each round's own ratio.
 
 Records go to a sink that counts their bytes (default), or, with ``--kafka HOST:PORT``, to a
 fresh topic on that broker through the daemon's producer. Output: ``Place`` p50/p99 off and on
-and their ratio, ``PlaceBatch`` throughput off and on and their ratio, the bytes per record, and
-whether logging costs at most 10% (the target of issue 34, docs/learning.md).
+and their ratio, ``PlaceBatch`` throughput off and on and their ratios, the bytes per decision and
+per record, and whether logging costs at most 10% (the target of issue 34, docs/learning.md).
 """
 
 from __future__ import annotations
