@@ -26,7 +26,6 @@ A record may outlive its decision: a placement the ledger topic refused is undon
 (``hlb features tail``), so such a decision joins nothing.
 """
 
-
 from __future__ import annotations
 
 import threading
