@@ -491,10 +491,11 @@ class CellsSettings(_Section):
 class LearningSettings(_Section):
     """Learning from the live cluster (docs/learning.md): what the daemon logs of its GNN decisions.
 
-    With ``log_features``, each decision of the GNN policy is written to ``topic`` (a
-    ``hlb.v1.DecisionFeatures``, key = cell, as the ledger) by a background thread: decisions hand
-    their record to a queue of ``queue_size`` and never wait; when it is full the record is dropped
-    and counted (``hlb_feature_records_total{outcome="dropped"}``). ``top_k``: the devices the model
+    With ``log_features``, the decisions of the GNN policy are written to ``topic`` (records of
+    ``hlb.v1.DecisionFeaturesBatch``, many decisions each, column by column, key = cell, as the
+    ledger) by a background thread: decisions append what they read to a queue of ``queue_size``
+    and never wait; when it is full the decision is dropped and counted
+    (``hlb_feature_records_total{outcome="dropped"}``). ``top_k``: the devices the model
     predicts fastest that a record lists beside the chosen ones (bounds its bytes). ``shadow_model``:
     see docs/learning.md, "Shadow scoring"."""
 
