@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from hlb.bench.latency import synthetic_devices
 from hlb.daemon.config import ModelRefreshSettings, ModelSettings
-from hlb.daemon.decide.framework import ObjectiveWeights
+from hlb.daemon.decide.framework import ObjectiveWeights, PluginPolicy
 from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import ModelError
 from hlb.daemon.decide.gnn.scorer import EmbeddingCache, GnnScorer
@@ -123,16 +123,18 @@ def test_the_rules_of_the_gnn_preset_read_the_corrected_run_times(model_dir: Pat
     ``rules-table`` do with its table: a gang's wait, a service's fit, shortest first and which busy
     device a task waits for all read ``scorer.estimates``, never the prior it corrects."""
     policy = make_policy("gnn", model=settings(model_dir))
+    assert isinstance(policy, PluginPolicy)
     scorer = gnn_scorer(policy)
     assert scorer is not None
-    read = [plugin.profiles for plugin in (*policy.filters, *policy.permits) if hasattr(plugin, "profiles")]
-    read += [p.runtimes.profiles for p in (policy.queue_order, *policy.permits) if hasattr(p, "runtimes")]
-    assert len(read) == 5  # service fit, gang wait, service wait; shortest first, faster device
+    plugins: list[Any] = [*policy.filters, *policy.permits, policy.queue_order]
+    read = [plugin.profiles for plugin in plugins if hasattr(plugin, "profiles")]
+    read += [plugin.runtimes.profiles for plugin in plugins if hasattr(plugin, "runtimes")]
+    assert len(read) >= 5  # service fit, gang wait, service wait; shortest first, faster device
     assert all(profiles is scorer.estimates for profiles in read)
     graph = cluster()
     rows = graph.feasible_rows(SPEC)
     scorer.score(SPEC, graph, rows)  # loads the model: the estimates are no longer the prior's
-    gang_wait = next(p for p in policy.permits if p.name == "gang-wait")
+    gang_wait: Any = next(p for p in policy.permits if p.name == "gang-wait")
     prior = default_profiles().runtime_s(graph, rows, SPEC)
     assert not np.allclose(gang_wait.profiles.runtime_s(graph, rows, SPEC), prior)
 
