@@ -410,27 +410,54 @@ def inference_services(
         request_work_ms = 1000.0 / catalogue.throughput(reference, class_id, 1)
         duration_s = float(10 ** rng.uniform(3.0, 4.5))
         rate_per_s = float(rng.uniform(0.2, 0.7)) * 1000.0 / request_work_ms
-        job_id = f"service-{index:06d}"
+        slo_ms = request_work_ms * float(rng.choice([2.0, 3.0, 5.0]))
         tasks.append(
-            Task(
-                id=f"{job_id}/serve",
-                job_id=job_id,
-                arrival_s=float(arrival),
-                kind="inference",
-                workload_class=class_id,
-                num_devices=1,
-                memory_per_device_gb=catalogue.classes[class_id].memory_gb,
-                work_ref_s=rate_per_s * duration_s * request_work_ms / 1000.0,
-                priority=1,
-                latency_slo_ms=request_work_ms * float(rng.choice([2.0, 3.0, 5.0])),
-                labels={
-                    "duration_s": repr(duration_s),
-                    REQUEST_RATE_LABEL: repr(rate_per_s),
-                    REQUEST_WORK_LABEL: repr(request_work_ms),
-                },
+            service_task(
+                f"service-{index:06d}",
+                float(arrival),
+                catalogue,
+                class_id,
+                duration_s,
+                rate_per_s,
+                request_work_ms,
+                slo_ms,
             )
         )
     return tasks
+
+
+def service_task(
+    job_id: str,
+    arrival_s: float,
+    catalogue: Catalogue,
+    class_id: str,
+    lifetime_s: float,
+    rate_per_s: float,
+    request_work_ms: float,
+    slo_ms: float,
+    share_milli: int = 0,
+) -> Task:
+    """One inference service (its one replica, ``<job_id>/serve``): it lives ``lifetime_s``, gets
+    ``rate_per_s`` requests of ``request_work_ms`` each (reference-device ms), which are its labels,
+    and its work is their total; ``share_milli``: the share of a device it asks for (0: whole)."""
+    return Task(
+        id=f"{job_id}/serve",
+        job_id=job_id,
+        arrival_s=arrival_s,
+        kind="inference",
+        workload_class=class_id,
+        num_devices=1,
+        memory_per_device_gb=catalogue.classes[class_id].memory_gb,
+        work_ref_s=rate_per_s * lifetime_s * request_work_ms / 1000.0,
+        priority=1,
+        latency_slo_ms=slo_ms,
+        labels={
+            "duration_s": repr(lifetime_s),
+            REQUEST_RATE_LABEL: repr(rate_per_s),
+            REQUEST_WORK_LABEL: repr(request_work_ms),
+        },
+        device_share_milli=share_milli,
+    )
 
 
 def merge_workloads(*workloads: Sequence[Task]) -> list[Task]:
@@ -501,26 +528,10 @@ def fractional_jobs(
             lifetime_s = float(10 ** rng.uniform(3.0, 4.5))
             on_share_ms = request_work_ms * 1000.0 / share
             rate_per_s = float(rng.uniform(0.2, 0.7)) * 1000.0 / on_share_ms
-            tasks.append(
-                Task(
-                    id=f"{job_id}/serve",
-                    job_id=job_id,
-                    arrival_s=float(arrivals[index]),
-                    kind="inference",
-                    workload_class=class_id,
-                    num_devices=1,
-                    memory_per_device_gb=catalogue.classes[class_id].memory_gb,
-                    work_ref_s=rate_per_s * lifetime_s * request_work_ms / 1000.0,
-                    priority=1,
-                    latency_slo_ms=on_share_ms * float(rng.choice([2.0, 3.0, 5.0])),
-                    labels={
-                        "duration_s": repr(lifetime_s),
-                        REQUEST_RATE_LABEL: repr(rate_per_s),
-                        REQUEST_WORK_LABEL: repr(request_work_ms),
-                    },
-                    device_share_milli=share,
-                )
-            )
+            slo_ms = on_share_ms * float(rng.choice([2.0, 3.0, 5.0]))
+            arrival_s = float(arrivals[index])
+            args = (catalogue, class_id, lifetime_s, rate_per_s, request_work_ms, slo_ms, share)
+            tasks.append(service_task(job_id, arrival_s, *args))
             continue
         gang = 1 if fractional else int(rng.choice(gangs, p=gang_p / gang_p.sum()))
         candidates = [c for c in classes if gang in c.gang_sizes]
