@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hlb.daemon.state.task import REQUEST_RATE_LABEL, REQUEST_WORK_LABEL
-from hlb.sim.catalogue import Catalogue, shared_data_dir
+from hlb.sim.catalogue import Catalogue, WorkloadClass, shared_data_dir
 from hlb.sim.catalogue_sources import GANG_SIZES
 from hlb.sim.topology import DEVICE_KINDS
 from hlb.v1 import events_pb2
@@ -183,23 +183,40 @@ def gavel_jobs(
         gang = int(rng.choice(GAVEL_SCALE_FACTORS, p=GAVEL_SCALE_FACTOR_PROBABILITIES)) if multi_gpu else 1
         low, high = GAVEL_SHORT_LOG10_MINUTES if rng.random() < GAVEL_SHORT_PROBABILITY else GAVEL_LONG_LOG10_MINUTES
         duration_s = 60.0 * 10 ** rng.uniform(low, high)
-        candidates = [c for c in classes if gang in c.gang_sizes]
-        chosen = candidates[int(rng.integers(len(candidates)))]
-        job_id = f"gavel-{index:06d}"
-        tasks.append(
-            Task(
-                id=f"{job_id}/train",
-                job_id=job_id,
-                arrival_s=float(arrivals[index]),
-                kind="training",
-                workload_class=chosen.id,
-                num_devices=gang,
-                memory_per_device_gb=chosen.memory_gb,
-                work_ref_s=work_ref_s(catalogue, chosen.id, gang, duration_s),
-                labels={"gang_runtime_v100_s": repr(duration_s)},
-            )
-        )
+        job = (f"gavel-{index:06d}", float(arrivals[index]), gang, duration_s)
+        tasks.append(gavel_training_task(rng, catalogue, classes, *job))
     return tasks
+
+
+def gavel_training_task(
+    rng: np.random.Generator,
+    catalogue: Catalogue,
+    classes: Sequence[WorkloadClass],
+    job_id: str,
+    arrival_s: float,
+    gang: int,
+    duration_s: float,
+    share_milli: int = 0,
+) -> Task:
+    """A Gavel-style training job's one task (``<job_id>/train``): its class drawn uniformly among
+    ``classes`` that support ``gang``, as Gavel draws it, with the work that takes ``duration_s``
+    on ``gang`` V100s; asking for ``share_milli`` of a device (0: whole), it has that share of the
+    work, so that it runs ``duration_s`` on its share."""
+    candidates = [c for c in classes if gang in c.gang_sizes]
+    chosen = candidates[int(rng.integers(len(candidates)))]
+    work = work_ref_s(catalogue, chosen.id, gang, duration_s)
+    return Task(
+        id=f"{job_id}/train",
+        job_id=job_id,
+        arrival_s=arrival_s,
+        kind="training",
+        workload_class=chosen.id,
+        num_devices=gang,
+        memory_per_device_gb=chosen.memory_gb,
+        work_ref_s=work * share_milli / 1000.0 if share_milli else work,
+        labels={"gang_runtime_v100_s": repr(duration_s)},
+        device_share_milli=share_milli,
+    )
 
 
 # ---------------------------------------------------------------- Philly-derived jobs
@@ -534,22 +551,6 @@ def fractional_jobs(
             tasks.append(service_task(job_id, arrival_s, *args))
             continue
         gang = 1 if fractional else int(rng.choice(gangs, p=gang_p / gang_p.sum()))
-        candidates = [c for c in classes if gang in c.gang_sizes]
-        chosen = candidates[int(rng.integers(len(candidates)))]
-        job_id = f"fractional-{index:06d}"
-        work = work_ref_s(catalogue, chosen.id, gang, duration_s)
-        tasks.append(
-            Task(
-                id=f"{job_id}/train",
-                job_id=job_id,
-                arrival_s=float(arrivals[index]),
-                kind="training",
-                workload_class=chosen.id,
-                num_devices=gang,
-                memory_per_device_gb=chosen.memory_gb,
-                work_ref_s=work * share / 1000.0 if share else work,
-                labels={"gang_runtime_v100_s": repr(duration_s)},
-                device_share_milli=share,
-            )
-        )
+        job = (f"fractional-{index:06d}", float(arrivals[index]), gang, duration_s, share)
+        tasks.append(gavel_training_task(rng, catalogue, classes, *job))
     return tasks
