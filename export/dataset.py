@@ -47,6 +47,8 @@ from hlb.v1 import events_pb2 as ev
 PRIOR_PROFILES = "nameplate"
 # What the logging policy estimates with, by episode (seed modulo their count).
 LOGGING_PROFILES = ("nameplate", "coarse", "exact")
+# The host feature that counts the spread gangs sharing a host's uplink.
+SPREAD_GANGS_COLUMN = feat.names(feat.HOST_FEATURES).index("spread_gangs")
 # The shape feature ``gang`` of a one-device task (log1p(1)); a gang's is larger.
 GANG_OF_ONE = float(np.log1p(1.0)) + 1e-6
 
@@ -156,10 +158,10 @@ def _bounding_position(inputs: feat.EncoderInputs, rows: Rows, prior_s: NDArray[
     slowest = np.flatnonzero(prior_s >= prior_s.max() * (1.0 - 1e-9))
     if len(slowest) == 1:
         return int(positions[slowest[0]])
-    hosts = inputs.lists["device_host"].index[positions[slowest], 0]
-    column = feat.names(feat.HOST_FEATURES).index("spread_gangs")
-    padded = np.vstack([inputs.host_x, np.zeros((1, inputs.host_x.shape[1]), dtype=np.float32)])
-    return int(positions[slowest[int(np.argmax(padded[hosts, column]))]])
+    hosts = inputs.lists["device_host"].index[positions[slowest], 0]  # the padding index for no host
+    spread = inputs.host_x[:, SPREAD_GANGS_COLUMN]
+    counts = np.where(hosts < len(spread), spread[np.minimum(hosts, len(spread) - 1)], 0.0)
+    return int(positions[slowest[int(np.argmax(counts))]])
 
 
 def simulate(
