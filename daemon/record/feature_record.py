@@ -7,8 +7,13 @@ What every decision of one task shape shares between two embedding refreshes (th
 shape's flags and head input, the devices the model predicts fastest) is one :class:`ShapeEntry`,
 written once per record that holds such a decision (``shapes``); a decision adds one entry to
 each per-decision column and, per chosen device, one to each per-device column. The chosen
-devices' predictions, prior features and ranks are gathered with numpy, shape by shape.
-Record layout 1 (one ``DecisionFeatures`` per decision) is still read (:func:`unfold`).
+devices' predictions, prior features and ranks are gathered with numpy, shape by shape, and so
+is each decision's one embedding, of its label's device (:func:`_label_embeddings`), from the
+cache the shape entry holds: a cache's arrays are never written once it is built (the scorer
+encodes a new cache on each refresh, ``hlb.daemon.decide.gnn.scorer.GnnScorer._encode``, and
+makes them read-only there), so a decision keeps a reference and its device's position, and
+nothing is copied before the record is built. Record layouts 1 (one ``DecisionFeatures`` per
+decision) and 2 (without the embedding and the context) are still read (:func:`unfold`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from hlb.daemon.state.graph import InfraGraph
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 
-RECORD_VERSION = 2  # DecisionFeaturesBatch; 1: one DecisionFeatures per record
+# DecisionFeaturesBatch; 2: without the head's embedding and context; 1: one DecisionFeatures a record
+RECORD_VERSION = 3
+EMBEDDING_DTYPE = np.dtype("<f2")  # a logged device embedding: float16, little-endian (learning.proto says why)
 PROPENSITY = 1.0  # the daemon places by its scores alone; a learner weighs examples by 1 / this
 _LOG_PRIOR = "log_prior_speed"
 
@@ -214,6 +221,7 @@ def _shape_message(entry: ShapeEntry) -> lrn.BatchShape:
         shape_features=feat.shape_features(spec, entry.gang, entry.consolidated).tolist(),
         embedded_devices=len(entry.cache.device_rows),
         prior_width=priors.shape[1],
+        context=entry.cache.context.tolist(),
     )
     for i, position in enumerate(top.positions):
         message.listed.append(
@@ -253,6 +261,34 @@ def build_batch(cell: str, decisions: Decisions) -> bytes:
     batch.propensity.extend([PROPENSITY] * len(placements))
     _devices(batch, decisions, shape_of, entries)
     return batch.SerializeToString()
+
+
+def _label_embeddings(
+    entries: list[ShapeEntry],
+    shape_index: NDArray[np.int64],
+    entry_of: NDArray[np.int64],
+    positions: NDArray[np.int64],
+    priors: NDArray[np.float32],
+) -> list[bytes]:
+    """Per decision, the float16 bytes of its label's device's embedding (``training_rows`` calls
+    it the bounding device: the chosen one with the lowest prior log speed, the first in gang order
+    on ties), gathered from its shape's cache, as the decision read it; empty without one.
+    ``shape_index`` [N] per decision, ``entry_of`` / ``positions`` [M] / ``priors`` [M, P] per
+    chosen device -> [N]."""
+    out = [b""] * len(shape_index)
+    column = log_prior_column()
+    for e, entry in enumerate(entries):
+        decided = np.flatnonzero(shape_index == e)  # its decisions, in order; their devices likewise
+        devices = np.flatnonzero(entry_of == e).reshape(len(decided), entry.gang)
+        first = np.zeros(len(decided), dtype=np.int64)
+        if column is not None:
+            first = np.argmin(priors[devices, column], axis=1)  # the first of the lowest
+        where = positions[devices[np.arange(len(decided)), first]]
+        embedded = where >= 0
+        vectors = entry.cache.device_emb[where[embedded]].astype(EMBEDDING_DTYPE)
+        for i, vector in zip(decided[embedded].tolist(), vectors, strict=True):
+            out[i] = vector.tobytes()
+    return out
 
 
 def _devices(
@@ -298,6 +334,7 @@ def _devices(
     batch.device_tasks.extend(decisions.device_tasks)
     batch.utilization.extend(decisions.utilization)
     batch.memory_free_gb.extend(decisions.memory_free_gb)
+    batch.device_embedding.extend(_label_embeddings(entries, shape_index, entry_of, positions, priors))
 
 
 class MalformedRecordError(ValueError):
@@ -319,6 +356,11 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
     )
     if any(len(c) != n for c in per_decision) or any(i >= len(batch.shapes) for i in batch.shape):
         raise MalformedRecordError(f"a batch of {n} decisions whose per-decision columns differ in length")
+    embeddings = batch.device_embedding
+    if (len(embeddings) != n if batch.record_version >= 3 else len(embeddings) > 0) or any(
+        len(e) % EMBEDDING_DTYPE.itemsize for e in embeddings
+    ):
+        raise MalformedRecordError(f"a batch of {n} decisions whose device embeddings do not line up")
     m = sum(batch.shapes[i].shape.gang for i in batch.shape)
     per_device = (
         batch.site,
@@ -358,6 +400,9 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
         )
         record.shape.work_ref_s = batch.work_ref_s[i]
         record.shape.memory_per_device_gb = batch.memory_per_device_gb[i]
+        if batch.record_version >= 3:
+            record.device_embedding.extend(np.frombuffer(embeddings[i], dtype=EMBEDDING_DTYPE).tolist())
+            record.context.extend(shape.context)
         listed = {c.device_id: c for c in record.candidates}
         for g in range(shape.shape.gang):
             at = batch.site[d]
@@ -388,6 +433,7 @@ def unfold(batch: lrn.DecisionFeaturesBatch) -> list[lrn.DecisionFeatures]:
 
 
 __all__ = [
+    "EMBEDDING_DTYPE",
     "PROPENSITY",
     "RECORD_VERSION",
     "Decisions",

@@ -8,9 +8,11 @@ devices the model predicts fastest for that shape (``learning.top_k``, of every 
 embedding of) and the chosen ones, each with the head's prior features (the log of the profiles'
 speed first), the predicted log speed ratio and log standard deviation, where a chosen device
 sits (its host, rack and load), the model and feature schema versions, and the propensity of the
-choice (1: the daemon does not explore). What a shape shares is written once per record. The
-device embeddings are not logged: 32 floats a device, and a learner re-encodes the graph anyway.
-``hlb features tail`` unfolds a record into one ``hlb.v1.DecisionFeatures`` per decision.
+choice (1: the daemon does not explore). What a shape shares is written once per record, with
+the encoder's context vector; per decision, the embedding of its label's device (the chosen one
+with the lowest prior log speed), in float16: with those, a record holds every input the speed
+head read for the label, and a learner can refit the head without the graph. ``hlb features
+tail`` unfolds a record into one ``hlb.v1.DecisionFeatures`` per decision.
 
 Off the request path. The listener runs inside the decision, under the daemon's lock: it reads
 what the scorer kept of the shape (once per shape and embedding refresh: array references and the

@@ -24,10 +24,12 @@ import math
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from hlb.daemon.bus.codec import decode, to_json
 from hlb.daemon.bus.seam import EventBus
@@ -144,6 +146,7 @@ def _row(record: lrn.DecisionFeatures, ran_s: float, column: int) -> dict[str, A
     gang = max(1, shape.gang)
     work = (shape.work_ref_s if shape.work_ref_s > 0 else 1.0) / gang
     prior_s = work / math.exp(bounding.prior_features[column])
+    embedded = record.record_version >= 3 and len(record.device_embedding) > 0
     return {
         "cell": record.cell,
         "placement_sequence": record.placement_sequence,
@@ -168,7 +171,18 @@ def _row(record: lrn.DecisionFeatures, ran_s: float, column: int) -> dict[str, A
         "observed_run_s": ran_s,
         "observed_log_ratio": round(math.log(prior_s / ran_s), 6),  # the label
         "propensity": record.propensity,
+        # The head's two other inputs for bounding_device (layout 3; None before, and the embedding
+        # None for a device the embeddings did not cover): with shape_features and prior_features,
+        # what the head read for predicted_log_ratio.
+        "device_embedding": _shortest(record.device_embedding, np.float16) if embedded else None,
+        "context": _shortest(record.context, np.float32) if record.record_version >= 3 else None,
     }
+
+
+def _shortest(values: Sequence[float], dtype: type[np.floating[Any]]) -> list[float]:
+    """``values`` (each exactly a ``dtype`` number) as the shortest decimals that read back as the
+    same ``dtype`` number: rounded, and nothing lost."""
+    return [float(text) for text in np.asarray(values, dtype=dtype).astype(str)]
 
 
 def read_topics(

@@ -127,7 +127,7 @@ def test_decisions_share_a_record_and_unfold_as_each_was_logged_alone(gnn_model_
     features.stop()
     assert len(bus.read_all(TOPIC)) == 1  # one record for the nine
     batch = lrn.DecisionFeaturesBatch.FromString(bus.read_all(TOPIC)[0].value or b"")
-    assert batch.record_version == 2
+    assert batch.record_version == 3
     assert len(batch.shapes) == len({(s.workload_class, s.num_devices) for s in specs})
     got = records(bus)
     assert [(r.task_id, r.placement_sequence) for r in got] == [(p.task_id, p.sequence) for p in placed if p]

@@ -542,6 +542,8 @@ class GnnScorer(Policy):
             raise ModelError(f"encoder returned {shapes} for {n} devices")
         if not (np.isfinite(device_emb).all() and np.isfinite(context).all()):
             raise ModelError("encoder returned values that are not finite")
+        # Never written again: the feature log keeps references to them until its records are built.
+        device_emb.flags.writeable = context.flags.writeable = False
         version, changes, capacity, ids = marks
         positions = np.full(capacity, -1, dtype=np.int64)
         positions[inputs.device_rows] = np.arange(n, dtype=np.int64)

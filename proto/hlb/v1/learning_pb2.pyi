@@ -29,11 +29,12 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class DecisionFeaturesBatch(_message.Message):
-    """Decisions of the GNN policy in one cell, in ledger order, column by column (record_version 2):
+    """Decisions of the GNN policy in one cell, in ledger order, column by column (record_version 3):
     what every decision of one task shape and one set of embeddings shares is in `shapes` once;
     each decision is one entry of every per-decision column; its chosen devices are the next
     `gang` entries (its shape's) of every per-device column. A batch unfolds into one
     DecisionFeatures per decision, which is what a record held in record_version 1.
+    Layout 2 is layout 3 without `device_embedding` and `BatchShape.context`.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -49,6 +50,7 @@ class DecisionFeaturesBatch(_message.Message):
     MEMORY_PER_DEVICE_GB_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_AGE_MS_FIELD_NUMBER: _builtins.int
     PROPENSITY_FIELD_NUMBER: _builtins.int
+    DEVICE_EMBEDDING_FIELD_NUMBER: _builtins.int
     SITE_FIELD_NUMBER: _builtins.int
     PRIOR_FEATURES_FIELD_NUMBER: _builtins.int
     LOG_SPEED_RATIO_FIELD_NUMBER: _builtins.int
@@ -64,7 +66,7 @@ class DecisionFeaturesBatch(_message.Message):
     RACK_ID_FIELD_NUMBER: _builtins.int
     HOST_DEVICES_FIELD_NUMBER: _builtins.int
     record_version: _builtins.int
-    """this message's layout: 2"""
+    """this message's layout: 3 (2 and 1 are still read)"""
     cell: _builtins.str
     """the ledger's cell (the record's key too)"""
     @_builtins.property
@@ -89,6 +91,18 @@ class DecisionFeaturesBatch(_message.Message):
     def embeddings_age_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def propensity(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def device_embedding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The embedding the speed head read for the label's device: the chosen device with the lowest
+        prior_features[log_prior_speed], the first in gang order on ties (what `hlb features tail`
+        calls bounding_device), E float16 values, little-endian (2 E bytes); empty when that device
+        had no embedding (newer than the embeddings: the profiles alone predicted it). float16 keeps
+        11 significant bits (a relative error of at most 2^-11, about 0.05%) of values the encoder
+        brings to a few units at most: the head's output read from the float16 embedding differs from
+        the float32 one by less than the error of the model itself by orders of magnitude (measured
+        in docs/learning.md, "What a record holds"), and it halves the bytes.
+        """
+
     @_builtins.property
     def site(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per chosen device, decision by decision, in gang order:
@@ -139,6 +153,7 @@ class DecisionFeaturesBatch(_message.Message):
         memory_per_device_gb: _abc.Iterable[_builtins.float] | None = ...,
         embeddings_age_ms: _abc.Iterable[_builtins.int] | None = ...,
         propensity: _abc.Iterable[_builtins.float] | None = ...,
+        device_embedding: _abc.Iterable[_builtins.bytes] | None = ...,
         site: _abc.Iterable[_builtins.int] | None = ...,
         prior_features: _abc.Iterable[_builtins.float] | None = ...,
         log_speed_ratio: _abc.Iterable[_builtins.float] | None = ...,
@@ -156,7 +171,7 @@ class DecisionFeaturesBatch(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_id", b"device_id", "device_model", b"device_model", "device_tasks", b"device_tasks", "embeddings_age_ms", b"embeddings_age_ms", "host_devices", b"host_devices", "host_id", b"host_id", "log_sigma", b"log_sigma", "log_speed_ratio", b"log_speed_ratio", "memory_free_gb", b"memory_free_gb", "memory_per_device_gb", b"memory_per_device_gb", "placement_sequence", b"placement_sequence", "predicted", b"predicted", "prior_features", b"prior_features", "propensity", b"propensity", "rack_id", b"rack_id", "rank", b"rank", "record_version", b"record_version", "shape", b"shape", "shapes", b"shapes", "site", b"site", "task_id", b"task_id", "utilization", b"utilization", "work_ref_s", b"work_ref_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decided_at_ms", b"decided_at_ms", "device_embedding", b"device_embedding", "device_id", b"device_id", "device_model", b"device_model", "device_tasks", b"device_tasks", "embeddings_age_ms", b"embeddings_age_ms", "host_devices", b"host_devices", "host_id", b"host_id", "log_sigma", b"log_sigma", "log_speed_ratio", b"log_speed_ratio", "memory_free_gb", b"memory_free_gb", "memory_per_device_gb", b"memory_per_device_gb", "placement_sequence", b"placement_sequence", "predicted", b"predicted", "prior_features", b"prior_features", "propensity", b"propensity", "rack_id", b"rack_id", "rank", b"rank", "record_version", b"record_version", "shape", b"shape", "shapes", b"shapes", "site", b"site", "task_id", b"task_id", "utilization", b"utilization", "work_ref_s", b"work_ref_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -175,6 +190,7 @@ class BatchShape(_message.Message):
     LISTED_FIELD_NUMBER: _builtins.int
     EMBEDDED_DEVICES_FIELD_NUMBER: _builtins.int
     PRIOR_WIDTH_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     feature_schema_version: _builtins.int
     model_version: _builtins.str
     embedded_devices: _builtins.int
@@ -190,6 +206,10 @@ class BatchShape(_message.Message):
     def listed(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScoredDevice]:
         """the devices predicted fastest, as DecisionFeatures.candidates"""
 
+    @_builtins.property
+    def context(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """the encoder's context vector (G) the head read; layout 3"""
+
     def __init__(
         self,
         *,
@@ -200,10 +220,11 @@ class BatchShape(_message.Message):
         listed: _abc.Iterable[Global___ScoredDevice] | None = ...,
         embedded_devices: _builtins.int = ...,
         prior_width: _builtins.int = ...,
+        context: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedded_devices", b"embedded_devices", "feature_schema_version", b"feature_schema_version", "listed", b"listed", "model_version", b"model_version", "prior_width", b"prior_width", "shape", b"shape", "shape_features", b"shape_features"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "embedded_devices", b"embedded_devices", "feature_schema_version", b"feature_schema_version", "listed", b"listed", "model_version", b"model_version", "prior_width", b"prior_width", "shape", b"shape", "shape_features", b"shape_features"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -212,9 +233,10 @@ Global___BatchShape: _TypeAlias = BatchShape  # noqa: Y015
 @_typing.final
 class DecisionFeatures(_message.Message):
     """One decision of the GNN policy: what its speed head read and predicted, and what was chosen.
-    The device embeddings are not logged (32 floats per device); the head's other inputs are, so
-    that a learner can rebuild them given an embedding, and a small summary of where the chosen
-    devices sit stands in for the graph around them.
+    The head's inputs for the label's device are all here from layout 3 on (shape_features, that
+    device's prior_features, device_embedding, context), so that a learner can refit the head
+    without the graph; a small summary of where the chosen devices sit stands in for the graph
+    around them. Other devices' embeddings are not logged.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -232,6 +254,8 @@ class DecisionFeatures(_message.Message):
     PROPENSITY_FIELD_NUMBER: _builtins.int
     EMBEDDED_DEVICES_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_AGE_MS_FIELD_NUMBER: _builtins.int
+    DEVICE_EMBEDDING_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     record_version: _builtins.int
     """the layout it was logged in: 1 (one per record), 2 (a batch's)"""
     feature_schema_version: _builtins.int
@@ -263,6 +287,15 @@ class DecisionFeatures(_message.Message):
         device with an embedding, free or not), then the chosen devices not among them.
         """
 
+    @_builtins.property
+    def device_embedding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Layout 3 (empty before): the embedding (E) of the label's device, the chosen device with the
+        lowest prior log speed (first in gang order on ties), as logged (float16 values, widened);
+        empty when it had no embedding. And the encoder's context vector (G) the head read.
+        """
+
+    @_builtins.property
+    def context(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -279,10 +312,12 @@ class DecisionFeatures(_message.Message):
         propensity: _builtins.float = ...,
         embedded_devices: _builtins.int = ...,
         embeddings_age_ms: _builtins.int = ...,
+        device_embedding: _abc.Iterable[_builtins.float] | None = ...,
+        context: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "cell", b"cell", "decided_at_ms", b"decided_at_ms", "embedded_devices", b"embedded_devices", "embeddings_age_ms", b"embeddings_age_ms", "feature_schema_version", b"feature_schema_version", "model_version", b"model_version", "placement_sequence", b"placement_sequence", "propensity", b"propensity", "record_version", b"record_version", "shape", b"shape", "shape_features", b"shape_features", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "cell", b"cell", "context", b"context", "decided_at_ms", b"decided_at_ms", "device_embedding", b"device_embedding", "embedded_devices", b"embedded_devices", "embeddings_age_ms", b"embeddings_age_ms", "feature_schema_version", b"feature_schema_version", "model_version", b"model_version", "placement_sequence", b"placement_sequence", "propensity", b"propensity", "record_version", b"record_version", "shape", b"shape", "shape_features", b"shape_features", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
