@@ -507,6 +507,26 @@ class LearningSettings(_Section):
     # running one: it decides nothing; both models' predictions are compared with the run times of
     # the tasks as they finish (hlb_shadow_abs_error). None: no shadow.
     shadow_model: Path | None = None
+    # Models through Kafka (docs/learning.md, "Models through Kafka" and "The model lifecycle"): the
+    # compacted topic of model bundles and their verdicts (hlb models), and, with auto_models, the
+    # daemon's lifecycle of each new bundle: shadow for shadow_tasks finished tasks, then canary in
+    # canary_cell (None: this daemon's cell) for canary_tasks, then promoted or rolled back.
+    models_topic: str = Field("hlb.models", min_length=1, max_length=249)
+    auto_models: bool = False
+    shadow_tasks: int = Field(200, ge=1, le=1_000_000)
+    canary_tasks: int = Field(200, ge=1, le=1_000_000)
+    canary_cell: str | None = Field(None, min_length=1, max_length=128)
+    # The candidate's mean JCT in its canary may exceed the last good model's by this share (0.05: 5%).
+    jct_tolerance: float = Field(0.05, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _one_shadow(self) -> LearningSettings:
+        if self.auto_models and self.shadow_model is not None:
+            raise ValueError(
+                "learning.shadow_model and learning.auto_models both fill the shadow slot: set one "
+                "(publish the folder with hlb models publish instead)"
+            )
+        return self
 
 
 class LogSettings(_Section):

@@ -9,7 +9,8 @@ HlbError
 ├── RequestError         a gRPC request that is malformed (INVALID_ARGUMENT)
 ├── UnknownTaskError     a task the daemon has never seen (NOT_FOUND)
 ├── AccessDeniedError    a caller the access policy does not allow this action (PERMISSION_DENIED)
-└── BrokerError          Kafka cannot be reached or set up, or the local broker failed to start
+├── BrokerError          Kafka cannot be reached or set up, or the local broker failed to start
+└── BundleError          a model bundle that is incomplete or does not match its manifest (refused)
 """
 
 from __future__ import annotations
@@ -60,3 +61,8 @@ class AccessDeniedError(HlbError):
 
 class BrokerError(HlbError):
     """Kafka cannot be reached or set up, or the local broker could not be fetched or started."""
+
+
+class BundleError(HlbError):
+    """A model bundle (``hlb.daemon.runtime.models``) that cannot be published or installed: a
+    part missing, a file whose SHA-256 differs from its manifest's, no ONNX version; never installed."""

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hlb.daemon.record.training_rows",
         "the GNN's logged decisions joined with finished tasks: training rows",
     ),
+    "models": ("hlb.daemon.runtime.models", "publish, list, pin or roll back models on the models topic"),
     "cells": ("hlb.daemon.cells.plan", "which partition each cell lands on with several instances (cells plan)"),
     "bench": ("hlb.bench.cli", "benchmarks that print JSON (latency, ...)"),
     "eval": ("hlb.sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),

@@ -7,7 +7,8 @@ What each topic must keep (docs/design.md §3, docs/deploy.md "Topics and ACLs")
   would keep only the newest decision of each cell, the key);
 - the inventory topic is compacted (``cleanup.policy`` compact, without delete), so that the
   newest state of every device, host and link outlives the telemetry topic's retention;
-- the cells topic (with ``cells.enabled``) is compacted too: each owner's newest claim;
+- the cells topic (with ``cells.enabled``) is compacted too: each owner's newest claim, and so
+  is the models topic (``learning.models_topic``): model bundles and their verdicts;
 - the telemetry, tasks and dead-letter topics are read from a snapshot's offsets on: their
   retention is the operator's (``--input-retention-ms``, or the broker's default), as is the
   features topic's (with ``learning.log_features``; read by ``hlb features tail`` only).
@@ -52,7 +53,7 @@ class TopicPlan:
     """One topic: its name, what it is for, its partitions and the configs ``create`` sets."""
 
     name: str
-    role: str  # telemetry, tasks, placements, inventory, dlq, cells, features
+    role: str  # telemetry, tasks, placements, inventory, dlq, cells, features, models
     partitions: int
     config: Mapping[str, str] = field(default_factory=dict)
 
@@ -76,6 +77,8 @@ def plan(
         planned.append(TopicPlan(settings.cells.topic, "cells", shared, {**COMPACTED, **insync}))
     if settings.learning.log_features:  # keyed by the cell as the ledger; kept as long as the operator says
         planned.append(TopicPlan(settings.learning.topic, "features", shared, {**inputs, **insync}))
+    if settings.learning.auto_models:  # model bundles and verdicts (hlb models): read whole, newest per key
+        planned.append(TopicPlan(settings.learning.models_topic, "models", 1, {**COMPACTED, **insync}))
     return planned
 
 
@@ -97,7 +100,7 @@ def problems(role: str, name: str, config: Mapping[str, str]) -> list[str]:
                     f"{name}: {key}={value} drops the oldest decisions, which the daemon reads back at every start;"
                     f" the ledger needs {key}=-1"
                 )
-    elif role in ("inventory", "cells") and cleanup != {"compact"}:
+    elif role in ("inventory", "cells", "models") and cleanup != {"compact"}:
         found.append(
             f"{name}: cleanup.policy={config.get('cleanup.policy', 'delete')} loses entries past the retention;"
             " it needs cleanup.policy=compact"
