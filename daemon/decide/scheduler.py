@@ -109,7 +109,12 @@ class Scheduler:
         # Queued tasks parked (PendingQueue.park) by the dependency they wait for, by its id.
         self._parked_on: dict[str, set[str]] = {}
         self._seen = (graph.version, graph.metrics_version)
-        self._started_s: dict[str, float] = {}  # when each running task started (its run time, at the end)
+        # When each running task started (its run time, at the end), by its event's time: a driver
+        # with its own clock (the simulator, a test) is measured by that clock, not the daemon's.
+        self._started_s: dict[str, float] = {}
+        # Told of every task that finished after a start seen here: (task, its device rows, run time s,
+        # finish time s), by the events' times (shadow scoring and the model lifecycle read them).
+        self.finish_listeners: list[Callable[[Task, Rows, float, float], None]] = []
         self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
         # Leases on placements and the fencing of starts (hlb.daemon.decide.leases).
@@ -180,7 +185,7 @@ class Scheduler:
             if task.state == TaskState.PLACED:
                 self.graph.mark_running(task)  # its memory now shows in reported use instead
                 self._expect_end(task)  # from its start, which may come later than its placement
-                self._started_s[task_id] = self.clock()
+                self._started_s[task_id] = self._event_s(event)
                 self._dirty = True
                 placement = self.ledger.get(task_id)
                 if placement is not None:
@@ -196,11 +201,18 @@ class Scheduler:
             started = self._started_s.pop(task_id, None)
             if kind == "finished" and started is not None and task.device_rows:
                 rows = np.asarray(task.device_rows, dtype=np.int64)
-                self.policy.finished(task.spec, self.graph, rows, self.clock() - started)
+                ended = self._event_s(event)
+                self.policy.finished(task.spec, self.graph, rows, ended - started)
+                for listener in self.finish_listeners:
+                    listener(task, rows, ended - started, ended)
             self.graph.release(task, final)
             self.device_waits.ended(self.graph, task)
             self._dirty = True
             self._task_ended(task)
+
+    def _event_s(self, event: ev.TaskEvent) -> float:
+        """When ``event`` happened (s): its own time, or the clock's for an event that carries none."""
+        return event.event_time_ms / 1000.0 if event.event_time_ms > 0 else self.clock()
 
     def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False, plain: bool = False) -> Task:
         """Add a task to the graph and the queue, or bind it to its earlier placement on a replay.

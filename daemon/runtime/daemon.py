@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from hlb.daemon.record.journal import PROBE_BYTES, JournalFile, NotDurableError
 from hlb.daemon.record.shadow import Shadow
 from hlb.daemon.record.statedump import canonical_state, write_dump
 from hlb.daemon.runtime.durability import FailureEpisode, describe, withdraw_decisions
+from hlb.daemon.runtime.lifecycle import DaemonModels, LifecycleMetrics, LifecycleThread, ModelLifecycle
 from hlb.daemon.runtime.metrics import (
     DaemonMetrics,
     MetricsServer,
@@ -113,6 +115,8 @@ from hlb.daemon.serve.interceptors import OwnCellOnly
 from hlb.daemon.serve.ratelimit import RateLimitInterceptor
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -181,6 +185,8 @@ class Daemon:
         self.decisions.unpublished = self.metrics.decisions_unpublished
         self.features = self._feature_log(settings, bus)
         self.shadow = self._shadow(settings)
+        self.lifecycle = self._lifecycle(settings)
+        self._lifecycle_thread: LifecycleThread | None = None
         # The journal: on by default with Kafka (a memory bus ends with the process anyway).
         self.journal_enabled = settings.bus == "kafka"
         self.journal: JournalFile | None = None
@@ -274,6 +280,38 @@ class Daemon:
         shadow.attach(running)
         return shadow
 
+    def _lifecycle(self, settings: Settings) -> ModelLifecycle | None:
+        """With ``learning.auto_models``: the lifecycle of the models on the models topic
+        (``hlb.daemon.runtime.lifecycle``), told of every finished task."""
+        if not settings.learning.auto_models:
+            return None
+        if settings.cells.enabled:  # shards share one process and one policy per shard: not wired yet
+            log.warning("learning.auto_models is not supported with cells.enabled yet: no model is tried or installed")
+            return None
+        if model_scorer(self.scheduler.policy) is None:
+            log.warning("learning.auto_models needs scheduler.policy gnn: off", policy=settings.scheduler.policy)
+            return None
+        models = DaemonModels(settings, self.scheduler, self.lock, self.metrics.observe_shadow_error)
+        metrics = LifecycleMetrics(self.metrics.registry)
+        lifecycle = ModelLifecycle(settings, models, self.raw_publisher, clock=self.clock, metrics=metrics)
+
+        def finished(task: Task, rows: Rows, ran_s: float, ended_s: float) -> None:
+            counted = models.finished(task, rows, ran_s, ended_s)
+            if counted is not None:
+                lifecycle.finished(counted)
+
+        self.scheduler.finish_listeners.append(finished)
+        return lifecycle
+
+    def _start_lifecycle(self) -> None:
+        """Read the models topic from its start (a group of this process's own: it commits nothing)."""
+        if self.lifecycle is None:
+            return
+        group = f"{self.settings.kafka.group_id}.models.{self.settings.cell}.{uuid.uuid4().hex[:12]}"
+        source = self.bus.source([self.settings.learning.models_topic], group)
+        self._lifecycle_thread = LifecycleThread(self.lifecycle, source)
+        self._lifecycle_thread.start()
+
     def _reattach_shadow(self, reload: Reloader) -> Reloader:
         """``reload`` (the scheduler's, which builds a new policy), then the shadow listens to the new one."""
 
@@ -304,7 +342,10 @@ class Daemon:
         plain = [topics.telemetry, topics.tasks, topics.placements, topics.dlq]
         if self.settings.learning.log_features:
             plain.append(self.settings.learning.topic)
-        self.bus.ensure_topics(plain, [topics.inventory])
+        compacted = [topics.inventory]
+        if self.settings.learning.auto_models:
+            compacted.append(self.settings.learning.models_topic)
+        self.bus.ensure_topics(plain, compacted)
         if self.settings.bus == "kafka":
             from hlb.daemon.bus.topics import require_kept  # librdkafka loads only when Kafka is used
 
@@ -704,6 +745,8 @@ class Daemon:
         service.access = self.access
         service.tenant_backlog = self.tenant_backlog
         service.take_back = self._take_back
+        if self.lifecycle is not None:
+            service.model_lifecycle = self.lifecycle.state
         return service
 
     def _take_back(self, submitted: Collection[str]) -> str | None:
@@ -760,9 +803,13 @@ class Daemon:
 
     async def _shutdown(self, server: GrpcServer, ingest: IngestThread, metrics_server: MetricsServer | None) -> None:
         self.serving = False
+        if self._lifecycle_thread is not None:
+            await asyncio.to_thread(self._lifecycle_thread.stop)
         stop_policy(self.scheduler.policy)
-        if self.shadow is not None:
+        if self.shadow is not None and self.shadow.candidate is not None:
             self.shadow.candidate.stop()
+        if self.lifecycle is not None:
+            self.lifecycle.models.drop_candidate()
         self.notifier.stopping("finishing in-flight requests")
         log.info("stopping", grace_s=self.settings.grpc.grace_s)
         await server.stop(self.settings.grpc.grace_s)  # health NOT_SERVING first, then refuse new RPCs
@@ -892,7 +939,9 @@ class Daemon:
 
     def _start_policy(self) -> None:
         """Load and warm up a GNN's model on the current graph and start its refresh thread (and
-        the shadow candidate's, which a model that does not load leaves degraded, logged)."""
+        the shadow candidate's, which a model that does not load leaves degraded, logged), then the model
+        lifecycle's thread (``learning.auto_models``)."""
         start_policy(self.scheduler.policy, self.scheduler.graph, self.lock)
-        if self.shadow is not None:
+        if self.shadow is not None and self.shadow.candidate is not None:
             self.shadow.candidate.start(self.scheduler.graph, self.lock)
+        self._start_lifecycle()  # after the running model: a promoted version replaces it

@@ -142,6 +142,8 @@ class SchedulerService(api_grpc.SchedulerServicer):
         self.take_back: TakeBack = _nothing_to_take_back
         # Pending tasks per tenant, bounded by ``limits.max_pending_per_tenant`` (0: no bound).
         self.tenant_backlog = TenantBacklog(scheduler, self._tenant_of)
+        # The model lifecycle's state for GetClusterState (learning.auto_models); None: off.
+        self.model_lifecycle: Callable[[], api.ModelLifecycle | None] = lambda: None
 
     def _tenant_of(self, task_id: str) -> str:
         return self.access.tenant_of(task_id)  # the access in force: the daemon sets it after construction
@@ -286,7 +288,11 @@ class SchedulerService(api_grpc.SchedulerServicer):
         caller = self.access.caller(context)
         await self._permitted(context, lambda: self.access.check_cell(caller, self.scheduler.cell))
         with self.lock:
-            return cluster_state(self.scheduler, self.staleness_ms())
+            state = cluster_state(self.scheduler, self.staleness_ms())
+        models = self.model_lifecycle()  # outside the lock: the lifecycle takes it to switch models
+        if models is not None:
+            state.models.CopyFrom(models)
+        return state
 
     async def PlaceBatch(
         self, request: api.PlaceBatchRequest, context: grpc.aio.ServicerContext[object, object]

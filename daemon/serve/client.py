@@ -135,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show the placement of a task, or why it is pending",
     )
     what.add_argument("--watch", action="store_true", help="stream placements as they are made")
+    what.add_argument(
+        "--state", action="store_true", help="print the cluster state (GetClusterState, the model lifecycle's too)"
+    )
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--explain", action="store_true", help="explain instead of placing (with --get: a known task)")
     action.add_argument(
@@ -265,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(stub: api_grpc.SchedulerStub, args: argparse.Namespace, out: TextIO) -> int:
     if args.watch:
         watch(stub, args.from_sequence, args.count, args.json, out, args.cell)
+        return 0
+    if args.state:
+        print(to_json(stub.GetClusterState(api.GetClusterStateRequest(cell=args.cell), timeout=args.timeout)), file=out)
         return 0
     if args.explain:
         request = api.ExplainRequest(top_k=args.top, cell=args.cell)

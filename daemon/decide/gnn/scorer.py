@@ -490,6 +490,16 @@ class GnnScorer(Policy):
             self._install(cache, signature)
             return True
 
+    def serve_prior(self, reason: str) -> None:
+        """Decide with the fallback (the profiles alone: zero correction) until a model loads again
+        (a new ``model.path``, its files changing, SIGHUP): the model lifecycle's last resort."""
+        with self._work:
+            cache = self._cache
+            if cache is not None:
+                self._model_failed(cache, "model_rolled_back", reason)
+            else:
+                self._set_degraded("model_rolled_back", reason)
+
     def _graph_for_load(self) -> InfraGraph:
         return self._graph if self._graph is not None else InfraGraph()
 

@@ -486,6 +486,7 @@ class ClusterState(_message.Message):
     DEGRADED_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     devices: _builtins.int
     hosts: _builtins.int
     pending_tasks: _builtins.int
@@ -508,6 +509,10 @@ class ClusterState(_message.Message):
     def kinds(self) -> _containers.RepeatedCompositeFieldContainer[Global___KindSummary]: ...
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardOwner]: ...
+    @_builtins.property
+    def models(self) -> Global___ModelLifecycle:
+        """The model lifecycle (learning.auto_models, docs/learning.md): absent when it is off."""
+
     def __init__(
         self,
         *,
@@ -524,14 +529,106 @@ class ClusterState(_message.Message):
         degraded: _builtins.str = ...,
         instance: _builtins.str = ...,
         shards: _abc.Iterable[Global___ShardOwner] | None = ...,
+        models: Global___ModelLifecycle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "devices", b"devices", "hosts", b"hosts", "instance", b"instance", "kinds", b"kinds", "last_sequence", b"last_sequence", "mean_utilization", b"mean_utilization", "model_version", b"model_version", "pending_tasks", b"pending_tasks", "policy", b"policy", "running_tasks", b"running_tasks", "shards", b"shards", "staleness_ms", b"staleness_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "devices", b"devices", "hosts", b"hosts", "instance", b"instance", "kinds", b"kinds", "last_sequence", b"last_sequence", "mean_utilization", b"mean_utilization", "model_version", b"model_version", "models", b"models", "pending_tasks", b"pending_tasks", "policy", b"policy", "running_tasks", b"running_tasks", "shards", b"shards", "staleness_ms", b"staleness_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterState: _TypeAlias = ClusterState  # noqa: Y015
+
+@_typing.final
+class ModelLifecycle(_message.Message):
+    """What the daemon runs and tries of the models on the models topic, and its last steps."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNNING_VERSION_FIELD_NUMBER: _builtins.int
+    RUNNING_STAGE_FIELD_NUMBER: _builtins.int
+    CANDIDATE_VERSION_FIELD_NUMBER: _builtins.int
+    CANDIDATE_STAGE_FIELD_NUMBER: _builtins.int
+    WINDOW_DONE_FIELD_NUMBER: _builtins.int
+    WINDOW_TASKS_FIELD_NUMBER: _builtins.int
+    LAST_GOOD_VERSION_FIELD_NUMBER: _builtins.int
+    PINNED_VERSION_FIELD_NUMBER: _builtins.int
+    CANARY_CELL_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    running_version: _builtins.str
+    running_stage: _builtins.str
+    """configured (model.path), promoted, pinned, canary (a candidate deciding here), last_good
+    (rolled back to it), prior (rolled back to the profiles: zero correction)
+    """
+    candidate_version: _builtins.str
+    """empty: none is tried"""
+    candidate_stage: _builtins.str
+    """shadow or canary"""
+    window_done: _builtins.int
+    """finished tasks counted in the candidate's window so far"""
+    window_tasks: _builtins.int
+    """the window: learning.shadow_tasks or learning.canary_tasks"""
+    last_good_version: _builtins.str
+    """what a rollback returns to (empty: model.path's model)"""
+    pinned_version: _builtins.str
+    canary_cell: _builtins.str
+    """the cell where a candidate may decide"""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStep]:
+        """the latest steps, oldest first"""
+
+    def __init__(
+        self,
+        *,
+        running_version: _builtins.str = ...,
+        running_stage: _builtins.str = ...,
+        candidate_version: _builtins.str = ...,
+        candidate_stage: _builtins.str = ...,
+        window_done: _builtins.int = ...,
+        window_tasks: _builtins.int = ...,
+        last_good_version: _builtins.str = ...,
+        pinned_version: _builtins.str = ...,
+        canary_cell: _builtins.str = ...,
+        steps: _abc.Iterable[Global___ModelStep] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_cell", b"canary_cell", "candidate_stage", b"candidate_stage", "candidate_version", b"candidate_version", "last_good_version", b"last_good_version", "pinned_version", b"pinned_version", "running_stage", b"running_stage", "running_version", b"running_version", "steps", b"steps", "window_done", b"window_done", "window_tasks", b"window_tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelLifecycle: _TypeAlias = ModelLifecycle  # noqa: Y015
+
+@_typing.final
+class ModelStep(_message.Message):
+    """One step of the model lifecycle: received, refused, shadow, canary, promoted, rolled_back, ..."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_MS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    at_ms: _builtins.int
+    """Unix epoch milliseconds (the daemon's clock)"""
+    step: _builtins.str
+    version: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        at_ms: _builtins.int = ...,
+        step: _builtins.str = ...,
+        version: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_ms", b"at_ms", "reason", b"reason", "step", b"step", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStep: _TypeAlias = ModelStep  # noqa: Y015
 
 @_typing.final
 class ShardOwner(_message.Message):
