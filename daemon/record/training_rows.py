@@ -174,15 +174,16 @@ def _row(record: lrn.DecisionFeatures, ran_s: float, column: int) -> dict[str, A
         # The head's two other inputs for bounding_device (layout 3; None before, and the embedding
         # None for a device the embeddings did not cover): with shape_features and prior_features,
         # what the head read for predicted_log_ratio.
-        "device_embedding": _shortest(record.device_embedding, np.float16) if embedded else None,
-        "context": _shortest(record.context, np.float32) if record.record_version >= 3 else None,
+        # The embedding as logged, each value exactly its float16 (which a float32 reader reads
+        # exactly too); the context as the shortest decimals that read back as the same float32.
+        "device_embedding": list(record.device_embedding) if embedded else None,
+        "context": _float32s(record.context) if record.record_version >= 3 else None,
     }
 
 
-def _shortest(values: Sequence[float], dtype: type[np.floating[Any]]) -> list[float]:
-    """``values`` (each exactly a ``dtype`` number) as the shortest decimals that read back as the
-    same ``dtype`` number: rounded, and nothing lost."""
-    return [float(text) for text in np.asarray(values, dtype=dtype).astype(str)]
+def _float32s(values: Sequence[float]) -> list[float]:
+    """float32 ``values`` as the shortest decimals that a float32 reader reads back exactly."""
+    return [float(text) for text in np.asarray(values, dtype=np.float32).astype(str)]
 
 
 def read_topics(

@@ -308,3 +308,132 @@ def test_a_record_that_waited_its_patience_goes_out_while_busy(gnn_model_dir: Pa
         assert features.drain(10.0)
         assert [r.task_id for r in records(bus)] == ["t"]
     features.stop()
+
+
+def lifecycle_of(placements: list[ev.Placement]) -> list[ev.TaskEvent]:
+    """Each placement's task started at once and finished 100 s later."""
+    events = []
+    for p in placements:
+        start = ev.TaskStarted(task_id=p.task_id, device_ids=p.device_ids, placement_sequence=p.sequence)
+        events.append(ev.TaskEvent(cell=p.cell, event_time_ms=1_000, started=start))
+        events.append(ev.TaskEvent(cell=p.cell, event_time_ms=101_000, finished=ev.TaskFinished(task_id=p.task_id)))
+    return events
+
+
+def assert_head_gives_its_prediction(session: Any, row: dict[str, Any]) -> None:
+    """The exported head (``scorer.onnx`` in onnxruntime ``session``) run on the row's inputs alone
+    gives the row's prediction (to its rounding, and the float16 embedding's: about 1e-4)."""
+    feeds = {
+        "shape_x": np.array(row["shape_features"], dtype=np.float32),
+        "device_emb": np.array([row["device_embedding"]], dtype=np.float32),
+        "prior_x": np.array([row["prior_features"]], dtype=np.float32),
+        "context": np.array(row["context"], dtype=np.float32),
+    }
+    ((ratio, sigma),) = session.run(None, feeds)[0]
+    assert (ratio, sigma) == pytest.approx((row["predicted_log_ratio"], row["predicted_log_sigma"]), abs=1e-3)
+
+
+def test_a_row_holds_every_input_the_head_read_for_its_label(gnn_model_dir: Path) -> None:
+    """The row's embedding is the one its decision's cache held for the bounding device (within
+    float16), its context that cache's; the exported head run on the row's inputs alone gives the
+    row's prediction: a learner can refit the head from rows."""
+    import onnxruntime as ort
+
+    from hlb.bench.latency import synthetic_devices
+    from hlb.daemon.record.training_rows import join
+
+    scheduler = gnn_scheduler(gnn_model_dir)
+    scorer = gnn_scorer(scheduler.policy)
+    assert scorer is not None
+    features, bus, _ = logged(scheduler, top_k=3)
+    placed: list[ev.Placement] = []
+    caches: dict[str, Any] = {}  # the cache each decision read
+
+    def seen(p: ev.Placement) -> None:
+        placed.append(p)
+        caches[p.task_id] = scorer.cache
+
+    scheduler.ledger.subscribe(seen)
+    for i in range(12):
+        if i == 6:  # eight devices more: the next decisions read new embeddings
+            for event in synthetic_devices(56)[48:]:
+                scheduler.graph.apply_telemetry(event)
+        spec = ev.TaskSpec(id=f"t{i}", workload_class=("lm", "resnet50", "transformer")[i % 3], work_ref_s=600.0,
+                           memory_per_device_gb=1.0, num_devices=1 + i % 3)  # fmt: skip
+        assert scheduler.place(spec).placement is not None
+    features.start()
+    features.stop()
+    first, last = caches["t0"], caches["t11"]
+    assert first is not last
+    assert first.device_emb.shape[0] == 48
+    assert last.device_emb.shape[0] == 56
+    assert not first.device_emb.flags.writeable
+    assert not first.context.flags.writeable
+    assert all(len(r.device_embedding) == first.device_emb.shape[1] for r in records(bus))  # unfolded too
+
+    rows = join(records(bus), placed, lifecycle_of(placed)).rows
+    assert [r["task_id"] for r in rows] == [f"t{i}" for i in range(12)]
+    session = ort.InferenceSession(str(gnn_model_dir / "scorer.onnx"), providers=["CPUExecutionProvider"])
+    graph, not_first_member, not_newest = scheduler.graph, 0, 0
+    for row in rows:
+        cache = caches[row["task_id"]]
+        position = cache.positions[graph.devices.row(row["bounding_device"])]
+        embedding = np.array(row["device_embedding"], dtype=np.float32)
+        np.testing.assert_array_equal(embedding, cache.device_emb[position].astype(np.float16))  # as logged
+        np.testing.assert_allclose(embedding, cache.device_emb[position], rtol=2**-11, atol=2**-25)
+        np.testing.assert_array_equal(np.array(row["context"], dtype=np.float32), cache.context)  # exactly
+        # The gang's slowest by the prior, not its first member (whose embedding may differ).
+        first_member = cache.device_emb[cache.positions[graph.devices.row(row["device_ids"][0])]]
+        not_first_member += not np.allclose(embedding, first_member, rtol=1e-2)
+        if cache is first:  # what the decision read, not what the cache holds now
+            newest = last.device_emb[last.positions[graph.devices.row(row["bounding_device"])]]
+            not_newest += not np.allclose(embedding, newest, rtol=1e-2)
+        assert_head_gives_its_prediction(session, row)
+    assert not_first_member >= 1
+    assert not_newest >= 1
+    spread = max(r["predicted_log_ratio"] for r in rows) - min(r["predicted_log_ratio"] for r in rows)
+    assert spread > 0.05  # the head's output moves with its inputs: the comparison above could fail
+
+
+def test_a_record_of_layout_2_still_reads_without_the_heads_embedding(gnn_model_dir: Path) -> None:
+    from hlb.daemon.record.training_rows import join
+
+    scheduler = gnn_scheduler(gnn_model_dir)
+    features, bus, _ = logged(scheduler)
+    placed: list[ev.Placement] = []
+    scheduler.ledger.subscribe(placed.append)
+    spec = ev.TaskSpec(id="t", workload_class="lm", work_ref_s=60.0, memory_per_device_gb=1.0, num_devices=2)
+    assert scheduler.place(spec).placement is not None
+    features.start()
+    features.stop()
+    batch = lrn.DecisionFeaturesBatch.FromString(bus.read_all(TOPIC)[0].value or b"")
+    assert len(batch.device_embedding) == 1
+    assert batch.shapes[0].context
+    old = lrn.DecisionFeaturesBatch()
+    old.CopyFrom(batch)
+    old.record_version = 2
+    del old.device_embedding[:]
+    for shape in old.shapes:
+        del shape.context[:]
+    (record,) = unfold_record(old.SerializeToString(), 1 << 20)
+    assert (record.record_version, list(record.device_embedding), list(record.context)) == (2, [], [])
+    (row,) = join([record], placed, lifecycle_of(placed)).rows
+    assert (row["device_embedding"], row["context"]) == (None, None)
+    (new,) = unfold_record(batch.SerializeToString(), 1 << 20)
+    assert row == {**join([new], placed, lifecycle_of(placed)).rows[0], "device_embedding": None, "context": None}
+
+
+@pytest.mark.parametrize("embeddings", [[], [b"\x00\x00", b"\x00\x00"], [b"\x00\x00\x00"]])
+def test_a_batch_of_layout_3_whose_embeddings_do_not_line_up_is_unreadable(embeddings: list[bytes]) -> None:
+    from hlb.daemon.record.feature_record import MalformedRecordError
+
+    batch = lrn.DecisionFeaturesBatch(record_version=3, cell="c1", shape=[0], placement_sequence=[1], task_id=["t"],
+                                      decided_at_ms=[1], work_ref_s=[1.0], memory_per_device_gb=[1.0],
+                                      embeddings_age_ms=[0], propensity=[1.0], device_embedding=embeddings)  # fmt: skip
+    batch.shapes.add(shape=lrn.DecisionShape(gang=0))
+    with pytest.raises(MalformedRecordError):
+        unfold_record(batch.SerializeToString(), 1 << 20)
+    batch.ClearField("device_embedding")
+    batch.device_embedding.append(b"\x00\x3c")  # float16 1.0: lines up
+    (record,) = unfold_record(batch.SerializeToString(), 1 << 20)
+    assert list(record.device_embedding) == [1.0]

@@ -157,3 +157,22 @@ def test_run_time_errors_compare_the_model_with_the_profiles_per_model_version()
         "m1": {"rows": 3, "model_error": 0.2, "prior_error": 1.0},
         "m2": {"rows": 1, "model_error": 0.3, "prior_error": 0.3},
     }
+
+
+def test_a_row_of_layout_3_carries_the_heads_embedding_and_context_and_older_ones_none() -> None:
+    events = [started("t", 0, 7), finished("t", 100_000)]
+    old = record(7, "t", [0.0, -1.0])
+    (row,) = join([old], [placement(7, "t", gang=2)], events).rows
+    assert (row["device_embedding"], row["context"]) == (None, None)  # layout 1 (and 2) hold neither
+
+    new = record(7, "t", [0.0, -1.0])
+    new.record_version = 3
+    new.device_embedding.extend([0.5, -1.2578125, 0.00012350082397460938])  # float16 numbers, exactly
+    new.context.extend([0.1, 1 / 3])
+    (row,) = join([new], [placement(7, "t", gang=2)], events).rows
+    assert row["bounding_device"] == "t-d1"
+    assert row["device_embedding"] == [0.5, -1.2578125, 0.00012350082397460938]
+    assert row["context"] == [0.1, 0.33333334]  # the shortest decimals of the float32s
+    del new.device_embedding[:]  # the bounding device had no embedding: the profiles alone predicted it
+    (row,) = join([new], [placement(7, "t", gang=2)], events).rows
+    assert (row["device_embedding"], row["context"]) == (None, [0.1, 0.33333334])

@@ -13,9 +13,11 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 from unittest.mock import ANY
 
 import grpc
+import onnxruntime as ort
 import pytest
 
 from hlb.cli import main
@@ -28,6 +30,7 @@ from hlb.v1 import events_pb2 as ev
 from hlb.v1 import learning_pb2 as lrn
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 from tests.conftest import ServeProcess, spawn_serve, wait_serving
+from tests.daemon.test_feature_log import assert_head_gives_its_prediction
 from tests.integration.test_kafka_path import produce, task_event, wait_placed, wait_until
 
 pytestmark = pytest.mark.kafka
@@ -87,6 +90,37 @@ def shadow_figures(metrics_port: int) -> tuple[dict[str, float], dict[str, float
     for kind, model, value in re.findall(r'hlb_shadow_abs_error_(count|sum)\{model="(\w+)"\} (\S+)', text):
         figures[kind][model] = float(value)
     return figures["count"], figures["sum"]
+
+
+def check_head_inputs(
+    rows: list[dict[str, Any]], config: Path, model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The speed head's inputs for each row's label came through Kafka (record layout 3): the exported
+    head run on them gives the row's prediction; ``hlb features tail --records`` shows them too."""
+    head = ort.InferenceSession(str(model / "scorer.onnx"), providers=["CPUExecutionProvider"])
+    assert {len(r["device_embedding"]) for r in rows} == {16}  # the test model's (--hidden 16)
+    assert len({len(r["context"]) for r in rows}) == 1
+    for row in rows:
+        assert_head_gives_its_prediction(head, row)
+    assert main(["features", "--config", str(config), "tail", "--records", "-n", "1"]) == 0
+    unfolded = json.loads(capsys.readouterr().out)
+    assert (len(unfolded["device_embedding"]), len(unfolded["context"])) == (16, len(rows[0]["context"]))
+
+
+def check_errors(
+    rows: list[dict[str, Any]], model_version: str, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hlb features tail --errors``: the model's run-time error on the rows, per model version."""
+    assert main(["features", "--config", str(config), "tail", "--errors"]) == 0
+    errors = json.loads(capsys.readouterr().out)
+    model_error = statistics.median(abs(r["observed_log_ratio"] - r["predicted_log_ratio"]) for r in rows)
+    assert errors == {
+        model_version: {
+            "rows": 4,
+            "model_error": pytest.approx(model_error, abs=1e-4),
+            "prior_error": ANY,
+        }
+    }
 
 
 def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
@@ -158,17 +192,9 @@ def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
             )
         summary = json.loads(err.strip().rsplit("hlb features: ", 1)[1])
         assert (summary["records"], summary["rows"], summary["failed"], summary["running"]) == (6, 4, 1, 1)
+        check_head_inputs(rows, config, gnn_model_dir, capsys)
 
-        assert main(["features", "--config", str(config), "tail", "--errors"]) == 0
-        errors = json.loads(capsys.readouterr().out)
-        model_error = statistics.median(abs(r["observed_log_ratio"] - r["predicted_log_ratio"]) for r in rows)
-        assert errors == {
-            records[0].model_version: {
-                "rows": 4,
-                "model_error": pytest.approx(model_error, abs=1e-4),
-                "prior_error": ANY,
-            }
-        }
+        check_errors(rows, records[0].model_version, config, capsys)
 
         # Shadow scoring: every finished task compared by each model (the daemon times runs by its own
         # clock, from applying the start to applying the finish: the figures say little here).
