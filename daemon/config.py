@@ -12,6 +12,7 @@ and reason stands in this one file, in the order of ``config.yaml``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -312,12 +313,18 @@ class RulesSettings(_Section):
     # request_rate_per_s, request_work_ref_ms) on the slowest devices whose estimated request
     # latency meets its latency_slo_ms, keeping faster ones for work whose finish depends on speed.
     fit_services: bool = True
-    # With shared devices (shareable or partitioned): a task that asks for a share goes where it
-    # grows the expected fragmentation least (the fgd baseline's measure), its scorer choosing among
-    # those; and, with wait_on_shared off, no task waits for a busy device while it could take a
-    # shareable device or partition now (waiting would leave that capacity free). No effect on a
-    # cluster without shared devices.
+    # With shared devices (shareable or partitioned): a task that asks for a share goes, among the
+    # devices its scorer ranks within fragmentation_slack of the best, where it grows the expected
+    # fragmentation least (the fgd baseline's measure), the scorer breaking ties; and, with
+    # wait_on_shared off, no task waits for a busy device while it could take a shareable device or
+    # partition now (waiting would leave that capacity free). No effect on a cluster without
+    # shared devices, nor on whole-device tasks.
     fragmentation_fit: bool = True
+    # How far below the best score a device may rank and still be preferred for growing
+    # fragmentation less, as a share of the best score (with hetero-greedy's score and the GNN's,
+    # the estimated finish: 0.25 allows 25% later); 0: fragmentation breaks exact ties only; .inf:
+    # fragmentation first, the scorer breaking its ties.
+    fragmentation_slack: float = Field(math.inf, ge=0.0)
     wait_on_shared: bool = False
 
 

@@ -6,7 +6,9 @@ A decision runs through extension points, in the spirit of kube-scheduler's fram
 - **filter**: the graph's hard constraints (``InfraGraph.feasible_rows``: health, kind, model, free
   memory) and then each :class:`Filter` plugin, which may narrow what is left for a task;
 - **shortlist** and **score**: the scorer (:class:`Policy`: hetero-greedy, the GNN, ...) ranks the
-  candidates, higher is better; a scorer may narrow them cheaply first (no preset does now);
+  candidates, higher is better; a scorer may narrow them cheaply first (no preset does now); then
+  each :class:`ScorePlugin` that applies to the task may reorder them by a concern of its own
+  (fragmentation of shared devices), keeping the scorer's values;
 - **permit** (:class:`Permit`): the first plugin that applies to the task may leave it queued for a
   busy device where it would do better (:class:`Wait`) instead of the best free gang;
 - **reserve**: the scheduler binds the gang and tells the scorer (``Policy.placed``).
@@ -299,6 +301,22 @@ class PermitRequest:
     scorer: Policy
 
 
+class ScorePlugin(Protocol):
+    """Reorders the scored candidates of the tasks it applies to (kube-scheduler's Score, run after
+    the scorer): the scores it returns are the scorer's values, reassigned to the rows in its order,
+    so that they stay comparable with the scorer's (waits, explanations)."""
+
+    @property
+    def name(self) -> str:
+        """The plugin's name in configuration and explanations."""
+
+    def applies(self, spec: ev.TaskSpec) -> bool:
+        """Whether :meth:`rescore` may reorder ``spec``'s candidates (what a batch must not cache past)."""
+
+    def rescore(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores) -> Scores:
+        """The scores of ``rows`` given the scorer's ``scores``, higher better. [C], [C] -> [C]."""
+
+
 class Permit(Protocol):
     """May leave a task queued for busy devices (kube-scheduler's Permit returning wait)."""
 
@@ -314,7 +332,7 @@ class Permit(Protocol):
 
 
 class PluginPolicy(Policy):
-    """A scorer with plugins at the queue-order, filter and permit points: a configured policy.
+    """A scorer with plugins at the queue-order, filter, score and permit points: a configured policy.
 
     The plugins run while the scorer is :attr:`~Policy.ready`; otherwise the scorer decides alone.
     The first permit plugin that applies to a task decides its wait. ``label``: the policy's name in
@@ -328,16 +346,19 @@ class PluginPolicy(Policy):
         *,
         queue_order: QueueOrder | None = None,
         filters: Sequence[Filter] = (),
+        scores: Sequence[ScorePlugin] = (),
         permits: Sequence[Permit] = (),
     ) -> None:
         self.label = label
         self.scorer = scorer
         self.queue_order = queue_order
         self.filters = tuple(filters)
+        self.scores = tuple(scores)
         self.permits = tuple(permits)
-        # A batch's cached scores skip the filters: only a scorer without filters may be cached.
-        self.row_local = scorer.row_local and not self.filters
-        self.binding_lowers_scores = scorer.binding_lowers_scores
+        # A batch's cached scores skip the filters and score plugins (which read the whole graph):
+        # only a scorer without them may be cached.
+        self.row_local = scorer.row_local and not self.filters and not self.scores
+        self.binding_lowers_scores = scorer.binding_lowers_scores and not self.scores
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -364,10 +385,24 @@ class PluginPolicy(Policy):
         return self.scorer.estimates
 
     def score(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Scores:
-        return self.scorer.score(spec, graph, rows)
+        """The scorer's scores, then (while it is ready) each score plugin's that applies."""
+        return self._rescored(spec, graph, rows, self.scorer.score(spec, graph, rows))
 
     def batch_scorer(self, spec: ev.TaskSpec, graph: InfraGraph) -> Callable[[Rows], Scores]:
-        return self.scorer.batch_scorer(spec, graph)
+        scorer = self.scorer.batch_scorer(spec, graph)
+        if not self._rescores(spec):
+            return scorer
+        return lambda rows: self._rescored(spec, graph, rows, scorer(rows))
+
+    def _rescores(self, spec: ev.TaskSpec) -> bool:
+        return self.scorer.ready and any(plugin.applies(spec) for plugin in self.scores)
+
+    def _rescored(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores) -> Scores:
+        if self.scorer.ready:
+            for plugin in self.scores:
+                if plugin.applies(spec):
+                    scores = plugin.rescore(spec, graph, rows, scores)
+        return scores
 
     def shortlist(self, spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows) -> Rows:
         """The filters' narrowing of ``feasible`` (while the scorer is ready), then the scorer's own."""
@@ -381,8 +416,11 @@ class PluginPolicy(Policy):
         return self.scorer.task_key(spec)
 
     def batch_chooser(self, spec: ev.TaskSpec, graph: InfraGraph) -> BatchChooser | None:
-        """The scorer's, for a task no filter narrows (a batch chooser ranks every feasible row)."""
+        """The scorer's, for a task no filter narrows and no score plugin reorders (a batch chooser
+        ranks every feasible row by the scorer alone)."""
         if self.scorer.ready and any(plugin.applies(spec) for plugin in self.filters):
+            return None
+        if self._rescores(spec):
             return None
         return self.scorer.batch_chooser(spec, graph)
 
@@ -484,6 +522,7 @@ __all__ = [
     "PluginPolicy",
     "Policy",
     "QueueOrder",
+    "ScorePlugin",
     "Scores",
     "Wait",
     "WaitOptions",

@@ -33,8 +33,8 @@ PRESETS = (*POLICY_NAMES, "rules", "rules-table", "gnn")
 
 def with_rules(label: str, scorer: Policy, rules: RulesSettings, profiles: DeviceProfiles) -> PluginPolicy:
     """``scorer`` with the plugins ``rules`` turn on, named ``label`` while they run."""
-    queue_order, filters, permits = rule_plugins(rules, profiles)
-    return PluginPolicy(label, scorer, queue_order=queue_order, filters=filters, permits=permits)
+    queue_order, filters, scores, permits = rule_plugins(rules, profiles)
+    return PluginPolicy(label, scorer, queue_order=queue_order, filters=filters, scores=scores, permits=permits)
 
 
 def make_policy(

@@ -6,9 +6,9 @@ estimates of :mod:`hlb.daemon.decide.waiting` (which says what each rule does an
 - :class:`ShortestFirst` (queue order): shortest estimated run time first within a priority;
 - :class:`ServiceFit` (filter): a service that declares its load goes to the slowest devices that
   meet its latency SLO (a share of a device: by its share's speed);
-- :class:`FragmentationFit` (filter, after it): a task that asks for a share goes where it grows
-  the cluster's expected fragmentation least (the ``fgd`` baseline's measure), the scorer choosing
-  among those;
+- :class:`FragmentationScore` (score, after the scorer): a task that asks for a share goes, among
+  the devices the scorer ranks within ``fragmentation_slack`` of the best, where it grows the
+  cluster's expected fragmentation least (the ``fgd`` baseline's measure), the scorer breaking ties;
 - :class:`GangWait`, :class:`ServiceWait`, :class:`FasterDevice` (permit, in that order): a gang
   waits for a host where it would finish in under ``factor`` of its finish now; a fitted service
   waits for a busy device that meets its SLO when no free one does; any other one-device task
@@ -20,6 +20,7 @@ estimates of :mod:`hlb.daemon.decide.waiting` (which says what each rule does an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from numpy.typing import NDArray
 
 from hlb.daemon.config import RulesSettings
 from hlb.daemon.decide.fgd import MIX_TYPES, TIE_GPUS, RequestMix, fragmentation_delta, held_mix, request_type
-from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrder, Wait
+from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrder, ScorePlugin, Scores, Wait
 from hlb.daemon.decide.waiting import (
     RunTimes,
     declared_load,
@@ -74,26 +75,46 @@ class ServiceFit:
 
 
 @dataclass(frozen=True)
-class FragmentationFit:
-    """Filter: a task that asks for a share keeps, of its candidates, those where it would grow the
-    cluster's expected fragmentation least (:func:`~hlb.daemon.decide.fgd.fragmentation_delta`
-    against the mix of the requests the graph holds, as the ``fgd`` baseline measures it, within
-    ``tie_milli``, fgd's ties); the scorer then ranks those. All of them on a graph without shared
-    devices."""
+class FragmentationScore:
+    """Score: a task that asks for a share takes, of the devices its scorer ranks within ``slack`` of
+    the best, the one where it would grow the cluster's expected fragmentation least
+    (:func:`~hlb.daemon.decide.fgd.fragmentation_delta` against the mix of the requests the graph
+    holds, as the ``fgd`` baseline measures it, in steps of ``tie_milli``, fgd's ties), the scorer
+    breaking ties; the other devices follow in the scorer's order (:func:`least_growth_within`).
+    The scorer's order on a graph without shared devices."""
 
+    slack: float = math.inf
     tie_milli: float = TIE_GPUS * WHOLE_SHARE
-    name: str = "fragmentation-fit"
+    name: str = "fragmentation"
 
     def applies(self, spec: ev.TaskSpec) -> bool:
         return spec.device_share_milli > 0
 
-    def filter(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows) -> Rows:
+    def rescore(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores) -> Scores:
         if not graph.shared_devices or len(rows) < 2:
-            return rows
+            return scores
         mix = held_mix(graph) or RequestMix.of([request_type(spec)], MIX_TYPES)
-        delta = fragmentation_delta(graph, spec, rows, mix)
-        kept: Rows = rows[delta <= float(delta.min()) + self.tie_milli]
-        return kept
+        growth = fragmentation_delta(graph, spec, rows, mix)
+        return least_growth_within(scores, growth, self.slack, self.tie_milli)
+
+
+def least_growth_within(scores: Scores, growth: NDArray[np.float64], slack: float, tie: float) -> Scores:
+    """``scores`` reordered: first the rows scored at least ``best - slack * |best|`` (all of them when
+    ``slack`` is infinite), by least ``growth`` in steps of ``tie`` (> 0), then by score; then the
+    others by score; equal keys keep row order. The values are the scorer's own, sorted, each lowered
+    by its place in that order times a step far below the scores' scale (1e-9 of the best's
+    magnitude), so that the order is strict and the values stay comparable with the scorer's.
+    Shapes: [C], [C] -> [C]."""
+    if len(scores) < 2:
+        return scores
+    best = float(np.max(scores))
+    band = scores >= (-math.inf if math.isinf(slack) else best - slack * abs(best))
+    steps = np.where(band, np.round(growth / tie), 0.0)
+    order = np.lexsort((-scores, steps, ~band))
+    step = 1e-9 * max(1.0, abs(best))
+    out: Scores = np.empty(len(scores), dtype=np.float64)
+    out[order] = np.sort(scores)[::-1] - step * np.arange(len(scores))
+    return out
 
 
 @dataclass(frozen=True)
@@ -163,13 +184,14 @@ class FasterDevice:
 
 def rule_plugins(
     settings: RulesSettings, profiles: DeviceProfiles
-) -> tuple[QueueOrder | None, tuple[Filter, ...], tuple[Permit, ...]]:
-    """The queue order, filters and permits ``settings`` turn on. Without ``wait_for_faster`` no task
-    waits, gangs and services included."""
+) -> tuple[QueueOrder | None, tuple[Filter, ...], tuple[ScorePlugin, ...], tuple[Permit, ...]]:
+    """The queue order, filters, score plugins and permits ``settings`` turn on. Without
+    ``wait_for_faster`` no task waits, gangs and services included."""
     queue_order = ShortestFirst(profiles) if settings.queue_order == "shortest-first" else None
     filters: list[Filter] = [ServiceFit(profiles)] if settings.fit_services else []
+    scores: list[ScorePlugin] = []
     if settings.fragmentation_fit:
-        filters.append(FragmentationFit())
+        scores.append(FragmentationScore(settings.fragmentation_slack))
     permits: list[Permit] = []
     if settings.wait_for_faster:
         shared = settings.wait_on_shared
@@ -178,7 +200,16 @@ def rule_plugins(
         if settings.fit_services:
             permits.append(ServiceWait(profiles, shared))
         permits.append(FasterDevice(profiles, shared))
-    return queue_order, tuple(filters), tuple(permits)
+    return queue_order, tuple(filters), tuple(scores), tuple(permits)
 
 
-__all__ = ["FasterDevice", "FragmentationFit", "GangWait", "ServiceFit", "ServiceWait", "ShortestFirst", "rule_plugins"]
+__all__ = [
+    "FasterDevice",
+    "FragmentationScore",
+    "GangWait",
+    "ServiceFit",
+    "ServiceWait",
+    "ShortestFirst",
+    "least_growth_within",
+    "rule_plugins",
+]

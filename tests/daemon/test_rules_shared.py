@@ -1,7 +1,8 @@
-"""The rules on shared devices (``scheduler.rules.fragmentation_fit``, ``wait_on_shared``, and
-``fit_services`` and ``queue_order`` for a task that asks for a share): no wait that leaves a
-shareable device free, shares placed where fragmentation grows least, services fitted by their
-share's speed, shares ordered by their run time on their share."""
+"""The rules on shared devices (``scheduler.rules.fragmentation_fit``, ``fragmentation_slack``,
+``wait_on_shared``, and ``fit_services`` and ``queue_order`` for a task that asks for a share): no
+wait that leaves a shareable device free, shares placed where fragmentation grows least among the
+devices ranked within the slack of the best, services fitted by their share's speed, shares
+ordered by their run time on their share."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from hlb.daemon.config import RulesSettings
 from hlb.daemon.decide.presets import make_policy
-from hlb.daemon.decide.rules import FragmentationFit, ShortestFirst
+from hlb.daemon.decide.rules import FragmentationScore, ShortestFirst, least_growth_within
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.waiting import SHARED_HEADROOM
 from hlb.daemon.state.graph import InfraGraph
@@ -100,15 +101,83 @@ def test_a_share_goes_where_fragmentation_grows_least(fragmentation_fit: bool, d
     assert device_of(scheduler, "x") == device
 
 
-def test_the_fragmentation_filter_keeps_every_row_without_shared_devices() -> None:
+@pytest.mark.parametrize(("slack_of_gap", "device"), [(0.0, FAST), (0.9, FAST), (1.1, SLOW), (float("inf"), SLOW)])
+def test_fragmentation_counts_only_among_devices_within_the_slack_of_the_best(slack_of_gap: float, device: str) -> None:
+    # The slow device finishes the 400 share this share later than the fast one (both shares
+    # alone on their device's capacity): a slack below that keeps the scorer's choice.
+    gap = runtime_s(SLOW, 3600.0) / runtime_s(FAST, 3600.0) - 1.0
+    assert gap > 0.1
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(FAST, SLOW), fragmentation_slack=slack_of_gap * gap)
+    submit(scheduler, "held", work_ref_s=36000.0, device_share_milli=600, allowed_models=[SLOW])
+    scheduler.schedule_pending()
+    submit(scheduler, "x", work_ref_s=3600.0, device_share_milli=400)
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["x"]
+    assert device_of(scheduler, "x") == device
+
+
+def test_a_gang_of_shares_takes_more_devices_than_those_growing_fragmentation_least() -> None:
+    # Only the slow device grows fragmentation least for a 400 share; a gang of two still takes
+    # both devices (a filter keeping only the least-growth devices left it waiting forever).
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(FAST, SLOW))
+    submit(scheduler, "held", work_ref_s=36000.0, device_share_milli=600, allowed_models=[SLOW])
+    scheduler.schedule_pending()
+    submit(scheduler, "gang", work_ref_s=3600.0, device_share_milli=400, num_devices=2)
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["gang"]
+    placement = scheduler.ledger.get("gang")
+    assert placement is not None
+    assert sorted(placement.device_ids) == sorted([FAST, SLOW])
+
+
+def test_explain_ranks_every_candidate_the_least_growth_first() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(FAST, SLOW))
+    submit(scheduler, "held", work_ref_s=36000.0, device_share_milli=600, allowed_models=[SLOW])
+    scheduler.schedule_pending()
+    spec = ev.TaskSpec(
+        id="what-if", workload_class="resnet50", work_ref_s=3600.0, memory_per_device_gb=4, device_share_milli=400
+    )
+    explanation = scheduler.explain(spec)
+    assert [c.device_id for c in explanation.candidates] == [SLOW, FAST]
+    # The scores are the scorer's values, reassigned: the best of them heads the list.
+    plain = make_policy("hetero-greedy").score(spec, scheduler.graph, np.array([0, 1]))
+    assert explanation.candidates[0].score == pytest.approx(float(plain.max()), rel=1e-6)
+
+
+def test_least_growth_within_orders_the_band_by_growth_then_the_rest_by_score() -> None:
+    scores = np.array([-1.0, -1.1, -1.5, -3.0, -1.05])
+    growth = np.array([5.0, 1.0, 0.0, -9.0, 1.0])
+    # Band (within 20% of -1.0): rows 0, 1, 4; by growth 1 (rows 4, 1 by score), then 5 (row 0);
+    # then rows 2 and 3 by score, whatever their growth.
+    out = least_growth_within(scores, growth, 0.2, 0.1)
+    assert np.argsort(-out, kind="stable").tolist() == [4, 1, 0, 2, 3]
+    assert sorted(out.tolist(), reverse=True) == pytest.approx(sorted(scores.tolist(), reverse=True), rel=1e-8)
+    # No slack: exact ties of the best only; infinite: growth first.
+    assert np.argsort(-least_growth_within(scores, growth, 0.0, 0.1)).tolist()[:1] == [0]
+    assert np.argsort(-least_growth_within(scores, growth, float("inf"), 0.1)).tolist() == [3, 2, 4, 1, 0]
+    tied = least_growth_within(np.array([-2.0, -2.0, -2.0]), np.array([3.0, 1.0, 2.0]), 0.0, 0.5)
+    assert np.argsort(-tied).tolist() == [1, 2, 0]
+
+
+def test_the_fragmentation_score_keeps_the_scorers_order_without_shared_devices() -> None:
     graph = InfraGraph()
     for model in (FAST, SLOW):
         device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
         graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
     rows = np.array([0, 1])
     spec = ev.TaskSpec(id="s", device_share_milli=400, memory_per_device_gb=4)
-    assert FragmentationFit().filter(spec, graph, rows).tolist() == [0, 1]
-    assert not FragmentationFit().applies(ev.TaskSpec(id="w", memory_per_device_gb=4))
+    scores = np.array([-2.0, -1.0])
+    assert FragmentationScore().rescore(spec, graph, rows, scores).tolist() == [-2.0, -1.0]
+    assert not FragmentationScore().applies(ev.TaskSpec(id="w", memory_per_device_gb=4))
+
+
+def test_a_negative_or_unknown_slack_is_refused() -> None:
+    from pydantic import ValidationError
+
+    for bad in (-0.1, float("nan"), "some"):
+        with pytest.raises(ValidationError, match="fragmentation_slack"):
+            RulesSettings(fragmentation_slack=bad)
 
 
 def latency_ms(model: str, share: float) -> float:

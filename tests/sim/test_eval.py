@@ -205,7 +205,8 @@ def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     assert policy.scorer.settings.refresh.min_changed_rows == 256
     assert policy.scorer.mode == "sync"
     assert (policy.queue_order is not None) == (order == "shortest-first")
-    assert [f.name for f in policy.filters] == (["service-fit"] if fit else []) + ["fragmentation-fit"]
+    assert [f.name for f in policy.filters] == (["service-fit"] if fit else [])
+    assert [s.name for s in policy.scores] == ["fragmentation"]
     permits = ["gang-wait"] if wait and gang_factor > 0 else []
     permits += ["service-wait"] if wait and fit else []
     permits += ["faster-device"] if wait else []
@@ -295,6 +296,29 @@ def test_paired_compares_each_gnn_variant_with_the_best_baseline_seed_by_seed() 
     assert "| gnn-no-fit | hetero-greedy | 2 | -25.0% [" in markdown
     assert "| n/a |" in markdown  # no SLO attainment without services
     assert paired([_run("hetero-greedy", 0, 1.0)]) == []  # no GNN: nothing to compare
+
+
+def test_paired_takes_the_run_time_error_of_colocated_tasks_as_a_difference_on_shared_devices() -> None:
+    def run(policy: str, seed: int, error: float, colocated: float) -> dict[str, Any]:
+        metrics = _run(policy, seed, 100.0)["metrics"] | {"runtime_error": error, "runtime_error_colocated": colocated}
+        return {"workload": "fractional", "load": 3.0, "policy": policy, "seed": seed, "metrics": metrics}
+
+    runs = [
+        *(run("rules-table", s, 0.4, c) for s, c in enumerate((0.5, 0.7, 0.6))),
+        *(run("gnn", s, 0.3, c) for s, c in enumerate((0.3, 0.4, 0.5))),  # -0.2, -0.3, -0.1
+    ]
+    [against_table] = paired(runs)
+    assert against_table["baseline"] == "rules-table"
+    mean, half = confidence_interval([-0.2, -0.3, -0.1])
+    change = against_table["change"]["runtime_error_colocated"]
+    assert change == {"mean": pytest.approx(mean), "ci95": pytest.approx(half)}
+    assert against_table["change"]["runtime_error"]["mean"] == pytest.approx(-0.1)
+    markdown = paired_markdown([against_table])
+    assert "| run-time error, co-located tasks (difference) |" in markdown
+    assert f"| {mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] |" in markdown
+    # Without co-located tasks (whole devices), no run-time error columns.
+    plain = paired([r | {"metrics": r["metrics"] | {"runtime_error_colocated": math.nan}} for r in runs])
+    assert "co-located" not in paired_markdown(plain)
 
 
 def test_paired_measures_a_learned_policy_against_both_controls_and_the_oracle_gap() -> None:
