@@ -286,6 +286,7 @@ class Attempts:
         attempt.phase = "running"
         attempt.last_s = now
         attempt.record.start_s = now
+        attempt.record.colocated = False  # of the final attempt only; set in _update_rows
         lifetime = service_lifetime_s(attempt.task)
         if lifetime is not None:
             attempt.fixed_end_s = now + lifetime
@@ -352,6 +353,8 @@ class Attempts:
         for attempt_id in sorted(affected):
             attempt = self._attempts[attempt_id]
             factor = min(self._colocation_fraction(attempt, r) for r in attempt.rows)
+            if any(len(devices.running[r]) > 1 for r in attempt.rows):
+                attempt.record.colocated = True
             attempt.steps_done += attempt.rate * (now - attempt.last_s)
             attempt.last_s = now
             attempt.factor = factor

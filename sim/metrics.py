@@ -89,6 +89,9 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("jct_lb_mean_s", "JCT lower bound mean", "s", ""),
     MetricInfo("makespan_lb_s", "makespan lower bound", "s", ""),
     MetricInfo("runtime_error", "run-time error (median abs. log of estimated over observed)", "", "lower"),
+    # Over the tasks whose final attempt shared a device with another running task (TaskRecord.colocated).
+    MetricInfo("runtime_error_colocated", "run-time error, co-located tasks", "", "lower"),
+    MetricInfo("colocated_tasks", "co-located tasks estimated", "", ""),
     MetricInfo("jobs_finished", "jobs finished", "", ""),
     MetricInfo("tasks_unfinished", "tasks not finished", "", ""),
     MetricInfo("task_failures", "task attempts failed", "", ""),
@@ -186,14 +189,20 @@ def slo_attainment(tasks: Iterable[TaskRecord]) -> float:
     return met / total if total else math.nan
 
 
-def runtime_error(tasks: Sequence[TaskRecord]) -> float:
-    """Median of ``|log(estimated / observed run time)|`` over the finished tasks the policy estimated
-    (start to finish of the final attempt, input transfers excluded); nan when none."""
-    errors = [
+def runtime_errors(tasks: Iterable[TaskRecord], colocated: bool = False) -> list[float]:
+    """``|log(estimated / observed run time)|`` of each finished task the policy estimated (start to
+    finish of the final attempt, input transfers excluded); ``colocated``: of those whose final
+    attempt shared a device with another running task only."""
+    return [
         abs(math.log(t.estimated_s / (t.finish_s - t.start_s)))
         for t in tasks
-        if t.state == "finished" and t.estimated_s > 0 and t.finish_s > t.start_s
+        if t.state == "finished" and t.estimated_s > 0 and t.finish_s > t.start_s and (t.colocated or not colocated)
     ]
+
+
+def runtime_error(tasks: Sequence[TaskRecord], colocated: bool = False) -> float:
+    """The median of :func:`runtime_errors`; nan when there is none."""
+    errors = runtime_errors(tasks, colocated)
     return float(np.median(errors)) if errors else math.nan
 
 
@@ -370,6 +379,8 @@ def compute_metrics(result: SimResult, longest: int = 10) -> dict[str, float]:
         "jct_lb_mean_s": jct_lb,
         "makespan_lb_s": makespan_lb,
         "runtime_error": runtime_error(result.tasks),
+        "runtime_error_colocated": runtime_error(result.tasks, colocated=True),
+        "colocated_tasks": float(len(runtime_errors(result.tasks, colocated=True))),
         "jobs": float(len(jobs)),
         "jobs_finished": float(len(done)),
         "tasks_unfinished": float(sum(t.state != "finished" for t in result.tasks)),

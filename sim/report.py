@@ -51,6 +51,7 @@ SHARE_TABLE_METRICS = (
     "saturated_time",
     "jct_mean_s",
     "slo_attainment",
+    "runtime_error_colocated",
 )
 # The controls a learned policy is measured against when they ran: the same rules with the prior
 # alone, and with the online table; ``oracle-speeds`` bounds what better run times could gain.
@@ -128,6 +129,19 @@ def table_markdown(summary: Sequence[dict[str, Any]], metrics: Sequence[str] = T
 
 # Compared seed by seed with the best baseline: relative change of these, difference of SLO attainment.
 PAIRED_RATIOS = ("jct_mean_s", "jct_p99_s", "energy_kwh")
+# Taken as differences, not ratios: SLO attainment, and the run-time errors (overall, and of the
+# tasks that shared a device with another running task: on shared devices).
+PAIRED_DIFFERENCES = ("slo_attainment", "runtime_error", "runtime_error_colocated")
+
+
+def seed_differences(
+    by: dict[tuple[str, int], dict[str, float]], policy: str, control: str, key: str, seeds: Sequence[int]
+) -> tuple[float, float]:
+    """Mean and 95% half-width over ``seeds`` of ``policy``'s ``key`` minus ``control``'s in the same
+    seed (``by``: the metrics per (policy, seed)); seeds where either lacks it are left out."""
+    return confidence_interval(
+        [by[(policy, s)].get(key, math.nan) - by[(control, s)].get(key, math.nan) for s in seeds]
+    )
 
 
 def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -135,9 +149,9 @@ def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     else against the best baseline (lowest mean JCT among the daemon's heuristic policies), seed by
     seed, which removes the variation between seeds the two share. For each of
     :data:`PAIRED_RATIOS` the mean and 95% half-width of policy / control - 1 over the seeds both
-    ran; for SLO attainment, of the difference. Against ``rules`` with ``oracle-speeds`` beside,
-    also the oracle's gap, ``1 - oracle / rules`` of the mean JCTs, and the share of it the policy
-    closes, ``(rules - policy) / (rules - oracle)``."""
+    ran; for :data:`PAIRED_DIFFERENCES` (those the runs have), of the difference. Against
+    ``rules`` with ``oracle-speeds`` beside, also the oracle's gap, ``1 - oracle / rules`` of the
+    mean JCTs, and the share of it the policy closes, ``(rules - policy) / (rules - oracle)``."""
     out = []
     for workload, load in dict.fromkeys((r["workload"], r["load"]) for r in runs):
         here = [r for r in runs if r["workload"] == workload and r["load"] == load]
@@ -157,10 +171,10 @@ def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     ratios = [by[(policy, s)][key] / by[(control, s)][key] - 1.0 for s in seeds]
                     mean, half = confidence_interval(ratios)
                     changes[key] = {"mean": mean, "ci95": half}
-                mean, half = confidence_interval(
-                    [by[(policy, s)]["slo_attainment"] - by[(control, s)]["slo_attainment"] for s in seeds]
-                )
-                changes["slo_attainment"] = {"mean": mean, "ci95": half}
+                for key in PAIRED_DIFFERENCES:
+                    if key == "slo_attainment" or any(key in by[(policy, s)] for s in seeds):
+                        mean, half = seed_differences(by, policy, control, key, seeds)
+                        changes[key] = {"mean": mean, "ci95": half}
                 row = {"workload": workload, "load": load, "policy": policy, "baseline": control, "n": len(seeds)}
                 if control == "rules" and ORACLE in policies:
                     gap = mean_jct[control] - mean_jct[ORACLE]
@@ -175,18 +189,24 @@ def paired_markdown(comparisons: Sequence[dict[str, Any]]) -> str:
     blocks = []
     for workload, load in dict.fromkeys((c["workload"], c["load"]) for c in comparisons):
         rows = [c for c in comparisons if c["workload"] == workload and c["load"] == load]
+        # The run-time errors where some task shared a device (runs on shared devices).
+        errors = any(not math.isnan(r["change"].get("runtime_error_colocated", {}).get("mean", math.nan)) for r in rows)
+        differences = PAIRED_DIFFERENCES if errors else PAIRED_DIFFERENCES[:1]
+        info = {m.key: m for m in METRICS}
         lines = [
             f"### {workload}, {load_label(load)}: per seed",
             "",
-            "| policy | against | seeds | JCT mean | JCT p99 | energy | SLO attainment (difference) "
-            "| oracle gap (share of JCT) | gap closed |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| policy | against | seeds | JCT mean | JCT p99 | energy | "
+            + " | ".join(f"{info[k].label.split(' (')[0]} (difference)" for k in differences)
+            + " | oracle gap (share of JCT) | gap closed |",
+            "|---|---|---|---|---|---|" + "---|" * len(differences) + "---|---|",
         ]
         for row in rows:
             change = row["change"]
             cells = [_percent(change[k]) for k in PAIRED_RATIOS]
-            slo = change["slo_attainment"]
-            cells.append("n/a" if math.isnan(slo["mean"]) else _interval(slo["mean"], slo["ci95"], "{:+.3f}"))
+            for key in differences:
+                stat = change.get(key, {"mean": math.nan, "ci95": math.nan})
+                cells.append("n/a" if math.isnan(stat["mean"]) else _interval(stat["mean"], stat["ci95"], "{:+.3f}"))
             gap, closed = row.get("oracle_gap"), row.get("gap_closed")
             cells.append("" if gap is None else f"{100.0 * gap:.1f}%")
             cells.append("" if closed is None or math.isnan(closed) else f"{100.0 * closed:.0f}%")
@@ -227,7 +247,7 @@ def against_fgd_markdown(runs: Sequence[dict[str, Any]]) -> str:
             seeds = sorted(seed for (p, seed) in by if p == policy and ("fgd", seed) in by)
             cells = []
             for key in FGD_DIFFERENCES:
-                mean, half = confidence_interval([by[(policy, s)][key] - by[("fgd", s)][key] for s in seeds])
+                mean, half = seed_differences(by, policy, "fgd", key, seeds)
                 cells.append("n/a" if math.isnan(mean) else _interval(mean, half, "{:+.3f}"))
             ratio = confidence_interval(
                 [by[(policy, s)]["jct_mean_s"] / by[("fgd", s)]["jct_mean_s"] - 1 for s in seeds]

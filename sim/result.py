@@ -38,6 +38,10 @@ class TaskRecord:
     # The policy's estimate of the final attempt's run time when it was placed (its estimates:
     # profiles, learned corrections included); 0 for a policy without estimates or a service.
     estimated_s: float = 0.0
+    # The final attempt shared one of its devices with another running task for some of its run
+    # (a share beside other shares, or tasks co-located on a device): what it ran at depended on
+    # co-runners the scheduler does not see.
+    colocated: bool = False
     device_ids: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     slo_violated: bool = False

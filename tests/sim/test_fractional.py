@@ -128,3 +128,24 @@ def test_a_share_runs_at_its_share_of_the_device_and_a_partition_at_its_compute_
     # The whole A100 waits until its partition is free again.
     assert records["whole"].device_ids == ("big",)
     assert records["whole"].start_s >= records["mig"].finish_s
+
+
+def test_a_task_is_colocated_when_its_final_attempt_shared_a_device_with_a_running_task(catalogue: Catalogue) -> None:
+    inventory = inventory_from_document(document(SHARED_AND_PARTITIONED), catalogue)
+    quarter = task("quarter", 600.0, device_share_milli=250, allowed_models=(V100,))
+    half = task("half", 60.0, device_share_milli=500, allowed_models=(V100,))
+    mig = task("mig", 600.0, device_share_milli=400, allowed_models=(A100,))
+    # Arrives once both shares of the V100 are done: the device is its own.
+    later = task("later", 600.0, device_share_milli=250, allowed_models=(V100,), arrival_s=1e6)
+    result = simulate(catalogue, inventory, [quarter, half, mig, later], config=EXACT)
+    records = {r.task_id: r for r in result.tasks}
+    assert all(r.state == "finished" for r in records.values())
+    assert records["later"].start_s > max(records["quarter"].finish_s, records["half"].finish_s)
+    # The quarter ran beside the half for part of its run only; a partition is a device of its own.
+    assert records["half"].finish_s < records["quarter"].finish_s
+    assert {i: r.colocated for i, r in records.items()} == {
+        "quarter": True,
+        "half": True,
+        "mig": False,
+        "later": False,
+    }

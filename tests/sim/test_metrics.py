@@ -17,6 +17,7 @@ from hlb.sim.metrics import (
     ideal_finish_s,
     job_outcomes,
     makespan_lower_bound_s,
+    runtime_error,
     slo_attainment,
     step_integral,
     time_average,
@@ -87,6 +88,30 @@ def test_slo_attainment_counts_services_and_deadlines() -> None:
     ]
     assert slo_attainment(tasks) == pytest.approx(0.5)
     assert math.isnan(slo_attainment(tasks[-1:]))
+
+
+def test_the_run_time_error_of_colocated_tasks_counts_only_those() -> None:
+    def ran(task_id: str, estimated_s: float, colocated: bool) -> TaskRecord:
+        return record(
+            task_id, state="finished", start_s=0.0, finish_s=100.0, estimated_s=estimated_s, colocated=colocated
+        )
+
+    tasks = [
+        ran("alone1/x", 100.0, False),  # error 0
+        ran("alone2/x", 100.0, False),
+        ran("shared1/x", 200.0, True),  # error log 2
+        ran("shared2/x", 50.0, True),  # error log 2
+        ran("shared3/x", 400.0, True),  # error log 4
+        record("unfinished/x", estimated_s=10.0, colocated=True),  # no observed run time
+        ran("unestimated/x", 0.0, True),  # the policy estimated nothing
+    ]
+    assert runtime_error(tasks) == pytest.approx(math.log(2.0))
+    assert runtime_error(tasks, colocated=True) == pytest.approx(math.log(2.0))
+    metrics = compute_metrics(result_of(tasks[:2] + tasks[4:5]))
+    assert metrics["runtime_error"] == pytest.approx(0.0)
+    assert metrics["runtime_error_colocated"] == pytest.approx(math.log(4.0))
+    assert metrics["colocated_tasks"] == 1
+    assert math.isnan(compute_metrics(result_of(tasks[:2]))["runtime_error_colocated"])
 
 
 def test_metrics_of_a_hand_made_run() -> None:
