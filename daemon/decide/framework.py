@@ -10,7 +10,9 @@ A decision runs through extension points, in the spirit of kube-scheduler's fram
   each :class:`ScorePlugin` that applies to the task may reorder them by a concern of its own
   (fragmentation of shared devices), keeping the scorer's values;
 - **permit** (:class:`Permit`): the first plugin that applies to the task may leave it queued for a
-  busy device where it would do better (:class:`Wait`) instead of the best free gang;
+  busy device where it would do better (:class:`Wait`) instead of the best free gang; none runs for
+  a gang that takes a shareable device or a partition unless the policy waits on shared capacity
+  (:func:`declines_shared`);
 - **reserve**: the scheduler binds the gang and tells the scorer (``Policy.placed``).
 
 A baseline is a scorer alone. :class:`PluginPolicy` is a scorer with plugins at the other points,
@@ -331,12 +333,24 @@ class Permit(Protocol):
         """The busy device(s) to wait for, or None to take the gang now."""
 
 
+def declines_shared(graph: InfraGraph, gang: Rows) -> bool:
+    """Whether taking ``gang`` now would take a shareable device or a partition. Waiting instead
+    would leave that capacity free: on shared devices at saturation, capacity that the queued
+    requests do not take (they are the ones declining it), so a policy that does not wait on
+    shared capacity runs no permit then. False on a graph without shared devices."""
+    if not graph.shared_devices or not len(gang):
+        return False
+    d = graph.devices
+    return bool(np.any((d.sharing[gang] > 0) | d.partition[gang]))
+
+
 class PluginPolicy(Policy):
     """A scorer with plugins at the queue-order, filter, score and permit points: a configured policy.
 
     The plugins run while the scorer is :attr:`~Policy.ready`; otherwise the scorer decides alone.
-    The first permit plugin that applies to a task decides its wait. ``label``: the policy's name in
-    decisions while the plugins run (the scorer's name otherwise).
+    The first permit plugin that applies to a task decides its wait; with ``wait_on_shared`` off,
+    none runs for a gang that takes shared capacity (:func:`declines_shared`). ``label``: the
+    policy's name in decisions while the plugins run (the scorer's name otherwise).
     """
 
     def __init__(
@@ -348,8 +362,10 @@ class PluginPolicy(Policy):
         filters: Sequence[Filter] = (),
         scores: Sequence[ScorePlugin] = (),
         permits: Sequence[Permit] = (),
+        wait_on_shared: bool = True,
     ) -> None:
         self.label = label
+        self.wait_on_shared = wait_on_shared
         self.scorer = scorer
         self.queue_order = queue_order
         self.filters = tuple(filters)
@@ -439,7 +455,7 @@ class PluginPolicy(Policy):
     def wait_for(
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: Rows, score: float, now_ms: int, queued_s: Mapping[int, float]
     ) -> Wait | None:
-        if not self.scorer.ready:
+        if not self.scorer.ready or (not self.wait_on_shared and declines_shared(graph, gang)):
             return None
         for plugin in self.permits:
             if plugin.applies(spec, gang):
@@ -527,4 +543,5 @@ __all__ = [
     "Wait",
     "WaitOptions",
     "choose_gang",
+    "declines_shared",
 ]

@@ -34,7 +34,15 @@ PRESETS = (*POLICY_NAMES, "rules", "rules-table", "gnn")
 def with_rules(label: str, scorer: Policy, rules: RulesSettings, profiles: DeviceProfiles) -> PluginPolicy:
     """``scorer`` with the plugins ``rules`` turn on, named ``label`` while they run."""
     queue_order, filters, scores, permits = rule_plugins(rules, profiles)
-    return PluginPolicy(label, scorer, queue_order=queue_order, filters=filters, scores=scores, permits=permits)
+    return PluginPolicy(
+        label,
+        scorer,
+        queue_order=queue_order,
+        filters=filters,
+        scores=scores,
+        permits=permits,
+        wait_on_shared=rules.wait_on_shared,
+    )
 
 
 def make_policy(

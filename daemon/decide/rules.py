@@ -13,7 +13,8 @@ estimates of :mod:`hlb.daemon.decide.waiting` (which says what each rule does an
   waits for a host where it would finish in under ``factor`` of its finish now; a fitted service
   waits for a busy device that meets its SLO when no free one does; any other one-device task
   waits for a busy device the scorer ranks above the free one it could take now. None waits when
-  it could take a shareable device or a partition now, unless ``wait_on_shared`` says so.
+  it could take a shareable device or a partition now, unless ``wait_on_shared`` says so (the
+  framework's check, before any permit: :func:`~hlb.daemon.decide.framework.declines_shared`).
 
 ``scheduler.rules`` in the configuration turns each on or off; :func:`rule_plugins` builds them.
 """
@@ -33,7 +34,6 @@ from hlb.daemon.decide.framework import Filter, Permit, PermitRequest, QueueOrde
 from hlb.daemon.decide.waiting import (
     RunTimes,
     declared_load,
-    declines_shared,
     gang_wait,
     service_wait,
     slo_fit,
@@ -123,15 +123,12 @@ class ServiceWait:
     when no free one does (:func:`service_wait`)."""
 
     profiles: DeviceProfiles
-    on_shared: bool = False
     name: str = "service-wait"
 
     def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
         return len(gang) == 1 and declared_load(spec) is not None
 
     def wait(self, request: PermitRequest) -> Wait | None:
-        if not self.on_shared and declines_shared(request.graph, request.gang):
-            return None
         return service_wait(request.spec, request.graph, request.gang, request.now_ms, self.profiles)
 
 
@@ -142,7 +139,6 @@ class GangWait:
 
     profiles: DeviceProfiles
     factor: float
-    on_shared: bool = False
     name: str = "gang-wait"
 
     def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
@@ -150,8 +146,6 @@ class GangWait:
 
     def wait(self, request: PermitRequest) -> Wait | None:
         r = request
-        if not self.on_shared and declines_shared(r.graph, r.gang):
-            return None
         return gang_wait(r.spec, r.graph, r.gang, r.now_ms, r.queued_s, self.profiles, self.factor)
 
 
@@ -161,17 +155,14 @@ class FasterDevice:
 
     name = "faster-device"
 
-    def __init__(self, profiles: DeviceProfiles, on_shared: bool = False) -> None:
+    def __init__(self, profiles: DeviceProfiles) -> None:
         self.runtimes = RunTimes(profiles)
-        self.on_shared = on_shared
 
     def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
         return len(gang) == 1
 
     def wait(self, request: PermitRequest) -> Wait | None:
         r = request
-        if not self.on_shared and declines_shared(r.graph, r.gang):
-            return None
         options = wait_options(r.spec, r.graph, r.gang, r.now_ms, r.queued_s, self.runtimes)
         if options is None:
             return None
@@ -194,12 +185,11 @@ def rule_plugins(
         scores.append(FragmentationScore(settings.fragmentation_slack))
     permits: list[Permit] = []
     if settings.wait_for_faster:
-        shared = settings.wait_on_shared
         if settings.gang_wait_factor > 0:
-            permits.append(GangWait(profiles, settings.gang_wait_factor, shared))
+            permits.append(GangWait(profiles, settings.gang_wait_factor))
         if settings.fit_services:
-            permits.append(ServiceWait(profiles, shared))
-        permits.append(FasterDevice(profiles, shared))
+            permits.append(ServiceWait(profiles))
+        permits.append(FasterDevice(profiles))
     return queue_order, tuple(filters), tuple(scores), tuple(permits)
 
 

@@ -31,7 +31,8 @@ training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` s
   (with waiting on); when no device would, it takes a free one as any task does, the fastest first.
   A service that asks for a share of a device is fitted by its share's speed (:func:`service_speed`).
 - **Shared devices** (``wait_on_shared``, off): a task does not wait for a busy device when it
-  could take a shareable device or a partition now (:func:`declines_shared`); at saturation the
+  could take a shareable device or a partition now
+  (:func:`hlb.daemon.decide.framework.declines_shared`, run by the framework); at saturation the
   capacity it declined would stay free while requests wait (docs/evaluation.md, "Shared and
   fractional devices"). No effect without shared devices.
 """
@@ -227,17 +228,6 @@ def gang_wait(
     return Wait(row, device_id, float(wait_s[best]), float(run_s[best]), free_finish, devices=size)
 
 
-def declines_shared(graph: InfraGraph, gang: Rows) -> bool:
-    """Whether taking ``gang`` now would take a shareable device or a partition. Waiting instead
-    would leave that capacity free: on shared devices at saturation, capacity that the queued
-    requests do not take (they are the ones declining it), so the rules with ``wait_on_shared``
-    off do not wait then. False on a graph without shared devices."""
-    if not graph.shared_devices or not len(gang):
-        return False
-    d = graph.devices
-    return bool(np.any((d.sharing[gang] > 0) | d.partition[gang]))
-
-
 def declared_load(spec: ev.TaskSpec) -> tuple[float, float] | None:
     """A service's declared request rate (1/s) and one request's work (reference-device ms), or None
     for a task without a latency SLO or without both labels (their values are checked on submit)."""
@@ -348,7 +338,6 @@ __all__ = [
     "RunTimes",
     "WaitOptions",
     "declared_load",
-    "declines_shared",
     "free_in_s",
     "gang_wait",
     "queued_behind_s",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hlb.daemon.config import RulesSettings
+from hlb.daemon.decide.framework import PermitRequest, PluginPolicy, Wait
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.rules import FragmentationScore, ShortestFirst, least_growth_within
 from hlb.daemon.decide.scheduler import Scheduler
@@ -17,6 +18,7 @@ from hlb.daemon.decide.waiting import SHARED_HEADROOM
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
+from hlb.daemon.state.tables import Rows
 from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 from tests.daemon.clock import T0, Clock
@@ -73,6 +75,32 @@ def test_a_task_does_not_wait_for_a_faster_device_leaving_a_shareable_one_free(
     else:
         assert placed == ["x"]
         assert device_of(scheduler, "x") == SLOW
+
+
+@pytest.mark.parametrize("wait_on_shared", [False, True])
+def test_the_framework_runs_no_permit_for_a_gang_on_shared_capacity_unless_told(wait_on_shared: bool) -> None:
+    class Always:
+        """A permit that always waits: whatever it is, the framework decides first."""
+
+        name = "always"
+
+        def applies(self, spec: ev.TaskSpec, gang: Rows) -> bool:
+            return True
+
+        def wait(self, request: PermitRequest) -> Wait | None:
+            return Wait(int(request.gang[0]), "busy", 1.0, 1.0, 2.0)
+
+    graph = InfraGraph()
+    for model in (FAST, SLOW):
+        sharing = MPS if model == SLOW else ev.DEVICE_SHARING_UNSPECIFIED
+        device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32, sharing=sharing)
+        graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    policy = PluginPolicy("p", make_policy("hetero-greedy"), permits=[Always()], wait_on_shared=wait_on_shared)
+    spec = ev.TaskSpec(id="x", work_ref_s=60.0, memory_per_device_gb=4)
+    exclusive, shareable = graph.devices.index[FAST], graph.devices.index[SLOW]
+    assert policy.wait_for(spec, graph, np.array([exclusive]), 0.0, 0, {}) is not None
+    assert (policy.wait_for(spec, graph, np.array([shareable]), 0.0, 0, {}) is not None) == wait_on_shared
+    assert (policy.wait_for(spec, graph, np.array([exclusive, shareable]), 0.0, 0, {}) is not None) == wait_on_shared
 
 
 def test_without_shared_devices_the_task_still_waits() -> None:
