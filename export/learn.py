@@ -35,6 +35,7 @@ import io
 import json
 import logging
 import math
+import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -502,6 +503,13 @@ def learn(
     """Warm-start, fit and validate a candidate on ``rows``, write it to ``out_dir`` (accepted or
     not: the card says which and why) and return the card and the decision. Raises
     :class:`LearnError` when there is nothing to learn from or the running head cannot be read."""
+    clock = time.perf_counter()
+    wall_s: dict[str, float] = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        wall_s[phase], clock = round(time.perf_counter() - clock, 3), time.perf_counter()
+
     head = load_head(model_dir)
     usable, skipped = usable_rows(rows, head.config)
     training, validation = split(usable, config)
@@ -513,19 +521,22 @@ def learn(
         raise LearnError(f"no rows to train on ({len(usable)} usable; left out: {dict(skipped) or 'none'})")
     train_inputs, val_inputs = HeadInputs.of(training), HeadInputs.of(validation)
     parity = check_parity(head, model_dir, val_inputs if len(val_inputs) else train_inputs)
-    by_shape = sorted(name for name, how in head.matched.items() if "by name" not in how)
+    unnamed = sorted(name for name, how in head.matched.items() if how != "by name")
     say(
-        f"warm start from {head.version!r}: parity with onnxruntime {parity:.2g}; {by_shape} matched "
-        + ", ".join(f"{name} {head.matched[name]}" for name in by_shape)
+        f"warm start from {head.version!r}, parity with onnxruntime {parity:.2g}; found without their names: "
+        + ", ".join(f"{name} {head.matched[name]}" for name in unnamed)
     )
+    lap("rows_and_warm_start")
     candidate = copy.deepcopy(head.scorer)
     summary = fit(candidate, train_inputs, config)
+    lap("fit")
     say(
         f"fit: {summary.epochs} epochs, best {summary.best_epoch}; early-stopping NLL "
         f"{summary.stopping_nll_before:.4f} -> {summary.stopping_nll_after:.4f}"
     )
     table = TableEstimator(training)
     result = validate(predict(candidate, val_inputs), table.predict(validation), val_inputs, config)
+    lap("validate")
     created = now()
     version = config.model_version or f"hlb-learn-{created.strftime('%Y%m%dT%H%M%SZ')}"
     card = model_card(version, head, training, validation, skipped, summary, result, parity, config, created)
@@ -534,7 +545,8 @@ def learn(
     written = check_parity(
         Head(candidate, head.config, {}, {}), out_dir, val_inputs if len(val_inputs) else train_inputs
     )
-    card["export_parity_max_abs_diff"] = written
+    lap("write")
+    card["export_parity_max_abs_diff"], card["wall_s"] = written, wall_s
     (out_dir / CARD_FILE).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
     return Outcome(card, result.accepted, out_dir)
 

@@ -68,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--publish", action="store_true", help="publish an accepted candidate on the models topic")
     parser.add_argument("--watch", action="store_true", help="run again every --interval-s while new rows arrive")
     parser.add_argument("--interval-s", type=float, default=3600.0, help="seconds between runs with --watch (3600)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: the head is small, and more threads fit it slower; 0: torch's default)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -83,3 +83,23 @@ def synthetic_rows(
             }
         )
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print synthetic rows as JSON lines (the learner's measurement in docs/learning.md)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m tests.export.learn_rows", description=__doc__)
+    parser.add_argument("--rows", type=int, default=10_000)
+    parser.add_argument("--hidden", type=int, default=32, help="the model's embedding width (the shipped one: 32)")
+    parser.add_argument("--truth", choices=("corunners", "noise"), default="corunners")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for row in synthetic_rows(args.rows, args.hidden, args.truth, args.seed):
+        print(json.dumps(row, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
