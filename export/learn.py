@@ -91,6 +91,7 @@ class LearnConfig:
     bootstrap_resamples: int = 2000
     seed: int = 0
     model_version: str = ""  # empty: hlb-learn-<UTC time>
+    since_ms: int = 0  # rows decided before this (Unix ms) are left out: e.g. those of another encoder
 
 
 @dataclass(frozen=True)
@@ -512,6 +513,10 @@ def learn(
 
     head = load_head(model_dir)
     usable, skipped = usable_rows(rows, head.config)
+    if config.since_ms:
+        kept = [row for row in usable if int(row["decided_at_ms"]) >= config.since_ms]
+        skipped["before_since"] += len(usable) - len(kept)
+        usable = kept
     training, validation = split(usable, config)
     say(
         f"{len(usable)} usable rows ({len(training)} to train on, {len(validation)} to validate on); left out: "

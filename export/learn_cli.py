@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-validation-rows", type=int, default=50, help="refuse with fewer validation rows than this (50)"
     )
+    parser.add_argument(
+        "--since-ms",
+        type=int,
+        default=0,
+        help="learn only from rows decided at or after this Unix time in ms (e.g. since a new encoder)",
+    )
     parser.add_argument("--epochs", type=int, default=30, help="most passes over the training rows (30)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fit and the bootstrap (0)")
     parser.add_argument("--model-version", default="", help="the candidate's version (default: hlb-learn-<UTC time>)")
@@ -105,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         seed=args.seed,
         model_version=args.model_version,
+        since_ms=args.since_ms,
     )
     read = (lambda: read_rows_file(args.rows)) if args.rows is not None else (lambda: read_rows_kafka(settings))
     if not args.watch:
@@ -121,8 +128,8 @@ def _check_arguments(args: argparse.Namespace) -> str:
         return "--validation-share must be between 0 and 1"
     if args.validation_window_s is not None and args.validation_window_s <= 0:
         return "--validation-window-s must be positive"
-    if args.min_validation_rows < 1 or args.epochs < 1 or args.seed < 0 or args.threads < 0:
-        return "--min-validation-rows and --epochs must be >= 1, --seed and --threads >= 0"
+    if args.min_validation_rows < 1 or args.epochs < 1 or min(args.seed, args.threads, args.since_ms) < 0:
+        return "--min-validation-rows and --epochs must be >= 1, --seed, --threads and --since-ms >= 0"
     if args.watch and args.interval_s <= 0:
         return "--interval-s must be positive"
     if args.rows is not None and not args.rows.is_file():

@@ -149,3 +149,12 @@ def test_watch_learns_again_only_when_new_rows_arrived() -> None:
     assert status == 0
     assert learned == [1, 2, 2]
     assert slept == [60.0] * 4
+
+
+def test_rows_decided_before_since_ms_are_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch", reason="hlb learn needs the export extra: pip install 'hlb[export]'")
+    rows = synthetic_rows(30, SHIPPED_HIDDEN, start_ms=1_000_000)  # decided up to 1,029,000
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    args = ["learn", "--rows", str(path), "--model", str(DEFAULT_MODEL_DIR), "--out", str(tmp_path / "o")]
+    assert main([*args, "--since-ms", "2000000"]) == 2
+    assert "no rows to train on (0 usable; left out: {'before_since': 30})" in capsys.readouterr().err
