@@ -199,3 +199,39 @@ def test_the_same_rows_and_seed_fit_the_same_head(zero_model: Path) -> None:
         fits.append(learn.predict(scorer, inputs))
     assert np.array_equal(fits[0], fits[1])
     assert not np.array_equal(fits[0], learn.predict(head.scorer, inputs))
+
+
+def test_a_row_joined_from_a_feature_record_of_layout_3_is_one_the_learner_fits_on() -> None:
+    from hlb.daemon.record.feature_record import log_prior_column
+    from hlb.daemon.record.training_rows import join
+    from hlb.v1 import events_pb2 as ev
+    from hlb.v1 import learning_pb2 as lrn
+
+    prior = [0.0] * len(feat.PRIOR_FEATURES)
+    prior[log_prior_column() or 0] = 1.5
+    record = lrn.DecisionFeatures(
+        record_version=3,
+        feature_schema_version=feat.FEATURE_SCHEMA_VERSION,
+        model_version="zero-correction-seed0",
+        cell="c",
+        placement_sequence=1,
+        task_id="t",
+        decided_at_ms=5_000,
+        shape=lrn.DecisionShape(gang=1, work_ref_s=100.0, kind=ev.TASK_KIND_TRAINING),
+        shape_features=[0.0] * len(feat.SHAPE_FEATURES),
+        device_embedding=[0.25] * HIDDEN,
+        context=[0.5] * (2 * HIDDEN + 2),
+        propensity=1.0,
+    )
+    record.candidates.add(device_id="d0", model="v100", prior_features=prior, chosen=1, predicted=True)
+    events = [
+        ev.TaskEvent(cell="c", event_time_ms=10_000, started=ev.TaskStarted(task_id="t", placement_sequence=1)),
+        ev.TaskEvent(cell="c", event_time_ms=30_000, finished=ev.TaskFinished(task_id="t")),
+    ]
+    rows = join([record], [ev.Placement(sequence=1, task_id="t", cell="c", device_ids=["d0"])], events).rows
+    kept, skipped = learn.usable_rows(rows, ModelConfig(hidden=HIDDEN))
+    assert (len(kept), dict(skipped)) == (1, {})
+    inputs = learn.HeadInputs.of(kept)
+    assert inputs.device_emb.shape == (1, HIDDEN)
+    assert inputs.context.shape == (1, 2 * HIDDEN + 2)
+    assert inputs.labels[0] == pytest.approx(rows[0]["observed_log_ratio"])
