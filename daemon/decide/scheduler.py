@@ -657,6 +657,7 @@ class Scheduler:
             policy=self.policy.name,
             score=score,
             decided_at_ms=int(self.clock() * 1000),
+            model_version=self.policy.model_version,  # which model decided: the model lifecycle counts by it
             device_share_milli=spec.device_share_milli,
         )
         if dry_run:
