@@ -218,10 +218,10 @@ class Daemon:
         self.tenant_backlog.on_refused = self.metrics.tenant_pending_refused.inc
         self.reloaders: dict[str, Reloader] = {
             "log.": reload_logging,
-            "scheduler.": self._reattach_shadow(
-                scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback)
+            "scheduler.": self._tell_lifecycle(
+                self._reattach_shadow(scheduler_reloader(self.scheduler, self.lock, self.metrics.record_fallback))
             ),
-            "model.": model_reloader(self.scheduler, lambda: self.settings),
+            "model.": self._tell_lifecycle(model_reloader(self.scheduler, lambda: self.settings)),
             "grpc.max_requests_per_s": reload_rate_limit,
             "grpc.request_burst": reload_rate_limit,
             "auth.": self.access.reload,
@@ -311,6 +311,17 @@ class Daemon:
         source = self.bus.source([self.settings.learning.models_topic], group)
         self._lifecycle_thread = LifecycleThread(self.lifecycle, source)
         self._lifecycle_thread.start()
+
+    def _tell_lifecycle(self, reload: Reloader) -> Reloader:
+        """``reload`` (which loads ``model.path``'s model), then the model lifecycle installs the
+        topic's version again (``ModelLifecycle.policy_reloaded``)."""
+
+        def reload_and_tell(new: Settings) -> None:
+            reload(new)
+            if self.lifecycle is not None:
+                self.lifecycle.policy_reloaded()
+
+        return reload_and_tell
 
     def _reattach_shadow(self, reload: Reloader) -> Reloader:
         """``reload`` (the scheduler's, which builds a new policy), then the shadow listens to the new one."""

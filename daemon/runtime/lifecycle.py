@@ -75,6 +75,7 @@ STEPS = (
     "superseded",
 )
 KEPT_STEPS = 32  # steps GetClusterState lists
+RELOADED = "\0reloaded"  # applied_target after a reload: no version is installed, model.path's runs
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,20 @@ class ModelLifecycle:
     def finished(self, task: Finished) -> None:
         """A task finished (called under the daemon's lock: only queued here)."""
         self._inbox.append(task)
+        self.wake.set()
+
+    def policy_reloaded(self) -> None:
+        """A reload (SIGHUP: the scheduler or model section) replaced the running model with
+        ``model.path``'s: the topic's target is installed again at the next step, and a candidate
+        being tried starts over from its shadow."""
+        with self._guard:
+            trial, self.trial = self.trial, None
+            if trial is not None:
+                self.models.drop_candidate()
+                self._step("superseded", trial.version, "the policy was reloaded; tried again from its shadow")
+            self.applied_target = RELOADED
+            self.running_stage, self.running_directory = "configured", None
+            self._baseline.clear()
         self.wake.set()
 
     # -- acting ------------------------------------------------------------------------------

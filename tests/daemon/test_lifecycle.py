@@ -363,3 +363,24 @@ def test_run_times_come_from_the_task_events_not_the_daemon_clock() -> None:
     scheduler.apply_task_event(ev.TaskEvent(cell="c", event_time_ms=260_000, finished=ev.TaskFinished(task_id="t")))
     assert seen == [(250.0, 260.0)]
     assert np.isfinite(seen[0][0])
+
+
+def test_after_a_reload_the_topics_version_is_installed_again_and_a_trial_starts_over(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    lifecycle, models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    publish_bundle(bus, "v1", at_ms=1)
+    key, value = control_record(mp.ModelControl.PROMOTED, "v1", "cell c9", "canary passed", 5)
+    bus.publish(TOPIC, key, value)
+    publish_bundle(bus, "v2", at_ms=6)
+    feed.step()
+    assert models.ran == ["v1"]
+    assert lifecycle.state().candidate_version == "v2"
+    models.running = "v0"  # SIGHUP: the policy built again with model.path's model
+    lifecycle.policy_reloaded()
+    feed.step()
+    state = lifecycle.state()
+    assert models.ran == ["v1", "v1"]
+    assert (state.running_version, state.running_stage) == ("v1", "promoted")
+    assert (state.candidate_version, state.candidate_stage) == ("v2", "shadow")  # from the start of its shadow
+    assert ("superseded", "v2") in steps(lifecycle)
