@@ -285,9 +285,10 @@ def _label_embeddings(
             first = np.argmin(priors[devices, column], axis=1)  # the first of the lowest
         where = positions[devices[np.arange(len(decided)), first]]
         embedded = where >= 0
-        vectors = entry.cache.device_emb[where[embedded]].astype(EMBEDDING_DTYPE)
-        for i, vector in zip(decided[embedded].tolist(), vectors, strict=True):
-            out[i] = vector.tobytes()
+        emb = entry.cache.device_emb
+        data, width = emb[where[embedded]].astype(EMBEDDING_DTYPE).tobytes(), emb.shape[1] * EMBEDDING_DTYPE.itemsize
+        for k, i in enumerate(decided[embedded].tolist()):
+            out[i] = data[k * width : (k + 1) * width]
     return out
 
 
