@@ -211,8 +211,13 @@ class Scheduler:
             self._task_ended(task)
 
     def _event_s(self, event: ev.TaskEvent) -> float:
-        """When ``event`` happened (s): its own time, or the clock's for an event that carries none."""
-        return event.event_time_ms / 1000.0 if event.event_time_ms > 0 else self.clock()
+        """When ``event`` happened (s): its own time, or the clock's for an event that carries none
+        or one within the millisecond it is stamped to (a simulation's own events: the clock is finer)."""
+        now = self.clock()
+        if event.event_time_ms <= 0:
+            return now
+        at = event.event_time_ms / 1000.0
+        return now if abs(at - now) < 0.001 else at
 
     def submit(self, spec: ev.TaskSpec, cell: str, *, checked: bool = False, plain: bool = False) -> Task:
         """Add a task to the graph and the queue, or bind it to its earlier placement on a replay.
