@@ -83,11 +83,14 @@ class LearnConfig:
     validation_share: float = 0.2  # the most recent share of rows, by decision time
     validation_window_s: float | None = None  # instead: the rows decided in the last this many seconds
     min_validation_rows: int = 50
-    epochs: int = 30
-    patience: int = 3  # epochs without a better early-stopping NLL before stopping
+    epochs: int = 50
+    patience: int = 5  # epochs without a better early-stopping NLL before stopping
     stopping_share: float = 0.1  # the most recent share of the training rows, for early stopping
-    batch_size: int = 256
-    learning_rate: float = 1e-3
+    # Small batches and a brisk rate, so that a few thousand rows give enough steps: at 256 and
+    # 1e-3, 1,200 rows of a per-model factor still improved at the 30th epoch, at a median error
+    # of 0.16 against the table's 0.035 (0.05 at these settings).
+    batch_size: int = 64
+    learning_rate: float = 3e-3
     bootstrap_resamples: int = 2000
     seed: int = 0
     model_version: str = ""  # empty: hlb-learn-<UTC time>

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="learn only from rows decided at or after this Unix time in ms (e.g. since a new encoder)",
     )
-    parser.add_argument("--epochs", type=int, default=30, help="most passes over the training rows (30)")
+    parser.add_argument("--epochs", type=int, default=50, help="most passes over the training rows (50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fit and the bootstrap (0)")
     parser.add_argument("--model-version", default="", help="the candidate's version (default: hlb-learn-<UTC time>)")
     parser.add_argument("--publish", action="store_true", help="publish an accepted candidate on the models topic")

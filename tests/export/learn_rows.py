@@ -6,6 +6,7 @@ and slow the task down, which neither the profiles nor a table per (device model
 can see. ``truth`` chooses the labels:
 
 - ``corunners``: a per-model factor the prior does not know, minus 0.4 per co-runner;
+- ``model_factor``: the per-model factor alone, which the table fits as well as anything can;
 - ``noise``: labels that are noise around zero, unrelated to anything the head reads.
 """
 
@@ -48,6 +49,8 @@ def synthetic_rows(
         prior = [math.log(1.0 + MODELS.index(model)), 1.0]
         if truth == "corunners":
             label = FACTORS[model] + PER_CORUNNER * corunners + rng.normal(scale=0.05)
+        elif truth == "model_factor":
+            label = FACTORS[model] + rng.normal(scale=0.05)
         elif truth == "noise":
             label = rng.normal(scale=0.5)
         else:
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.export.learn_rows", description=__doc__)
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--hidden", type=int, default=32, help="the model's embedding width (the shipped one: 32)")
-    parser.add_argument("--truth", choices=("corunners", "noise"), default="corunners")
+    parser.add_argument("--truth", choices=("corunners", "model_factor", "noise"), default="corunners")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for row in synthetic_rows(args.rows, args.hidden, args.truth, args.seed):

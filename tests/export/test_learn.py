@@ -235,3 +235,17 @@ def test_a_row_joined_from_a_feature_record_of_layout_3_is_one_the_learner_fits_
     assert inputs.device_emb.shape == (1, HIDDEN)
     assert inputs.context.shape == (1, 2 * HIDDEN + 2)
     assert inputs.labels[0] == pytest.approx(rows[0]["observed_log_ratio"])
+
+
+def test_a_candidate_no_better_than_the_table_is_refused_though_it_beats_the_running_model(
+    zero_model: Path, tmp_path: Path
+) -> None:
+    # A per-model factor alone: the table's median per model fits it as well as anything can.
+    rows = synthetic_rows(1500, HIDDEN, "model_factor", seed=3)
+    outcome = learn.learn(rows, zero_model, tmp_path / "candidate", learn.LearnConfig(seed=3))
+    minus = outcome.card["validated"]["candidate_minus"]
+    assert minus["running"]["high"] < 0  # far better than predicting the prior...
+    assert minus["table"]["high"] >= 0  # ...but not than the table
+    assert not outcome.accepted
+    assert [reason.split(":")[0] for reason in outcome.card["reasons"]] == ["not better than the table estimator"]
+    assert json.loads((tmp_path / "candidate" / "card.json").read_text())["accepted"] is False
