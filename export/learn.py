@@ -453,15 +453,18 @@ def validate(
         "profiles": np.abs(labels),
     }
     n = len(labels)
-    medians = {name: round(float(np.median(e)), 6) if n else math.nan for name, e in errors.items()}
+    if n < 2:  # no median to speak of, nor an interval
+        needed = max(2, config.min_validation_rows)
+        return Validation(n, {}, {}, accepted=False, reasons=[f"{n} validation rows, fewer than the {needed} required"])
+    medians = {name: round(float(np.median(e)), 6) for name, e in errors.items()}
     differences: dict[str, dict[str, float]] = {}
     for other in ("running", "table", "profiles"):
-        differences[other] = _paired_interval(errors["candidate"], errors[other], config) if n > 1 else {}
+        differences[other] = _paired_interval(errors["candidate"], errors[other], config)
     reasons = []
     if n < config.min_validation_rows:
         reasons.append(f"{n} validation rows, fewer than the {config.min_validation_rows} required")
     for other in ("running", "table"):
-        high = differences[other].get("high", math.nan)
+        high = differences[other]["high"]
         if not high < 0:
             reasons.append(
                 f"not better than the {other} {'model' if other == 'running' else 'estimator'}: median |error| "

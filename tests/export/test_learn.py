@@ -131,6 +131,13 @@ def test_too_few_validation_rows_are_refused_however_good() -> None:
     assert result.errors["candidate"] == 0.0
     assert not result.accepted
     assert result.reasons == ["20 validation rows, fewer than the 50 required"]
+    one = learn.HeadInputs(*(np.zeros((1, 1), np.float32),) * 4, labels=labels[:1], running=np.zeros(1, np.float32))
+    result = learn.validate(labels[:1], np.zeros(1, np.float32), one, learn.LearnConfig(min_validation_rows=1))
+    assert (result.accepted, result.errors, result.reasons) == (
+        False,
+        {},
+        ["1 validation rows, fewer than the 2 required"],
+    )
 
 
 def test_a_candidate_beats_the_running_model_and_the_table_where_the_table_cannot_fit(
