@@ -270,6 +270,8 @@ def summarize(
     undelivered: int,
     scheduler: Any,
 ) -> dict[str, Any]:
+    from hlb.daemon.record.feature_record import RECORD_VERSION
+
     on, off_place = _percentiles_us(place_ns["on"]), _percentiles_us(place_ns["off"])
     place: dict[str, Any] = {
         "off": off_place,
@@ -318,6 +320,7 @@ def summarize(
         "place": place,
         "place_batch": throughput,
         "records": {
+            "record_version": RECORD_VERSION,
             **{k: outcomes.get(k, 0) for k in ("published", "dropped", "skipped", "failed")},
             "undelivered": undelivered,
             "records": len(sizes),
