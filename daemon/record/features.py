@@ -83,7 +83,7 @@ class FeatureLog:
     BATCH = 64
     BATCH_WAIT_S = 0.1
     IDLE_WAIT_S = 0.1  # the longest one wait on the daemon's lock (then stopping is looked at)
-    RECORD_DECISIONS = 512  # at most in one record (bounds its bytes: about 130 B a chosen device)
+    RECORD_DECISIONS = 512  # at most in one record (bounds its bytes: about 200 B a decision of one device)
 
     def __init__(
         self,

@@ -6,7 +6,9 @@ the tasks topic: its ``started`` event for that placement and its ``finished`` e
 what the GNN is trained on (docs/gnn.md, "What the model predicts"): ``log(prior run time /
 observed run time)``, with the prior's run time that of the gang's slowest device by the profiles
 (as ``hlb train`` labels a simulated run) and the observed run time from the start to the finish
-event (event times, so a replay gives the same rows).
+event (event times, so a replay gives the same rows). A row of a record of layout 3 also holds the
+speed head's two other inputs for that device (its embedding and the encoder's context), so that
+a learner can refit the head from rows alone.
 
 Records that join no finished run are counted by why (:data:`WHY`): the decision was undone
 before the ledger had it, the placement was lost (its lease lapsed), the task failed or was
