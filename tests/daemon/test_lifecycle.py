@@ -384,3 +384,18 @@ def test_after_a_reload_the_topics_version_is_installed_again_and_a_trial_starts
     assert (state.running_version, state.running_stage) == ("v1", "promoted")
     assert (state.candidate_version, state.candidate_stage) == ("v2", "shadow")  # from the start of its shadow
     assert ("superseded", "v2") in steps(lifecycle)
+
+
+def test_the_models_topic_is_planned_compacted_with_auto_models_only() -> None:
+    from hlb.daemon.bus.topics import plan, problems
+
+    assert "models" not in [p.role for p in plan(Settings())]
+    planned = next(p for p in plan(Settings(learning={"auto_models": True})) if p.role == "models")
+    assert (planned.name, planned.partitions, dict(planned.config)) == ("hlb.models", 1, {"cleanup.policy": "compact"})
+    assert problems("models", "hlb.models", {"cleanup.policy": "delete"})
+    assert not problems("models", "hlb.models", {"cleanup.policy": "compact"})
+
+
+def test_auto_models_and_a_shadow_model_cannot_both_be_on(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="both fill the shadow slot"):
+        Settings(learning={"auto_models": True, "shadow_model": tmp_path})

@@ -6,6 +6,7 @@ list`` lists both. The daemon's cell is not the canary cell: the candidate never
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import urllib.request
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.kafka
 T0_MS = 1_700_000_000_000
 SHADOW_TASKS = 4
 MAX_EVENT_BYTES = 131_072  # the test encoder (about 430 kB) goes in several parts
+WAIT_S = 120.0  # a model loads and warms up in the daemon meanwhile: slow on a loaded machine
 
 
 def write_config(path: Path, tmp_path: Path, topics: dict[str, str], model: Path, port: int, metrics_port: int) -> None:
@@ -96,7 +98,7 @@ def run_tasks(bootstrap: str, topics: dict[str, str], stub: api_grpc.SchedulerSt
         for i in range(SHADOW_TASKS)
     ]
     produce(bootstrap, topics["tasks"], [task_event(spec) for spec in specs])
-    placed = {spec.id: wait_placed(stub, spec.id) for spec in specs}
+    placed = {spec.id: wait_placed(stub, spec.id, WAIT_S) for spec in specs}
     events = []
     for i, spec in enumerate(specs):
         p = placed[spec.id]
@@ -128,6 +130,18 @@ def check_metrics(metrics_port: int) -> None:
     assert float(counted.group(1)) == SHADOW_TASKS
 
 
+def check_clis(target: str, config: Path, running: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hlb place --state`` shows the lifecycle; ``hlb models list`` lists both bundles."""
+    capsys.readouterr()
+    assert main(["place", "--target", target, "--state"]) == 0
+    shown = json.loads(capsys.readouterr().out)["models"]
+    assert (shown["running_version"], shown["canary_cell"]) == (running, "elsewhere")
+    assert main(["models", "--config", str(config), "list"]) == 0
+    listed = capsys.readouterr().out
+    assert re.search(r"^candidate-1 .* candidate", listed, re.M)
+    assert "broken-1" in listed
+
+
 def test_a_model_published_through_kafka_is_received_checked_and_shadowed(
     kafka_bootstrap: str,
     tmp_path: Path,
@@ -153,13 +167,13 @@ def test_a_model_published_through_kafka_is_received_checked_and_shadowed(
         assert lifecycle_state(stub).running_stage == "configured"
 
         publish_corrupt_bundle(settings, candidate_dir)
-        wait_until(lambda: "refused_bundle" in steps_of(lifecycle_state(stub), "broken-1"))
+        wait_until(lambda: "refused_bundle" in steps_of(lifecycle_state(stub), "broken-1"), WAIT_S)
         refusal = next(s for s in lifecycle_state(stub).steps if s.step == "refused_bundle")
         assert "SHA-256" in refusal.reason
         assert not (tmp_path / "state" / "models" / "broken-1").exists()
 
         version = publish_candidate(settings, candidate_dir)
-        wait_until(lambda: lifecycle_state(stub).candidate_version == version)
+        wait_until(lambda: lifecycle_state(stub).candidate_version == version, WAIT_S)
         state = lifecycle_state(stub)
         assert (state.candidate_stage, state.running_version, state.canary_cell) == ("shadow", running, "elsewhere")
         installed = tmp_path / "state" / "models" / version / "scorer.onnx"
@@ -171,7 +185,7 @@ def test_a_model_published_through_kafka_is_received_checked_and_shadowed(
             done = steps_of(lifecycle_state(stub), version)
             return "shadow_passed" in done or "refused" in done
 
-        wait_until(judged)
+        wait_until(judged, WAIT_S)
         state = lifecycle_state(stub)
         assert steps_of(state, version)[:2] == ["received", "shadow"]
         assert state.running_version == running  # never decided here: this is not the canary cell
@@ -180,11 +194,7 @@ def test_a_model_published_through_kafka_is_received_checked_and_shadowed(
             assert (state.candidate_version, state.candidate_stage) == (version, "shadow")
             assert state.window_done >= SHADOW_TASKS
         check_metrics(metrics_port)
-        capsys.readouterr()
-        assert main(["models", "--config", str(config), "list"]) == 0
-        listed = capsys.readouterr().out
-        assert re.search(r"^candidate-1 .* candidate", listed, re.M)
-        assert "broken-1" in listed
+        check_clis(daemon.target, config, running, capsys)
         channel.close()
         assert daemon.terminate() == 0
     finally:
