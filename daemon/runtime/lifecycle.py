@@ -293,13 +293,21 @@ class ModelLifecycle:
         return install_bundle(self.root, version, self.catalog.assemble(version))
 
     def _start_trial(self) -> None:
-        if self.trial is not None or self.catalog.pinned is not None:
+        if self.catalog.pinned is not None:
             return
         running = self.models.running_version()
         waiting = [v for v in self.catalog.candidates() if v not in self.refused and v != running]
         if not waiting:
             return
         version = waiting[-1]  # the newest: an older one waiting is superseded by it
+        trial = self.trial
+        if trial is not None:
+            # Outside the canary cell a trial only shadows until the canary cell's verdict: a newer
+            # bundle replaces it (that verdict still installs it if it is promoted). In the canary
+            # cell a trial runs to its verdict, or bundles published often would starve each other.
+            if self.in_canary_cell or version == trial.version:
+                return
+            self._end_trial(trial, "superseded", f"a newer bundle: {version}")
         self._step("received", version, "a new bundle on the models topic")
         try:
             directory = self._bundle(version)

@@ -399,3 +399,19 @@ def test_the_models_topic_is_planned_compacted_with_auto_models_only() -> None:
 def test_auto_models_and_a_shadow_model_cannot_both_be_on(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="both fill the shadow slot"):
         Settings(learning={"auto_models": True, "shadow_model": tmp_path})
+
+
+def test_outside_the_canary_cell_a_newer_bundle_replaces_the_one_shadowed_but_not_inside(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    outside, outside_models = make(tmp_path, bus, cell="c2", canary_cell="c1")
+    inside, inside_models = make(tmp_path, bus, cell="c1", canary_cell="c1")
+    feeds = [Feed(outside, bus), Feed(inside, bus)]
+    publish_bundle(bus, "v1", at_ms=1)
+    for feed in feeds:
+        feed.step()
+    publish_bundle(bus, "v2", at_ms=2)
+    for feed in feeds:
+        feed.step()
+    assert (outside.state().candidate_version, outside_models.candidate) == ("v2", "v2")
+    assert ("superseded", "v1") in steps(outside)
+    assert (inside.state().candidate_version, inside_models.candidate) == ("v1", "v1")
