@@ -410,7 +410,8 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "list":
             print(listing(catalog))
             return 0
-        records = decide_by_hand(catalog, args.action, getattr(args, "version", None) or args.to, args.reason, who())
+        named = getattr(args, "version", None) or getattr(args, "to", None)  # pin VERSION, rollback --to VERSION
+        records = decide_by_hand(catalog, args.action, named, args.reason, who())
         publisher = bus.publisher()
         for key, value in records:
             publisher.publish(settings.learning.models_topic, key, value)

@@ -200,3 +200,37 @@ def test_a_model_published_through_kafka_is_received_checked_and_shadowed(
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_hlb_models_publishes_lists_pins_and_rolls_back_by_hand(
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    gnn_model_dir: Path,
+    candidate_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"learning:\n  models_topic: t-{uuid.uuid4().hex[:10]}.models\n")
+    monkeypatch.setenv("HLB_KAFKA__BOOTSTRAP_SERVERS", kafka_bootstrap)
+
+    def models(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["models", "--config", str(config), *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    first = models("publish", str(gnn_model_dir))[1].split()[-1]
+    assert models("publish", str(candidate_dir))[1].split()[-1] == "candidate-1"
+    assert models("rollback", "--reason", "paged")[1].strip().endswith("rolled_back candidate-1")
+    assert models("rollback", "--to", first)[1].strip().endswith(f"promoted {first}")
+    assert models("pin", "candidate-1")[0] == 0
+    code, _, err = models("rollback")
+    assert (code, "pinned: unpin it first" in err) == (1, True)
+    assert models("unpin")[0] == 0
+    code, _, err = models("pin", "nope")
+    assert (code, "no bundle of version 'nope'" in err) == (1, True)
+    listed = models("list")[1]
+    assert re.search(rf"^{re.escape(first)} .* promoted ", listed, re.M)
+    assert re.search(r"^candidate-1 .* rolled_back .*: paged", listed, re.M)
+    assert f"every cell runs: {first}" in listed
