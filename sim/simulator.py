@@ -40,7 +40,7 @@ import copy
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -49,6 +49,8 @@ from hlb.daemon.decide.fgd import RequestMix, fragmentation_milli, free_milli
 from hlb.daemon.decide.framework import Policy
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.scheduler import Scheduler
+from hlb.daemon.decide.scorers import device_share
+from hlb.daemon.state.feasibility import Occupancy, share_charge
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.sim.attempts import Attempts
@@ -407,14 +409,22 @@ class Simulation:
 
     def _estimated_s(self, task_id: str) -> float:
         """The policy's estimate of a task's run time on the devices it was just bound to (the
-        slowest of its gang); 0 for a service or a policy without estimates."""
+        slowest of its gang); 0 for a service or a policy without estimates. A task that asks for a
+        share is estimated on its share, as the scorers count it (``device_share``, with the shares
+        held there before it: the task is bound already)."""
         estimates = self.policy.estimates
         graph = self.scheduler.graph
         task = graph.tasks.get(task_id)
         if estimates is None or task is None or not task.device_rows or task.spec.latency_slo_ms > 0:
             return 0.0
         rows = np.asarray(task.device_rows, dtype=np.int64)
-        return float(estimates.gang_runtime_s(graph, rows, task.spec).max())
+        runtime = estimates.gang_runtime_s(graph, rows, task.spec)
+        share = int(task.spec.device_share_milli)
+        if share:
+            held = Occupancy.of(graph, rows)
+            before = replace(held, share_used=held.share_used - share_charge(graph.devices, share, rows))
+            runtime = runtime / device_share(graph, rows, before, share)
+        return float(runtime.max())
 
     # -- failures --------------------------------------------------------------------------
 

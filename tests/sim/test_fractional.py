@@ -149,3 +149,18 @@ def test_a_task_is_colocated_when_its_final_attempt_shared_a_device_with_a_runni
         "mig": False,
         "later": False,
     }
+
+
+def test_a_share_is_estimated_on_its_share_as_the_scorer_counts_it(catalogue: Catalogue) -> None:
+    inventory = inventory_from_document(document(SHARED_AND_PARTITIONED), catalogue)
+    quarter = task("quarter", 600.0, device_share_milli=250, allowed_models=(V100,))
+    half = task("half", 600.0, device_share_milli=500, allowed_models=(V100,), arrival_s=5.0)
+    mig = task("mig", 600.0, device_share_milli=400, allowed_models=(A100,))
+    result = simulate(catalogue, inventory, [quarter, half, mig], "hetero-greedy", config=EXACT)
+    records = {r.task_id: r for r in result.tasks}
+    # Without interference each runs exactly at its share (the half beside the quarter too): the
+    # estimate, on the share, is the run time observed.
+    for name in ("quarter", "half", "mig"):
+        record = records[name]
+        assert record.estimated_s == pytest.approx(record.finish_s - record.start_s, rel=1e-6)
+    assert records["quarter"].estimated_s == pytest.approx(catalogue.runtime_s(600.0, "resnet18-bs16", V100) / 0.25)
