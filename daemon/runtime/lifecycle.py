@@ -201,7 +201,8 @@ class ModelLifecycle:
         self._baseline: deque[Finished] = deque(maxlen=self.canary_tasks)
         self._inbox: deque[Finished] = deque()
         self._records: deque[RawEvent] = deque()
-        self._guard = threading.Lock()  # state read by GetClusterState while step() changes it
+        self._guard = threading.Lock()  # one change at a time: step() and policy_reloaded()
+        self._shown = api.ModelLifecycle(running_stage="configured", canary_cell=self.canary_cell)
         self.wake = threading.Event()
 
     # -- inputs (any thread) ---------------------------------------------------------------
@@ -228,6 +229,7 @@ class ModelLifecycle:
             self.applied_target = RELOADED
             self.running_stage, self.running_directory = "configured", None
             self._baseline.clear()
+            self._show()
         self.wake.set()
 
     # -- acting ------------------------------------------------------------------------------
@@ -242,6 +244,7 @@ class ModelLifecycle:
             for task in _drain(self._inbox):
                 self._count(task)
             self._start_trial()
+            self._show()
 
     def _follow_topic(self) -> None:
         """Apply the verdicts and the pin on the topic: what every cell runs, and this trial's end."""
@@ -457,23 +460,30 @@ class ModelLifecycle:
     # -- what GetClusterState shows -------------------------------------------------------------
 
     def state(self) -> api.ModelLifecycle:
-        with self._guard:
-            trial = self.trial
-            shown = api.ModelLifecycle(
-                running_version=self.models.running_version(),
-                running_stage=self.running_stage,
-                last_good_version=self.last_good[0] if self.last_good else "",
-                pinned_version=self.catalog.pinned or "",
-                canary_cell=self.canary_cell,
-                steps=list(self.steps),
-            )
-            if trial is not None:
-                shown.candidate_version, shown.candidate_stage = trial.version, trial.stage
-                if trial.stage == "canary":
-                    shown.window_done, shown.window_tasks = len(trial.canary), self.canary_tasks
-                else:
-                    shown.window_done, shown.window_tasks = len(trial.shadow), self.shadow_tasks
-            return shown
+        """The lifecycle as the last step left it (a copy; never waits for a step, which may be
+        loading a model: ``GetClusterState`` answers from the event loop)."""
+        shown = api.ModelLifecycle()
+        shown.CopyFrom(self._shown)
+        return shown
+
+    def _show(self) -> None:
+        """Take the state ``state`` returns (called with ``_guard`` held, at the end of each change)."""
+        trial = self.trial
+        shown = api.ModelLifecycle(
+            running_version=self.models.running_version(),
+            running_stage=self.running_stage,
+            last_good_version=self.last_good[0] if self.last_good else "",
+            pinned_version=self.catalog.pinned or "",
+            canary_cell=self.canary_cell,
+            steps=list(self.steps),
+        )
+        if trial is not None:
+            shown.candidate_version, shown.candidate_stage = trial.version, trial.stage
+            if trial.stage == "canary":
+                shown.window_done, shown.window_tasks = len(trial.canary), self.canary_tasks
+            else:
+                shown.window_done, shown.window_tasks = len(trial.shadow), self.shadow_tasks
+        self._shown = shown
 
 
 def _drain(queue: deque[T]) -> list[T]:
