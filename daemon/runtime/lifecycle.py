@@ -32,6 +32,7 @@ measured by it. Each step is logged, counted (``hlb_model_steps_total{step}``) a
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import deque
@@ -435,7 +436,8 @@ class ModelLifecycle:
             self.models.run(directory)
             self.running_directory, self.running_stage = directory, "last_good"
             self._step("installed", self.models.running_version(), "the last good model again")
-        except Exception as exc:
+            self._remove(trial.directory)
+        except Exception as exc:  # its folder stays: the GNN still names it, refused (not watched again)
             self.models.run_prior(f"rolled back from {trial.version}: {exc}")
             self.running_directory, self.running_stage = None, "prior"
             self._step("prior", "", f"the profiles alone (zero correction): {exc}")
@@ -443,10 +445,17 @@ class ModelLifecycle:
 
     def _end_trial(self, trial: Trial, step: str, reason: str, *, keep: bool = False) -> None:
         self.trial = None
+        self.models.drop_candidate()
         if not keep:
             self.refused.add(trial.version)
-        self.models.drop_candidate()
+            self._remove(trial.directory)
         self._step(step, trial.version, reason)
+
+    def _remove(self, directory: Path) -> None:
+        """Delete a refused or rolled-back bundle's folder (not the running model's): the state
+        directory keeps what may run. Installed again from the topic if it is promoted later."""
+        if directory != self.running_directory and directory.parent == self.root:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _publish(self, action: mp.ModelControl.Action.ValueType, version: str, reason: str) -> None:
         by = f"cell {self.settings.cell}"

@@ -26,6 +26,7 @@ import getpass
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -346,11 +347,15 @@ def install_bundle(root: Path, version: str, files: Mapping[str, bytes]) -> Path
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
-    for name, data in files.items():
-        with open(staging / name, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+    try:
+        for name, data in files.items():
+            with open(staging / name, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+    except OSError:  # a full disk: nothing of it stays
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if target.exists():  # other files under this version (a topic recreated): replaced whole
         old = Path(tempfile.mkdtemp(prefix=f".{version}.old.", dir=root))
         target.rename(old / "model")

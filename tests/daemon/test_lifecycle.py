@@ -158,6 +158,7 @@ def test_a_better_candidate_goes_from_shadow_to_canary_to_promoted(tmp_path: Pat
     feed.tasks(WINDOW, "v1", running=0.2, candidate=None, jct_s=95.0)
     state = lifecycle.state()
     assert (state.running_version, state.running_stage, state.candidate_version) == ("v1", "promoted", "")
+    assert (tmp_path / "c1" / "models" / "v1" / "card.json").is_file()
     assert verdicts(bus) == {"v1": "promoted"}
     assert [s for s, v in steps(lifecycle) if v == "v1"] == [
         "received",
@@ -184,6 +185,7 @@ def test_a_worse_candidate_is_refused_in_shadow_and_never_decides(tmp_path: Path
     assert models.candidate is None
     assert lifecycle.state().candidate_version == ""
     assert verdicts(bus) == {"v1": "refused"}
+    assert not (tmp_path / "c1" / "models" / "v1").exists()
     assert steps(lifecycle)[-1][0] == "refused"
     assert "0.5000 against the running model's 0.5000" in lifecycle.state().steps[-1].reason
     feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
@@ -207,6 +209,7 @@ def test_better_in_shadow_but_worse_in_canary_is_rolled_back_within_one_window(t
     assert models.ran == ["v1", "v0"]
     assert verdicts(bus) == {"v1": "rolled_back"}
     assert "its error is higher" in next(s.reason for s in state.steps if s.step == "rolled_back")
+    assert not (tmp_path / "c1" / "models" / "v1").exists()  # what may run is kept, nothing else
     feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
     assert models.ran == ["v1", "v0"]  # never tried again
 
