@@ -24,6 +24,8 @@ from typing import TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from hlb.daemon.state.checks import WHOLE_SHARE
+from hlb.daemon.state.feasibility import share_charge
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.daemon.state.tables import Rows
@@ -90,6 +92,9 @@ class ObservedSpeeds(DeviceProfiles):
             return
         gang = len(rows)
         profiled = self.base.gang_runtime_s(graph, rows, spec)
+        if spec.device_share_milli:  # the profiles time a whole device; the task ran on its share
+            charge = share_charge(graph.devices, spec.device_share_milli, rows)
+            profiled = profiled / np.clip(charge / WHOLE_SHARE, 1e-3, 1.0)
         slowest = int(np.argmax(profiled))
         observed = math.log(float(profiled[slowest]) / ran_s)  # > 0: faster than profiled
         family, index = workload_family(spec.workload_class), int(graph.devices.model[rows[slowest]])

@@ -47,6 +47,26 @@ def test_runs_slower_than_estimated_slow_the_estimates_of_their_family_and_of_th
     )
 
 
+def test_a_share_that_ran_as_long_as_its_share_says_corrects_nothing() -> None:
+    """A task on a quarter of a shareable device runs four times its whole-device time: that is
+    the profiles' estimate for it, not a slow device (the table once learned it as one)."""
+    graph = InfraGraph()
+    device = ev.Device(
+        id="g0", host_id="h0", kind=ev.DEVICE_KIND_GPU, model=MODEL, memory_gb=16, sharing=ev.DEVICE_SHARING_MPS
+    )
+    graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    speeds, g0 = ObservedSpeeds(profiles_of("exact")), np.array([0])
+    quarter = spec("q")
+    quarter.device_share_milli = 250
+    whole_s = float(speeds.base.runtime_s(graph, g0, quarter)[0])
+    for _ in range(40):
+        speeds.observe(quarter, graph, g0, 4 * whole_s)
+    assert float(speeds.runtime_s(graph, g0, quarter)[0]) == pytest.approx(whole_s, rel=1e-6)
+    for _ in range(40):  # twice its share's time: now the device is slow
+        speeds.observe(quarter, graph, g0, 8 * whole_s)
+    assert float(speeds.runtime_s(graph, g0, quarter)[0]) == pytest.approx(2 * whole_s, rel=0.05)
+
+
 def test_a_correction_is_bounded_and_bad_runs_are_ignored() -> None:
     graph, speeds = two_devices(), ObservedSpeeds(profiles_of("exact"))
     d0 = np.array([0])
