@@ -115,6 +115,9 @@ class Scheduler:
         # Told of every task that finished after a start seen here: (task, its device rows, run time s,
         # finish time s), by the events' times (shadow scoring and the model lifecycle read them).
         self.finish_listeners: list[Callable[[Task, Rows, float, float], None]] = []
+        # Told of every placement as it is made, under the lock, before its devices hold the task:
+        # (task, its device rows). Shadow scoring keeps what each model predicts from those inputs.
+        self.place_listeners: list[Callable[[Task, Rows], None]] = []
         self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
         # Leases on placements and the fencing of starts (hlb.daemon.decide.leases).
@@ -667,6 +670,8 @@ class Scheduler:
         )
         if dry_run:
             return placement
+        for listener in self.place_listeners:  # before the devices hold it: the inputs the decision read
+            listener(task, gang)
         self._dequeue(task_id)
         self.graph.bind(task, rows, device_ids)
         if may_wait:

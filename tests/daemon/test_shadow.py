@@ -71,9 +71,13 @@ def test_each_finished_task_scores_both_models_and_the_profiles(gnn_model_dir: P
     shadow = Shadow(candidate(other_model_dir), lambda model, error: observed.append((model, error)))
     shadow.candidate.refresh_if_changed(scheduler.graph)  # loaded and encoded, as the daemon starts it
     shadow.attach(running)
+    shadow.listen(scheduler)
     spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=2)
-    placement = run_one(scheduler, clock, spec, ran_s=300.0)
+    placement = scheduler.place(spec).placement
+    assert placement is not None
 
+    # What each model predicts from the inputs of the decision, before the task starts and finishes
+    # (by then its devices hold it, and the predictions may be for other inputs).
     graph = scheduler.graph
     rows = graph.device_rows(placement.device_ids)
     prior_s = running.fallback.profiles.gang_runtime_s(graph, rows, spec)
@@ -85,6 +89,10 @@ def test_each_finished_task_scores_both_models_and_the_profiles(gnn_model_dir: P
         predicted = scorer.log_ratios(spec, graph, slowest, 2, consolidated)
         assert predicted is not None
         expected[name] = abs(label - float(predicted[0, 0]))
+    started = ev.TaskStarted(task_id=spec.id, placement_sequence=placement.sequence)
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", started=started))
+    clock.now += 300.0
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id=spec.id)))
     assert dict(observed) == pytest.approx(expected)
     assert [m for m, _ in observed] == ["profiles", "running", "candidate"]
     assert expected["running"] != pytest.approx(expected["candidate"])  # two models, two predictions
@@ -100,7 +108,9 @@ def test_a_candidate_that_does_not_load_is_left_out(gnn_model_dir: Path, tmp_pat
     missing = candidate(tmp_path / "no-model")
     missing.refresh_if_changed(scheduler.graph)  # tries to load: degraded
     observed: list[str] = []
-    Shadow(missing, lambda model, error: observed.append(model)).attach(running)
+    shadow = Shadow(missing, lambda model, error: observed.append(model))
+    shadow.attach(running)
+    shadow.listen(scheduler)
     run_one(scheduler, clock, ev.TaskSpec(id="t", work_ref_s=60.0, memory_per_device_gb=1.0), ran_s=30.0)
     assert observed == ["profiles", "running"]
 
@@ -112,3 +122,35 @@ def test_attached_again_it_listens_to_the_new_running_model_only(gnn_model_dir: 
     shadow.attach(second)
     assert first.finish_listeners == []
     assert second.finish_listeners == [shadow.finished]
+
+
+def test_the_predictions_compared_are_those_of_the_decision(gnn_model_dir: Path, other_model_dir: Path) -> None:
+    """What a model predicts when the task finishes is for other inputs (its device holds the task,
+    the cluster moved on): the error compared is the one of the prediction made at the placement.
+    Here the candidate is even replaced by another model before the finish."""
+    clock = Clock()
+    policy = make_policy("gnn", model=model_settings(gnn_model_dir))
+    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
+    running = gnn_scorer(policy)
+    assert running is not None
+    errors: dict[str, float] = {}
+    shadow = Shadow(candidate(other_model_dir), lambda model, error: errors.__setitem__(model, error))
+    shadow.attach(running)
+    shadow.listen(scheduler)
+    spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0)
+    placement = scheduler.place(spec).placement
+    assert placement is not None
+    rows = scheduler.graph.device_rows(placement.device_ids)
+    at_decision = shadow.candidate.log_ratios(spec, scheduler.graph, rows, 1, True)
+    shadow.candidate = candidate(gnn_model_dir)  # another model from now on
+    shadow.candidate.refresh_if_changed(scheduler.graph)
+    now = shadow.candidate.log_ratios(spec, scheduler.graph, rows, 1, True)
+    assert at_decision is not None and now is not None
+    assert at_decision[0, 0] != pytest.approx(now[0, 0])
+    started = ev.TaskStarted(task_id=spec.id, placement_sequence=placement.sequence)
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", started=started))
+    clock.now += 300.0
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", finished=ev.TaskFinished(task_id=spec.id)))
+    prior_s = running.fallback.profiles.gang_runtime_s(scheduler.graph, rows, spec)
+    label = math.log(float(prior_s[0]) / 300.0)
+    assert errors["candidate"] == pytest.approx(abs(label - float(at_decision[0, 0])))
