@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("hlb.sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),
     "train": ("hlb.export.train_cli", "train the GNN to predict run times in the simulator (needs the export extra)"),
     "export": ("hlb.export.cli", "write the GNN's encoder and scorer ONNX files (needs the export extra)"),
+    "eval-learning": (
+        "hlb.export.learn_loop",
+        "the learning loop end to end through Kafka: learn, publish, shadow, canary, promote (export extra)",
+    ),
     "learn": (
         "hlb.export.learn_cli",
         "refit the GNN's speed head on the live cluster's rows; publish it when it predicts better (export extra)",
