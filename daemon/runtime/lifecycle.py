@@ -87,6 +87,7 @@ class Finished:
     decided_by: str  # the model version its placement names; empty when no model decided it
     errors: dict[str, float]  # Shadow.compare's: running, candidate, profiles (those that predicted)
     jct_s: float | None  # submit to finish by the events' times; None without a submit time
+    arrival: int = 0  # Task.arrival: the canary counts the tasks that arrived after its switch
 
 
 class Models(Protocol):
@@ -108,6 +109,10 @@ class Models(Protocol):
         before it decides; its version. Raises, the running model kept, when it does not load."""
         ...
 
+    def arrivals(self) -> int:
+        """The last ``Task.arrival`` given so far (:attr:`InfraGraph.arrivals`)."""
+        ...
+
     def run_prior(self, reason: str) -> None:
         """Decide with the profiles alone (zero correction) from now on."""
         ...
@@ -124,6 +129,9 @@ class Trial:
     passed_shadow: bool = False
     canary: list[Finished] = field(default_factory=list)
     baseline: list[Finished] = field(default_factory=list)  # the last good model's, before the switch
+    # The last Task.arrival before the switch: a task that waited in the queue under the last good
+    # model carries that wait in its JCT, so the canary counts only tasks that arrived after it.
+    first_arrival: int = -1
 
 
 class LifecycleMetrics:
@@ -336,7 +344,7 @@ class ModelLifecycle:
     def _count(self, task: Finished) -> None:
         trial = self.trial
         if trial is not None and trial.stage == "canary":
-            if task.decided_by == trial.version and "running" in task.errors:
+            if task.decided_by == trial.version and "running" in task.errors and task.arrival > trial.first_arrival:
                 trial.canary.append(task)
                 self.metrics.window.labels(stage="canary").set(len(trial.canary))
                 self._show_canary(trial)
@@ -378,6 +386,7 @@ class ModelLifecycle:
             self._end_trial(trial, "refused", f"cannot run it: {exc}")
             return
         self.last_good = (previous, directory, stage)
+        trial.first_arrival = self.models.arrivals()
         trial.stage = "canary"
         trial.baseline = list(self._baseline)
         self.running_stage = "canary"
@@ -582,6 +591,9 @@ class DaemonModels:
             raise BundleError(scorer.degraded)
         return scorer.model_version
 
+    def arrivals(self) -> int:
+        return self.scheduler.graph.arrivals
+
     def run_prior(self, reason: str) -> None:
         scorer = model_scorer(self.scheduler.policy)
         if scorer is not None:
@@ -597,7 +609,7 @@ class DaemonModels:
         decided_by = placement.model_version if placement is not None else ""
         submitted = task.spec.submit_time_ms
         jct = ended_s - submitted / 1000.0 if submitted > 0 else None
-        return Finished(task.spec.id, decided_by, errors, jct)
+        return Finished(task.spec.id, decided_by, errors, jct, task.arrival)
 
 
 class LifecycleThread(threading.Thread):

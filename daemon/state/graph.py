@@ -87,6 +87,11 @@ class InfraGraph:
         self._arrivals = 0
 
     @property
+    def arrivals(self) -> int:
+        """Tasks submitted so far: the last one's ``Task.arrival`` (a later one's is greater)."""
+        return self._arrivals
+
+    @property
     def exclusive(self) -> bool:
         """Whether a device holds one task at a time: only then can a task wait for a busy one
         (with shared devices it starts at once on a share instead)."""

@@ -45,6 +45,7 @@ class TwinModels:
         self.ran: list[str] = []  # every version made the running one, in order
         self.broken: set[str] = set()  # versions (and "v0", model.path's) that do not load
         self.prior = False
+        self.arrived = 0  # the last Task.arrival given (Feed numbers its tasks so)
 
     @staticmethod
     def version_of(directory: Path | None) -> str:
@@ -73,6 +74,9 @@ class TwinModels:
 
     def run_prior(self, reason: str) -> None:
         self.prior = True
+
+    def arrivals(self) -> int:
+        return self.arrived
 
 
 def publish_bundle(bus: MemoryBus, version: str, at_ms: int = 1, chunk: int = 7) -> None:
@@ -117,13 +121,26 @@ class Feed:
         self.read = len(records)
         self.lifecycle.step()
 
-    def tasks(self, count: int, decided_by: str, running: float, candidate: float | None, jct_s: float = 100.0) -> None:
+    def tasks(
+        self,
+        count: int,
+        decided_by: str,
+        running: float,
+        candidate: float | None,
+        jct_s: float = 100.0,
+        arrival: int | None = None,
+    ) -> None:
+        """``count`` tasks finish; each arrived just before it finished unless ``arrival`` says when."""
         for _ in range(count):
             self.serial += 1
             errors = {"running": running, "profiles": 0.8}
             if candidate is not None:
                 errors["candidate"] = candidate
-            self.lifecycle.finished(Finished(f"t{self.serial}", decided_by, errors, jct_s))
+            models = self.lifecycle.models
+            if isinstance(models, TwinModels):
+                models.arrived = max(models.arrived, self.serial)
+            task = Finished(f"t{self.serial}", decided_by, errors, jct_s, self.serial if arrival is None else arrival)
+            self.lifecycle.finished(task)
             self.step()
 
 
@@ -225,6 +242,24 @@ def test_a_longer_jct_in_canary_rolls_back_even_with_a_lower_error(tmp_path: Pat
     feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=106.0)  # 6% longer, over the 5% allowed
     assert verdicts(bus) == {"v1": "rolled_back"}
     assert "JCT is more than 5% longer" in next(s.reason for s in lifecycle.state().steps if s.step == "rolled_back")
+
+
+def test_the_canary_counts_only_the_tasks_that_arrived_after_its_switch(tmp_path: Path) -> None:
+    """A task that waited in the queue under the last good model carries that wait in its JCT: the
+    candidate decided it, but the canary window leaves it out."""
+    bus = MemoryBus()
+    lifecycle, _models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
+    publish_bundle(bus, "v1")
+    feed.step()
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    switched_at = feed.serial
+    assert lifecycle.state().candidate_stage == "canary"
+    feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=500.0, arrival=switched_at - 1)  # queued before
+    assert lifecycle.state().candidate_stage == "canary"  # none of them counted
+    feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=100.0)
+    assert verdicts(bus) == {"v1": "promoted"}
 
 
 def test_a_rollback_whose_last_good_model_does_not_load_ends_on_the_prior(tmp_path: Path) -> None:
