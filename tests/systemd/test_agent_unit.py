@@ -3,31 +3,24 @@ systemd 252's own score, with no root and only the NVIDIA devices visible."""
 
 from __future__ import annotations
 
-import re
-import sys
 from pathlib import Path
 
-from tests.systemd.test_unit import HARDENING, UNIT, needs_systemd_analyze, run_analyze, unit_settings
+from tests.systemd.test_unit import (
+    HARDENING,
+    UNIT,
+    exposure,
+    needs_systemd_analyze,
+    run_analyze,
+    unit_settings,
+)
+from tests.systemd.test_unit import verifiable_copy as unit_copy
 
 AGENT_UNIT = UNIT.parent / "hlb-agent.service"
 INSTALLED_EXEC_START = "ExecStart=/opt/hlb/venv/bin/hlb agent --source host --config /etc/hlb/config.yaml"
 
 
 def verifiable_copy(tmp_path: Path) -> Path:
-    """The unit with ExecStart= naming this interpreter (verify fails on a missing binary)."""
-    text = AGENT_UNIT.read_text()
-    assert text.count(INSTALLED_EXEC_START + "\n") == 1, "ExecStart= changed; update this test"
-    stand_in = f"ExecStart={sys.executable} -m hlb.cli agent --source host --config /etc/hlb/config.yaml"
-    copy = tmp_path / AGENT_UNIT.name
-    copy.write_text(text.replace(INSTALLED_EXEC_START, stand_in))
-    return copy
-
-
-def exposure(unit: Path) -> float:
-    result = run_analyze("security", "--offline=yes", str(unit))
-    score = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\S+)", result.stdout)
-    assert score is not None, result.stdout + result.stderr
-    return float(score[1])
+    return unit_copy(tmp_path, AGENT_UNIT, INSTALLED_EXEC_START)
 
 
 @needs_systemd_analyze

@@ -5,12 +5,18 @@ with a state directory for its candidate, and below the daemon's CPU share."""
 from __future__ import annotations
 
 import argparse
-import re
-import sys
 from pathlib import Path
 
 from hlb.export import learn_cli
-from tests.systemd.test_unit import HARDENING, UNIT, needs_systemd_analyze, run_analyze, unit_settings
+from tests.systemd.test_unit import (
+    HARDENING,
+    UNIT,
+    exposure,
+    needs_systemd_analyze,
+    run_analyze,
+    unit_settings,
+)
+from tests.systemd.test_unit import verifiable_copy as unit_copy
 
 LEARN_UNIT = UNIT.parent / "hlb-learn.service"
 ARGUMENTS = "learn --config /etc/hlb/config.yaml --watch --interval-s 3600 --publish --out %S/hlb-learn/candidate"
@@ -18,19 +24,7 @@ INSTALLED_EXEC_START = f"ExecStart=/opt/hlb/venv/bin/hlb {ARGUMENTS}"
 
 
 def verifiable_copy(tmp_path: Path) -> Path:
-    """The unit with ExecStart= naming this interpreter (verify fails on a missing binary)."""
-    text = LEARN_UNIT.read_text()
-    assert text.count(INSTALLED_EXEC_START + "\n") == 1, "ExecStart= changed; update this test"
-    copy = tmp_path / LEARN_UNIT.name
-    copy.write_text(text.replace(INSTALLED_EXEC_START, f"ExecStart={sys.executable} -m hlb.cli {ARGUMENTS}"))
-    return copy
-
-
-def exposure(unit: Path) -> float:
-    result = run_analyze("security", "--offline=yes", str(unit))
-    score = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\S+)", result.stdout)
-    assert score is not None, result.stdout + result.stderr
-    return float(score[1])
+    return unit_copy(tmp_path, LEARN_UNIT, INSTALLED_EXEC_START)
 
 
 @needs_systemd_analyze

@@ -97,20 +97,28 @@ def start_timeout_s() -> float:
     return seconds(unit_settings(UNIT.read_text())["Service"]["TimeoutStartSec"][-1])
 
 
-def verifiable_copy(tmp_path: Path) -> Path:
-    """The unit with ExecStart= pointing at an executable that exists here.
+def verifiable_copy(tmp_path: Path, unit: Path = UNIT, installed: str = INSTALLED_EXEC_START) -> Path:
+    """``unit`` with its ExecStart= (``installed``) pointing at an executable that exists here.
 
     `systemd-analyze verify` fails when ExecStart='s binary is missing, and /opt/hlb/venv is the
     production install, absent on a development or CI machine. The interpreter running the tests
     has the same package importable, so `python -m hlb.cli` stands in for the `hlb` script.
     Only that line changes; the file keeps its name, which verify reads as the unit name.
     """
-    text = UNIT.read_text()
-    assert text.count(INSTALLED_EXEC_START + "\n") == 1, "ExecStart= changed; update this test"
-    stand_in = f"ExecStart={sys.executable} -m hlb.cli serve --config /etc/hlb/config.yaml"
-    copy = tmp_path / UNIT.name
-    copy.write_text(text.replace(INSTALLED_EXEC_START, stand_in))
+    text = unit.read_text()
+    assert text.count(installed + "\n") == 1, "ExecStart= changed; update this test"
+    stand_in = installed.replace("/opt/hlb/venv/bin/hlb ", f"{sys.executable} -m hlb.cli ", 1)
+    copy = tmp_path / unit.name
+    copy.write_text(text.replace(installed, stand_in))
     return copy
+
+
+def exposure(unit: Path) -> float:
+    """systemd-analyze's offline exposure score of ``unit`` (lower is better hardened)."""
+    result = run_analyze("security", "--offline=yes", str(unit))
+    score = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\S+)", result.stdout)
+    assert score is not None, result.stdout + result.stderr
+    return float(score[1])
 
 
 def run_analyze(*args: str) -> subprocess.CompletedProcess[str]:
