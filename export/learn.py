@@ -638,7 +638,8 @@ def model_card(
         "accepted": result.accepted,
         "reasons": result.reasons,
         "acceptance_rule": (
-            "the upper end of the 95% bootstrap interval of the mean paired difference of the candidate's |error| minus the "
+            "the upper end of the 95% bootstrap interval of the mean paired difference of the candidate's "
+            "|error| minus the "
             f"running model's and minus the table's both below zero, on at least {config.min_validation_rows} "
             "validation rows"
         ),

@@ -68,8 +68,9 @@ def test_each_finished_task_scores_both_models_and_the_profiles(gnn_model_dir: P
     running = gnn_scorer(policy)
     assert running is not None
     observed: list[tuple[str, float]] = []
-    shadow = Shadow(candidate(other_model_dir), lambda model, error: observed.append((model, error)))
-    shadow.candidate.refresh_if_changed(scheduler.graph)  # loaded and encoded, as the daemon starts it
+    other = candidate(other_model_dir)
+    shadow = Shadow(other, lambda model, error: observed.append((model, error)))
+    other.refresh_if_changed(scheduler.graph)  # loaded and encoded, as the daemon starts it
     shadow.attach(running)
     shadow.listen(scheduler)
     spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=2)
@@ -85,7 +86,7 @@ def test_each_finished_task_scores_both_models_and_the_profiles(gnn_model_dir: P
     label = math.log(float(prior_s.max()) / 300.0)
     consolidated = len({graph.devices.host[r] for r in rows}) == 1
     expected = {"profiles": abs(label)}
-    for name, scorer in (("running", running), ("candidate", shadow.candidate)):
+    for name, scorer in (("running", running), ("candidate", other)):
         predicted = scorer.log_ratios(spec, graph, slowest, 2, consolidated)
         assert predicted is not None
         expected[name] = abs(label - float(predicted[0, 0]))
@@ -134,18 +135,21 @@ def test_the_predictions_compared_are_those_of_the_decision(gnn_model_dir: Path,
     running = gnn_scorer(policy)
     assert running is not None
     errors: dict[str, float] = {}
-    shadow = Shadow(candidate(other_model_dir), lambda model, error: errors.__setitem__(model, error))
+    first = candidate(other_model_dir)
+    shadow = Shadow(first, errors.__setitem__)
     shadow.attach(running)
     shadow.listen(scheduler)
     spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0)
     placement = scheduler.place(spec).placement
     assert placement is not None
     rows = scheduler.graph.device_rows(placement.device_ids)
-    at_decision = shadow.candidate.log_ratios(spec, scheduler.graph, rows, 1, True)
-    shadow.candidate = candidate(gnn_model_dir)  # another model from now on
-    shadow.candidate.refresh_if_changed(scheduler.graph)
-    now = shadow.candidate.log_ratios(spec, scheduler.graph, rows, 1, True)
-    assert at_decision is not None and now is not None
+    at_decision = first.log_ratios(spec, scheduler.graph, rows, 1, True)
+    second = candidate(gnn_model_dir)
+    shadow.candidate = second  # another model from now on
+    second.refresh_if_changed(scheduler.graph)
+    now = second.log_ratios(spec, scheduler.graph, rows, 1, True)
+    assert at_decision is not None
+    assert now is not None
     assert at_decision[0, 0] != pytest.approx(now[0, 0])
     started = ev.TaskStarted(task_id=spec.id, placement_sequence=placement.sequence)
     scheduler.apply_task_event(ev.TaskEvent(cell="c", started=started))
