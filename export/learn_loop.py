@@ -349,10 +349,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--canary-tasks", type=int, default=LoopSettings.canary_tasks)
     parser.add_argument("--load", type=float, default=LoopSettings.load, help="offered load at profiled speeds")
     parser.add_argument("--workdir", type=Path, default=Path(".loop"), help="models, configs and logs")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON (default: a markdown table)")
+    parser.add_argument("--report", type=Path, help="print the table of a run saved with --json, and run nothing")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report is not None:
+        print(report(json.loads(args.report.read_text())))
+        return 0
     if not args.bootstrap and not java_available():
         print("hlb eval-learning: no --bootstrap and no Java to start a broker", file=sys.stderr)
         return 1
@@ -373,8 +377,50 @@ def run(args: argparse.Namespace) -> int:
             )
             results.append(run_loop(broker.bootstrap, args.workdir / f"seed{seed}", loop, say))
     document = {"summary": summary(results), "runs": results}
-    print(json.dumps(document, indent=1 if args.json else None, default=str))
+    print(json.dumps(document, indent=1, default=str) if args.json else report(document))
     return 0
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def report(document: Mapping[str, Any]) -> str:
+    """The figures as the markdown table docs/learning.md shows: a row per seed, then the means."""
+    lines = [
+        "| seed | learner (candidate / running / table, validation) | verdict | tasks to verdict | "
+        "cluster hours to verdict | error before | error after | JCT before (s) | JCT after (s) | "
+        "JCT change [95% interval] | random model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in document["runs"]:
+        errors = run.get("learn", {}).get("validated", {}) or {}
+        said = errors.get("errors", {})
+        learner = " / ".join(_fmt(said.get(k)) for k in ("candidate", "running", "table"))
+        candidate = run.get("candidate", {})
+        windows = run.get("windows", {})
+        before, after = windows.get("before", {}), windows.get("after", {})
+        change = run.get("jct_after_vs_before")
+        change_text = f"{change['share']:+.1%} [{change['ci95'][0]:+.1%}, {change['ci95'][1]:+.1%}]" if change else "-"
+        hours = candidate.get("first_data_to_verdict_virtual_s")
+        lines.append(
+            f"| {run['seed']} | {learner} | {candidate.get('verdict', 'not published')} | "
+            f"{candidate.get('transition_tasks', '-')} | {_fmt(hours / 3600 if hours else None, 1)} | "
+            f"{_fmt(_error(run, 'before', run.get('zero_version', '')))} | "
+            f"{_fmt(_error(run, 'after', run.get('after_running', '')))} | "
+            f"{_fmt(before.get('jct_mean_s'), 0)} | {_fmt(after.get('jct_mean_s'), 0)} | {change_text} | "
+            f"{run.get('bad', {}).get('verdict', '-')}, decided {run.get('bad', {}).get('decided', '-')} |"
+        )
+    total = document["summary"]
+    if "jct_change_ci95" in total:
+        low, high = total["jct_change_ci95"]
+        lines.append(
+            f"\nOver {total['seeds']} seeds ({total['promoted']} promoted): mean JCT change "
+            f"{total['jct_change_mean']:+.1%} [{low:+.1%}, {high:+.1%}] (95% interval over seeds); median "
+            f"error {_fmt(total.get('before_model_error_mean'))} before, {_fmt(total.get('after_model_error_mean'))} "
+            "after (means over seeds)."
+        )
+    return "\n".join(lines)
 
 
 class _Named:
