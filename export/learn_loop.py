@@ -21,6 +21,7 @@ never finished (none, or the run failed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -65,8 +66,9 @@ def _export(out: Path, how: str, version: str, seed: int = 0) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args([how, "--seed", str(seed), "--out", str(out), "--model-version", version])
-    if cli.run(args) != 0:
-        raise RuntimeError(f"hlb export {how} failed")
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the figures alone
+        if cli.run(args) != 0:
+            raise RuntimeError(f"hlb export {how} failed")
 
 
 def _serve(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
