@@ -90,7 +90,6 @@ def publish_corrupt_bundle(settings: Settings, candidate_dir: Path) -> None:
 
 def run_tasks(bootstrap: str, topics: dict[str, str], stub: api_grpc.SchedulerStub) -> None:
     """SHADOW_TASKS tasks placed, started and finished 100 s to 400 s later by their events' times."""
-    produce(bootstrap, topics["telemetry"], [e.SerializeToString() for e in inventory_events("it")])
     specs = [
         ev.TaskSpec(
             id=f"job-{i}", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=4, submit_time_ms=T0_MS
@@ -165,6 +164,10 @@ def test_a_model_published_through_kafka_is_received_checked_and_shadowed(
         stub = api_grpc.SchedulerStub(channel)
         running = stub.GetClusterState(api.GetClusterStateRequest(), timeout=5.0).model_version
         assert lifecycle_state(stub).running_stage == "configured"
+        # The devices first: a candidate is loaded and warmed up on the graph as it is, and a model
+        # with no embedding of a device when a task is placed there predicts nothing for it.
+        produce(kafka_bootstrap, topics["telemetry"], [e.SerializeToString() for e in inventory_events("it")])
+        wait_until(lambda: stub.GetClusterState(api.GetClusterStateRequest(), timeout=5.0).devices > 0, WAIT_S)
 
         publish_corrupt_bundle(settings, candidate_dir)
         wait_until(lambda: "refused_bundle" in steps_of(lifecycle_state(stub), "broken-1"), WAIT_S)
