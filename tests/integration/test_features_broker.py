@@ -196,8 +196,8 @@ def test_gnn_decisions_are_logged_and_read_back_as_training_rows(
 
         check_errors(rows, records[0].model_version, config, capsys)
 
-        # Shadow scoring: every finished task compared by each model (the daemon times runs by its own
-        # clock, from applying the start to applying the finish: the figures say little here).
+        # Shadow scoring: every finished task compared by each model (runs timed by their events' times,
+        # each model's prediction the one it made when the task was placed).
         counts, sums = shadow_figures(metrics_port)
         assert (counts, sorted(sums)) == ({"running": 4.0, "candidate": 4.0, "profiles": 4.0}, sorted(counts))
 
