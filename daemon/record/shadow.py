@@ -71,11 +71,10 @@ class Shadow:
         self._running = running
         running.finish_listeners.append(self.finished)
 
-    def listen(self, scheduler: Scheduler) -> None:
-        """Keep the predictions of each of ``scheduler``'s placements (:meth:`decided`)."""
-        scheduler.place_listeners.append(
-            lambda task, rows: self.decided(self._running, task.spec, scheduler.graph, rows)
-        )
+    def listen(self, scheduler: Scheduler, running: Callable[[], GnnScorer | None]) -> None:
+        """Keep the predictions of each of ``scheduler``'s placements (:meth:`decided`), the running
+        model being ``running()``'s at that moment (a reload may have replaced it)."""
+        scheduler.place_listeners.append(lambda task, rows: self.decided(running(), task.spec, scheduler.graph, rows))
 
     def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
         if self._running is not None:

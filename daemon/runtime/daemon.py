@@ -278,7 +278,7 @@ class Daemon:
             return None
         shadow = Shadow(candidate, self.metrics.observe_shadow_error)
         shadow.attach(running)
-        shadow.listen(self.scheduler)
+        shadow.listen(self.scheduler, lambda: model_scorer(self.scheduler.policy))
         return shadow
 
     def _lifecycle(self, settings: Settings) -> ModelLifecycle | None:

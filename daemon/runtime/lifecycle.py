@@ -545,11 +545,7 @@ class DaemonModels:
         self.scheduler = scheduler
         self.lock = lock
         self.shadow = Shadow(None, observe)
-        scheduler.place_listeners.append(self.placed)
-
-    def placed(self, task: Task, rows: Rows) -> None:
-        """``Scheduler.place_listeners``' call, under the daemon's lock: the models' predictions now."""
-        self.shadow.decided(model_scorer(self.scheduler.policy), task.spec, self.scheduler.graph, rows)
+        self.shadow.listen(scheduler, lambda: model_scorer(scheduler.policy))
 
     def running_version(self) -> str:
         scorer = model_scorer(self.scheduler.policy)

@@ -72,7 +72,7 @@ def test_each_finished_task_scores_both_models_and_the_profiles(gnn_model_dir: P
     shadow = Shadow(other, lambda model, error: observed.append((model, error)))
     other.refresh_if_changed(scheduler.graph)  # loaded and encoded, as the daemon starts it
     shadow.attach(running)
-    shadow.listen(scheduler)
+    shadow.listen(scheduler, lambda: running)
     spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0, num_devices=2)
     placement = scheduler.place(spec).placement
     assert placement is not None
@@ -111,7 +111,7 @@ def test_a_candidate_that_does_not_load_is_left_out(gnn_model_dir: Path, tmp_pat
     observed: list[str] = []
     shadow = Shadow(missing, lambda model, error: observed.append(model))
     shadow.attach(running)
-    shadow.listen(scheduler)
+    shadow.listen(scheduler, lambda: running)
     run_one(scheduler, clock, ev.TaskSpec(id="t", work_ref_s=60.0, memory_per_device_gb=1.0), ran_s=30.0)
     assert observed == ["profiles", "running"]
 
@@ -138,7 +138,7 @@ def test_the_predictions_compared_are_those_of_the_decision(gnn_model_dir: Path,
     first = candidate(other_model_dir)
     shadow = Shadow(first, errors.__setitem__)
     shadow.attach(running)
-    shadow.listen(scheduler)
+    shadow.listen(scheduler, lambda: running)
     spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0)
     placement = scheduler.place(spec).placement
     assert placement is not None
