@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -44,17 +45,17 @@ from hlb.sim.learning_loop import (
     COOL_C,
     HIDDEN_FACTORS,
     HOT_C,
+    LOOP_CELL,
     THROTTLED_SHARE,
     LoopSettings,
     VirtualCluster,
     Window,
     loop_config,
-    mean_interval,
 )
+from hlb.sim.report import confidence_interval
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
-CELL = "loop"
 VERDICTS = ("promoted", "refused", "refused_bundle", "rolled_back")
 Say = Callable[[str], None]
 
@@ -91,12 +92,12 @@ def _wait(
 
 
 def _lifecycle(stub: api_grpc.SchedulerStub) -> api.ModelLifecycle:
-    return stub.GetClusterState(api.GetClusterStateRequest(cell=CELL), timeout=10.0).models
+    return stub.GetClusterState(api.GetClusterStateRequest(cell=LOOP_CELL), timeout=10.0).models
 
 
 def _answers(stub: api_grpc.SchedulerStub) -> bool:
     try:
-        stub.GetClusterState(api.GetClusterStateRequest(cell=CELL), timeout=2.0)
+        stub.GetClusterState(api.GetClusterStateRequest(cell=LOOP_CELL), timeout=2.0)
     except grpc.RpcError:
         return False
     return True
@@ -154,16 +155,13 @@ def window_errors(rows: Sequence[Mapping[str, Any]], window: str) -> dict[str, A
 
 def window_jct(window: Window) -> dict[str, Any]:
     jcts = window.jcts()
-    mean, low, high = mean_interval(jcts) if len(jcts) > 1 else (math.nan, math.nan, math.nan)
-    models: dict[str, int] = {}
-    for r in window.runs:
-        models[r.model] = models.get(r.model, 0) + 1
+    mean, half = confidence_interval(jcts)
     return {
         "tasks": len(window.runs),
         "finished": len(jcts),
         "jct_mean_s": mean,
-        "jct_ci95_s": [low, high],
-        "device_models": dict(sorted(models.items())),
+        "jct_ci95_s": [mean - half, mean + half],
+        "device_models": dict(sorted(Counter(r.model for r in window.runs).items())),
         "speed_kept_mean": float(np.mean([r.throttle for r in window.runs])) if window.runs else math.nan,
     }
 
@@ -206,7 +204,7 @@ def _measure(config: Path, windows: Sequence[Window], cluster: VirtualCluster) -
     rows = join(records, placements, events).rows
     out: dict[str, Any] = {
         "windows": {w.name: {**window_jct(w), **window_errors(rows, w.name)} for w in windows},
-        "decided_by_version": dict(sorted(_count(r.model_version for r in records).items())),
+        "decided_by_version": dict(sorted(Counter(r.model_version for r in records).items())),
         "placed_twice": cluster.placed_more_than_once(),
         "unfinished": sorted(t for t, r in cluster.runs.items() if not math.isfinite(r.finished_s)),
         "tasks": len(cluster.runs),
@@ -217,13 +215,6 @@ def _measure(config: Path, windows: Sequence[Window], cluster: VirtualCluster) -
     return out
 
 
-def _count(values: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for value in values:
-        counts[value] = counts.get(value, 0) + 1
-    return counts
-
-
 def _promote_and_measure(
     cluster: VirtualCluster,
     stub: api_grpc.SchedulerStub,
@@ -231,9 +222,12 @@ def _promote_and_measure(
     loop: LoopSettings,
     result: dict[str, Any],
     say: Say,
+    first_data_s: float,
+    started: float,
 ) -> list[Window]:
     """Tasks until the lifecycle's verdict on the published candidate, then the ``after`` window.
-    The verdict's times go in ``result["candidate"]`` as absolute times (the caller subtracts)."""
+    The verdict's times count from ``first_data_s`` (the cluster's first finished task, virtual
+    time) and ``started`` (the first window's start, ``time.monotonic``)."""
     say(f"seed {loop.seed}: candidate {version} published: shadow, canary, verdict")
     transition = Window("transition")
     said = until_verdict(cluster, stub, transition, version, loop)
@@ -241,8 +235,8 @@ def _promote_and_measure(
         "version": version,
         "verdict": said,
         "transition_tasks": len(transition.runs),
-        "first_data_to_verdict_virtual_s": cluster.now_s,
-        "start_to_verdict_wall_s": time.monotonic(),
+        "first_data_to_verdict_virtual_s": cluster.now_s - first_data_s,
+        "start_to_verdict_wall_s": time.monotonic() - started,
     }
     running = _lifecycle(stub).running_version
     result["after_running"] = running
@@ -255,14 +249,14 @@ def run_loop(bootstrap: str, workdir: Path, loop: LoopSettings, say: Say = print
     workdir.mkdir(parents=True, exist_ok=True)
     run = f"loop{loop.seed}-{uuid.uuid4().hex[:6]}"
     zero, candidate, bad = workdir / "model-zero", workdir / "candidate", workdir / "model-bad"
-    _export(zero, "--zero", f"zero-{run}")
-    result_zero = f"zero-{run}"
+    zero_version = f"zero-{run}"
+    _export(zero, "--zero", zero_version)
     config, port = workdir / "config.yaml", free_port()
     topics = loop_config(config, workdir, bootstrap, run, zero, port, free_port(), loop)
     settings = load_settings(config)
     result: dict[str, Any] = {
         "seed": loop.seed,
-        "zero_version": result_zero,
+        "zero_version": zero_version,
         "settings": asdict(loop),
         "hidden": {"factors": HIDDEN_FACTORS, "throttled_share": THROTTLED_SHARE, "cool_c": COOL_C, "hot_c": HOT_C},
     }
@@ -272,7 +266,7 @@ def run_loop(bootstrap: str, workdir: Path, loop: LoopSettings, say: Say = print
             stub = api_grpc.SchedulerStub(channel)
             _wait(lambda: _answers(stub), "daemon answering", process=daemon)
             cluster = VirtualCluster(
-                KafkaBus(KafkaSettings(bootstrap_servers=bootstrap)), topics, CELL, stub, loop.seed
+                KafkaBus(KafkaSettings(bootstrap_servers=bootstrap)), topics, LOOP_CELL, stub, loop.seed
             )
             cluster.start()
             started = time.monotonic()
@@ -284,9 +278,7 @@ def run_loop(bootstrap: str, workdir: Path, loop: LoopSettings, say: Say = print
             version = f"learned-{run}"
             result["learn"] = _learn(settings, zero, candidate, loop, version, say)
             if result["learn"]["exit_code"] == 0:
-                windows += _promote_and_measure(cluster, stub, version, loop, result, say)
-                result["candidate"]["first_data_to_verdict_virtual_s"] -= first_data_s
-                result["candidate"]["start_to_verdict_wall_s"] -= started
+                windows += _promote_and_measure(cluster, stub, version, loop, result, say, first_data_s, started)
 
             say(f"seed {loop.seed}: a model with random weights published")
             _export(bad, "--random", f"bad-{run}", seed=11)
@@ -324,9 +316,9 @@ def summary(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "seeds": len(results),
         "promoted": sum(r.get("candidate", {}).get("verdict") == "promoted" for r in results),
     }
-    if len(changes) > 1:
-        mean, low, high = mean_interval(changes)
-        out["jct_change_mean"], out["jct_change_ci95"] = mean, [low, high]
+    if len(changes) > 1:  # Student's t over seeds, as hlb eval's intervals
+        mean, half = confidence_interval(changes)
+        out["jct_change_mean"], out["jct_change_ci95"] = mean, [mean - half, mean + half]
     before = [_error(r, "before", r.get("zero_version", "")) for r in results]
     after = [_error(r, "after", r.get("after_running", "")) for r in results]
     for name, errors in (("before", before), ("after", after)):
@@ -367,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("warning", "console", sys.stderr)  # stdout carries the figures alone
     say: Say = (lambda line: print(line, file=sys.stderr)) if args.json else print
     results = []
-    with LocalBroker(args.workdir / "kafka") if not args.bootstrap else _Named(args.bootstrap) as broker:
+    with contextlib.ExitStack() as stack:
+        bootstrap = args.bootstrap or stack.enter_context(LocalBroker(args.workdir / "kafka")).bootstrap
         for seed in range(args.seeds):
             loop = LoopSettings(
                 tasks=args.tasks,
@@ -377,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=seed,
                 learn_seed=seed,
             )
-            results.append(run_loop(broker.bootstrap, args.workdir / f"seed{seed}", loop, say))
+            results.append(run_loop(bootstrap, args.workdir / f"seed{seed}", loop, say))
     document = {"summary": summary(results), "runs": results}
     print(json.dumps(document, indent=1, default=str) if args.json else report(document))
     return 0
@@ -413,7 +406,7 @@ def report(document: Mapping[str, Any]) -> str:
             f"{_fmt(before.get('jct_mean_s'), 0)} | {_fmt(after.get('jct_mean_s'), 0)} | {change_text} | "
             f"{run.get('bad', {}).get('verdict', '-')}, decided {run.get('bad', {}).get('decided', '-')} |"
         )
-    total = document["summary"]
+    total = summary(document["runs"])  # derived from the runs, so a saved run is reported as today
     if "jct_change_ci95" in total:
         low, high = total["jct_change_ci95"]
         lines.append(
@@ -423,16 +416,3 @@ def report(document: Mapping[str, Any]) -> str:
             "after (means over seeds)."
         )
     return "\n".join(lines)
-
-
-class _Named:
-    """A broker someone else runs, used as ``LocalBroker`` is."""
-
-    def __init__(self, bootstrap: str) -> None:
-        self.bootstrap = bootstrap
-
-    def __enter__(self) -> _Named:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,7 @@ def throttle(temperature_c: float) -> float:
 
 
 WORKLOAD_CLASSES: tuple[str, ...] = ("resnet50", "transformer")
+LOOP_CELL = "loop"  # the cell of the loop's daemon (loop_config)
 # The virtual clock starts this far before the wall clock: events are never dated ahead of the
 # daemon's clock (it refuses those, limits.clock_skew_s), and a run of up to this long fits.
 HISTORY_S = 180 * 86400.0
@@ -140,6 +141,7 @@ class VirtualCluster:
         self._finishes: list[tuple[float, str]] = []  # (virtual time, task id)
         self._unplaced: set[str] = set()
         self._finished = 0
+        self._seen_sequence = 0  # the newest placement read from the ledger
         self._ledger: EventSource = bus.source([topics.placements], group_id=f"hlb-loop-{seed}-{time.time_ns()}")
         self._serial = 0
 
@@ -176,8 +178,8 @@ class VirtualCluster:
     def _state(self) -> api.ClusterState:
         return self.stub.GetClusterState(api.GetClusterStateRequest(cell=self.cell), timeout=10.0)
 
-    def task(self, window: str, load: float = 0.5, mean_work_s: float = 3600.0) -> ev.TaskSpec:
-        """A new single-GPU task of a random class; ``load`` sets the arrival gap (see :meth:`run`)."""
+    def task(self, window: str, mean_work_s: float = 3600.0) -> ev.TaskSpec:
+        """A new single-GPU task of a random class, of ``mean_work_s`` reference work on average."""
         self._serial += 1
         work = float(self.rng.uniform(0.5, 1.5) * mean_work_s)
         return ev.TaskSpec(
@@ -214,7 +216,7 @@ class VirtualCluster:
         t = self.now_s
         for _ in range(tasks):
             t += float(self.rng.exponential(gap_s))
-            arrivals.append((t, self.task(window.name, load, mean_work_s)))
+            arrivals.append((t, self.task(window.name, mean_work_s)))
         arrivals.reverse()
         while arrivals:
             next_arrival = arrivals[-1][0]
@@ -271,7 +273,7 @@ class VirtualCluster:
             self._read_ledger()
             state = self._state()
             applied = state.pending_tasks + state.running_tasks == outstanding
-            caught_up = applied and self._seen_sequence() >= state.last_sequence
+            caught_up = applied and self._seen_sequence >= state.last_sequence
             mark = (state.pending_tasks, state.last_sequence)
             if mark != last:
                 stable_since, last = time.monotonic(), mark
@@ -282,13 +284,10 @@ class VirtualCluster:
                 raise NotSettledError(
                     f"daemon at pending={state.pending_tasks} running={state.running_tasks} "
                     f"sequence={state.last_sequence}; expected {outstanding} outstanding, "
-                    f"ledger read to {self._seen_sequence()}"
+                    f"ledger read to {self._seen_sequence}"
                 )
             time.sleep(0.01)
         self._start_placed()
-
-    def _seen_sequence(self) -> int:
-        return max((p[-1].sequence for p in self.placements.values()), default=0)
 
     def _read_ledger(self) -> None:
         while batch := self._ledger.next_batch(1000, 0.0):
@@ -299,6 +298,7 @@ class VirtualCluster:
                     continue
                 if placement.cell == self.cell or not placement.cell:
                     self.placements.setdefault(placement.task_id, []).append(placement)
+                    self._seen_sequence = max(self._seen_sequence, placement.sequence)
 
     def _start_placed(self) -> None:
         for task_id in sorted(self._unplaced):
@@ -309,9 +309,10 @@ class VirtualCluster:
             run = self.runs[task_id]
             run.placed_s, run.sequence = self.now_s, placement.sequence
             run.device_ids = tuple(placement.device_ids)
-            run.model = self.model_of.get(run.device_ids[0], "") if run.device_ids else ""
-            run.run_s = self.hidden_run_s(run.spec, run.device_ids[0])
-            run.throttle = throttle(self.temperature_c[run.device_ids[0]])
+            device = run.device_ids[0]  # the loop's tasks take one device each (task())
+            run.model = self.model_of[device]
+            run.run_s = self.hidden_run_s(run.spec, device)
+            run.throttle = throttle(self.temperature_c[device])
             started = ev.TaskStarted(
                 task_id=task_id, device_ids=placement.device_ids, placement_sequence=placement.sequence
             )
@@ -329,17 +330,6 @@ class VirtualCluster:
     def close(self) -> None:
         self.publisher.flush(15.0)
         self._ledger.close()
-
-
-def mean_interval(values: Sequence[float], confidence_z: float = 1.96) -> tuple[float, float, float]:
-    """Mean and its normal-approximation 95% interval (values are many tasks' figures)."""
-    data = np.asarray(values, dtype=np.float64)
-    mean = float(data.mean())
-    half = confidence_z * float(data.std(ddof=1)) / math.sqrt(len(data)) if len(data) > 1 else math.nan
-    return mean, mean - half, mean + half
-
-
-Clock = Callable[[], float]
 
 
 # -- the loop, end to end ------------------------------------------------------------------------
@@ -378,7 +368,7 @@ def loop_config(
         inventory=f"{run}.inventory",
     )
     path.write_text(
-        "cell: loop\n"
+        f"cell: {LOOP_CELL}\n"
         f"state_dir: {workdir / 'state'}\n"
         "kafka:\n"
         f"  bootstrap_servers: {bootstrap}\n"
