@@ -351,6 +351,21 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         print(report(json.loads(args.report.read_text())))
         return 0
+    wrong = [
+        f"{name} must be at least {least}"
+        for name, value, least in (
+            ("--seeds", args.seeds, 1),
+            ("--tasks", args.tasks, 2),
+            ("--shadow-tasks", args.shadow_tasks, 1),
+            ("--canary-tasks", args.canary_tasks, 1),
+        )
+        if value < least
+    ]
+    if not (math.isfinite(args.load) and args.load > 0):
+        wrong.append("--load must be a positive number")
+    if wrong:
+        print(f"hlb eval-learning: {'; '.join(wrong)}", file=sys.stderr)
+        return 2
     if not args.bootstrap and not java_available():
         print("hlb eval-learning: no --bootstrap and no Java to start a broker", file=sys.stderr)
         return 1
