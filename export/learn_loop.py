@@ -11,7 +11,9 @@ its telemetry but not what it does). ``hlb learn`` then fits a candidate on the 
 hold and publishes it when it beats the running model and the table estimator; the daemon shadows
 it, tries it as its canary and promotes it (or not) while tasks keep arriving (``transition``); a
 second window (``after``) is decided by whatever then runs. Last, a model with random weights is
-published and must be refused (``bad``). The figures: each window's prediction error (the model
+published and must be refused (``bad``), and another with its shadow skipped (``hlb models
+publish --skip-shadow``: an operator vouched for it) must be rolled back from its canary within one
+window, the last good model running again (``vouched``). The figures: each window's prediction error (the model
 that decided, against the profiles alone) and mean JCT with its 95% interval, the JCT change
 from ``before`` to ``after``, the time from the first finished task to the verdict (in the
 cluster's virtual time and in wall time), the lifecycle's steps, and the tasks placed twice or
@@ -244,11 +246,37 @@ def _promote_and_measure(
     return [transition, cluster.run(Window("after"), loop.tasks, loop.load)]
 
 
+def _try_bad_model(
+    cluster: VirtualCluster,
+    stub: api_grpc.SchedulerStub,
+    settings: Settings,
+    workdir: Path,
+    version: str,
+    seed: int,
+    skip_shadow: bool,
+    note: str,
+    loop: LoopSettings,
+    window: Window,
+    say: Say,
+) -> dict[str, Any]:
+    """Publish a model with random weights (``skip_shadow``: as ``hlb models publish --skip-shadow``)
+    and run tasks into ``window`` until the lifecycle's verdict on it."""
+    from hlb.daemon.runtime.models import publish_model
+
+    say(f"seed {loop.seed}: a model with random weights published{' with --skip-shadow' if skip_shadow else ''}")
+    folder = workdir / f"model-{version}"
+    _export(folder, "--random", version, seed=seed)
+    publish_model(settings, folder, {"version": version, "note": note}, skip_shadow=skip_shadow)
+    said = until_verdict(cluster, stub, window, version, loop)
+    cluster.drain()
+    return {"version": version, "verdict": said, "tasks_to_verdict": len(window.runs)}
+
+
 def run_loop(bootstrap: str, workdir: Path, loop: LoopSettings, say: Say = print) -> dict[str, Any]:
     """One seed of the loop (module docstring) on the broker at ``bootstrap``; its files in ``workdir``."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = f"loop{loop.seed}-{uuid.uuid4().hex[:6]}"
-    zero, candidate, bad = workdir / "model-zero", workdir / "candidate", workdir / "model-bad"
+    zero, candidate = workdir / "model-zero", workdir / "candidate"
     zero_version = f"zero-{run}"
     _export(zero, "--zero", zero_version)
     config, port = workdir / "config.yaml", free_port()
@@ -280,25 +308,25 @@ def run_loop(bootstrap: str, workdir: Path, loop: LoopSettings, say: Say = print
             if result["learn"]["exit_code"] == 0:
                 windows += _promote_and_measure(cluster, stub, version, loop, result, say, first_data_s, started)
 
-            say(f"seed {loop.seed}: a model with random weights published")
-            _export(bad, "--random", f"bad-{run}", seed=11)
-            from hlb.daemon.runtime.models import publish_model
-
-            publish_model(settings, bad, {"version": f"bad-{run}", "note": "random weights: must be refused"})
-            tried = Window("bad")
-            windows.append(tried)
-            result["bad"] = {
-                "version": f"bad-{run}",
-                "verdict": until_verdict(cluster, stub, tried, f"bad-{run}", loop),
-            }
-            cluster.drain()
-            result["running_after_bad"] = _lifecycle(stub).running_version
+            # Random weights: refused in its shadow. Random weights again, published by an operator
+            # who vouches for it: no shadow, so its canary must catch it within one window, and the
+            # last good model runs again.
+            for name, seed, skip, note in (
+                ("bad", 11, False, "random weights: must be refused"),
+                ("vouched", 12, True, "random weights, shadow skipped: its canary must roll it back"),
+            ):
+                windows.append(Window(name))
+                result[name] = _try_bad_model(
+                    cluster, stub, settings, workdir, f"{name}-{run}", seed, skip, note, loop, windows[-1], say
+                )
+                result[f"running_after_{name}"] = _lifecycle(stub).running_version
             result["steps"] = [
                 {"step": s.step, "version": s.version, "reason": s.reason} for s in _lifecycle(stub).steps
             ]
             cluster.close()
         result.update(_measure(config, windows, cluster))
-        result["bad"]["decided"] = result["decided_by_version"].get(f"bad-{run}", 0)
+        for tried in ("bad", "vouched"):
+            result[tried]["decided"] = result["decided_by_version"].get(result[tried]["version"], 0)
     finally:
         daemon.terminate()
         try:
@@ -391,6 +419,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tried(run: Mapping[str, Any], name: str) -> str:
+    """A bad model's verdict, how many tasks it decided, and the model that ran after it."""
+    tried = run.get(name)
+    if not tried:
+        return "-"
+    after = run.get(f"running_after_{name}", "")
+    back = "the last good" if after and after == run.get("after_running") else (after or "the profiles")
+    return f"{tried.get('verdict') or 'no verdict'}, decided {tried.get('decided', '-')}; then {back}"
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
@@ -400,8 +438,8 @@ def report(document: Mapping[str, Any]) -> str:
     lines = [
         "| seed | learner (candidate / running / table, validation) | verdict | tasks to verdict | "
         "cluster hours to verdict | error before | error after | JCT before (s) | JCT after (s) | "
-        "JCT change [95% interval] | random model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "JCT change [95% interval] | random model | random model, shadow skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in document["runs"]:
         errors = run.get("learn", {}).get("validated", {}) or {}
@@ -419,7 +457,7 @@ def report(document: Mapping[str, Any]) -> str:
             f"{_fmt(_error(run, 'before', run.get('zero_version', '')))} | "
             f"{_fmt(_error(run, 'after', run.get('after_running', '')))} | "
             f"{_fmt(before.get('jct_mean_s'), 0)} | {_fmt(after.get('jct_mean_s'), 0)} | {change_text} | "
-            f"{run.get('bad', {}).get('verdict', '-')}, decided {run.get('bad', {}).get('decided', '-')} |"
+            f"{_tried(run, 'bad')} | {_tried(run, 'vouched')} |"
         )
     total = summary(document["runs"])  # derived from the runs, so a saved run is reported as today
     if "jct_change_ci95" in total:

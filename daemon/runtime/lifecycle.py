@@ -7,7 +7,8 @@ tried in one cell, then promoted or rolled back (docs/learning.md, "The model li
    reload does. A bundle that fails any of it is **refused** here, its reason logged.
 2. **shadow**: it scores beside the running model and decides nothing (``hlb.daemon.record.shadow``)
    until ``learning.shadow_tasks`` finished tasks were scored by both; it is **refused** unless its
-   mean |error| there is below the running model's.
+   mean |error| there is below the running model's. A bundle published with ``--skip-shadow``
+   (its publisher vouches for it) goes to its canary at once in the canary cell.
 3. **canary**: in the canary cell only (``learning.canary_cell``, by default the daemon's own
    ``cell``) it becomes the running model; the model it replaced is kept as *last good*. A daemon
    of another cell keeps shadowing it and waits for the canary cell's verdict.
@@ -184,8 +185,11 @@ class ModelLifecycle:
         *,
         clock: Callable[[], float] = time.time,
         metrics: LifecycleMetrics | None = None,
+        cell: Callable[[], str] | None = None,
     ) -> None:
         self.settings = settings
+        # The cell this daemon decides for (a shard's is known only once it is given its partition).
+        self.cell: Callable[[], str] = cell or (lambda: settings.cell)
         self.models = models
         self.publisher = publisher
         self.clock = clock
@@ -197,7 +201,6 @@ class ModelLifecycle:
             learning.jct_tolerance,
         )
         self.canary_cell = learning.canary_cell or settings.cell
-        self.in_canary_cell = self.canary_cell == settings.cell
         self.root = settings.state_dir / "models"
         self.catalog = ModelCatalog()
         self.trial: Trial | None = None
@@ -213,6 +216,10 @@ class ModelLifecycle:
         self._guard = threading.Lock()  # one change at a time: step() and policy_reloaded()
         self._shown = api.ModelLifecycle(running_stage="configured", canary_cell=self.canary_cell)
         self.wake = threading.Event()
+
+    @property
+    def in_canary_cell(self) -> bool:
+        return self.canary_cell == self.cell()
 
     # -- inputs (any thread) ---------------------------------------------------------------
 
@@ -339,6 +346,12 @@ class ModelLifecycle:
             self._step("refused_bundle", version, f"the files are version {loaded!r}, the manifest says {version!r}")
             return
         self.trial = Trial(version, directory)
+        manifest = self.catalog.manifests.get(version)
+        if manifest is not None and manifest.skip_shadow and self.in_canary_cell:
+            self.trial.passed_shadow = True
+            self._step("shadow_passed", version, f"shadow skipped: {manifest.published_by or 'its publisher'} vouched")
+            self._to_canary(self.trial)
+            return
         self._step("shadow", version, f"scored beside {running or 'the profiles'} for {self.shadow_tasks} tasks")
 
     def _count(self, task: Finished) -> None:
@@ -378,6 +391,10 @@ class ModelLifecycle:
         if not self.in_canary_cell:
             self._step("shadow", trial.version, f"waiting for the canary cell {self.canary_cell}'s verdict")
             return
+        self._to_canary(trial)
+
+    def _to_canary(self, trial: Trial) -> None:
+        """In the canary cell: ``trial`` becomes the running model, the one it replaces last good."""
         previous, directory, stage = self.models.running_version(), self.running_directory, self.running_stage
         try:
             self.models.drop_candidate()
@@ -467,13 +484,13 @@ class ModelLifecycle:
             shutil.rmtree(directory, ignore_errors=True)
 
     def _publish(self, action: mp.ModelControl.Action.ValueType, version: str, reason: str) -> None:
-        by = f"cell {self.settings.cell}"
+        by = f"cell {self.cell()}"
         publish_control(self.settings, action, version, reason, publisher=self.publisher, by=by)
 
     def _step(self, step: str, version: str, reason: str) -> None:
         self.metrics.steps.labels(step=step).inc()
         self.steps.append(api.ModelStep(at_ms=int(self.clock() * 1000), step=step, version=version, reason=reason))
-        log.info("model lifecycle", step=step, version=version, reason=reason, cell=self.settings.cell)
+        log.info("model lifecycle", step=step, version=version, reason=reason, cell=self.cell())
 
     # -- what GetClusterState shows -------------------------------------------------------------
 

@@ -116,13 +116,22 @@ def bundle_files(directory: Path, card: Mapping[str, Any]) -> dict[str, bytes]:
 
 
 def bundle_records(
-    version: str, files: Mapping[str, bytes], card: Mapping[str, Any], chunk: int, by: str, at_ms: int
+    version: str,
+    files: Mapping[str, bytes],
+    card: Mapping[str, Any],
+    chunk: int,
+    by: str,
+    at_ms: int,
+    *,
+    skip_shadow: bool = False,
 ) -> list[tuple[bytes, bytes]]:
     """The (key, value) records of one bundle: every part, then its manifest."""
     if chunk <= 0:
         raise ValueError("chunk must be positive")
     records: list[tuple[bytes, bytes]] = []
-    manifest = mp.ModelManifest(version=version, card_json=json.dumps(card), published_at_ms=at_ms, published_by=by)
+    manifest = mp.ModelManifest(
+        version=version, card_json=json.dumps(card), published_at_ms=at_ms, published_by=by, skip_shadow=skip_shadow
+    )
     for name, data in files.items():
         parts = max(1, -(-len(data) // chunk))
         for index in range(parts):
@@ -163,11 +172,13 @@ def publish_model(
     publisher: Publisher | None = None,
     existing: Sequence[RawEvent] | None = None,
     by: str | None = None,
+    skip_shadow: bool = False,
 ) -> str:
     """Publish the model folder ``directory`` (``encoder.onnx``, ``scorer.onnx``, and its
     ``card.json`` or ``card``) as a bundle on ``settings.learning.models_topic``; returns its
     version (the ONNX files' ``hlb.model_version``). Every daemon with ``learning.auto_models``
-    then shadows it as a candidate.
+    then shadows it as a candidate; with ``skip_shadow`` the canary cell tries it at once (its
+    canary still judges it).
 
     ``publisher`` (and ``existing``, the topic's records now): a bus of one's own, e.g. a test's
     ``MemoryBus``; by default a Kafka producer from ``settings.kafka``, flushed before this
@@ -194,7 +205,7 @@ def publish_model(
             return version
         raise BundleError(f"version {version!r} is on the topic already with other files; export with a new version")
     topic = settings.learning.models_topic
-    records = bundle_records(version, files, card, part_bytes(settings), by or who(), now_ms())
+    records = bundle_records(version, files, card, part_bytes(settings), by or who(), now_ms(), skip_shadow=skip_shadow)
     for key, value in records:
         publisher.publish(topic, key, value)
     if owned and publisher.flush(60.0):
@@ -383,6 +394,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     publish = actions.add_parser("publish", help="publish a model folder (encoder.onnx, scorer.onnx, card.json)")
     publish.add_argument("directory", type=Path)
+    publish.add_argument(
+        "--skip-shadow",
+        action="store_true",
+        help="you vouch for it: the canary cell tries it at once, without its shadow (its canary still judges it)",
+    )
     actions.add_parser("list", help="the bundles on the topic, their verdicts, the pin and what every cell runs")
     pin = actions.add_parser("pin", help="every cell runs VERSION; nothing is promoted until unpin")
     pin.add_argument("version")
@@ -406,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "publish":
             card_path = args.directory / CARD
             card = json.loads(card_path.read_text()) if card_path.is_file() else {}
-            print(publish_model(settings, args.directory, card))
+            print(publish_model(settings, args.directory, card, skip_shadow=args.skip_shadow))
             return 0
         from hlb.daemon.bus.kafka import KafkaBus
 

@@ -79,14 +79,15 @@ class TwinModels:
         return self.arrived
 
 
-def publish_bundle(bus: MemoryBus, version: str, at_ms: int = 1, chunk: int = 7) -> None:
+def publish_bundle(bus: MemoryBus, version: str, at_ms: int = 1, chunk: int = 7, *, skip_shadow: bool = False) -> None:
     """A bundle whose files are a few bytes each, cut in parts of ``chunk`` bytes (several per file)."""
     files = {
         "encoder.onnx": f"encoder weights of {version}".encode(),
         "scorer.onnx": f"scorer weights of {version}".encode(),
         "card.json": json.dumps({"version": version}).encode(),
     }
-    for key, value in bundle_records(version, files, {"version": version}, chunk, "the learner", at_ms):
+    records = bundle_records(version, files, {"version": version}, chunk, "the learner", at_ms, skip_shadow=skip_shadow)
+    for key, value in records:
         bus.publish(TOPIC, key, value)
 
 
@@ -229,6 +230,51 @@ def test_better_in_shadow_but_worse_in_canary_is_rolled_back_within_one_window(t
     assert not (tmp_path / "c1" / "models" / "v1").exists()  # what may run is kept, nothing else
     feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
     assert models.ran == ["v1", "v0"]  # never tried again
+
+
+def test_a_bundle_that_skips_its_shadow_is_still_judged_by_its_canary(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    lifecycle, models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
+    publish_bundle(bus, "v1", skip_shadow=True)
+    feed.step()
+    state = lifecycle.state()
+    assert (state.candidate_stage, state.running_version, state.last_good_version) == ("canary", "v1", "v0")
+    assert [s for s, v in steps(lifecycle) if v == "v1"] == ["received", "shadow_passed", "canary"]
+    assert "shadow skipped: the learner vouched" in lifecycle.state().steps[-2].reason
+    feed.tasks(WINDOW, "v1", running=0.9, candidate=None)
+    assert verdicts(bus) == {"v1": "rolled_back"}
+    assert (lifecycle.state().running_version, models.ran) == ("v0", ["v1", "v0"])
+
+
+def test_outside_the_canary_cell_a_bundle_that_skips_its_shadow_is_shadowed(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    lifecycle, models = make(tmp_path, bus, cell="c2", canary_cell="c1")
+    feed = Feed(lifecycle, bus)
+    publish_bundle(bus, "v1", skip_shadow=True)
+    feed.step()
+    feed.tasks(3 * WINDOW, "v0", running=0.5, candidate=0.1)
+    assert (lifecycle.state().running_version, lifecycle.state().candidate_stage) == ("v0", "shadow")
+    assert models.ran == []
+
+
+def test_a_shard_is_the_canary_only_once_it_knows_its_cell_is_the_canary_cell(tmp_path: Path) -> None:
+    """A shard learns its cell from its partition's records: until then it only shadows."""
+    bus = MemoryBus()
+    lifecycle, models = make(tmp_path, bus, cell="default", canary_cell="c1")
+    shard_cell = [""]
+    lifecycle.cell = lambda: shard_cell[0]
+    feed = Feed(lifecycle, bus)
+    publish_bundle(bus, "v1", skip_shadow=True)
+    feed.step()
+    assert (lifecycle.state().candidate_stage, models.ran) == ("shadow", [])
+    shard_cell[0] = "c1"  # its first record named its cell
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    assert (lifecycle.state().candidate_stage, models.ran) == ("canary", ["v1"])
+    feed.tasks(WINDOW, "v1", running=0.3, candidate=None)
+    assert verdicts(bus) == {"v1": "promoted"}
+    assert ModelCatalog.read(bus.read_all(TOPIC)).verdicts["v1"].by == "cell c1"
 
 
 def test_a_longer_jct_in_canary_rolls_back_even_with_a_lower_error(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ A daemon starts on a zero-correction model and decides tasks for a cluster whose
 as their profiles say (a hidden factor per model, and throttling with each device's temperature);
 ``hlb learn`` fits a candidate from the topics and publishes it; the daemon shadows it, tries it
 as its canary and promotes it; the next window's prediction error and mean JCT are lower; a model
-with random weights is refused; no task is placed twice or lost throughout. The small version of
+with random weights is refused, another whose shadow was skipped is rolled back from its canary
+within one window; no task is placed twice or lost throughout. The small version of
 ``hlb eval-learning`` (whose full version's figures are in the docs).
 """
 
@@ -19,7 +20,7 @@ from hlb.sim.learning_loop import LoopSettings
 pytestmark = pytest.mark.kafka
 
 
-def test_the_daemon_learns_promotes_and_refuses_a_bad_model(kafka_bootstrap: str, tmp_path: Path) -> None:
+def test_the_daemon_learns_promotes_refuses_and_rolls_back_bad_models(kafka_bootstrap: str, tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="hlb learn needs the export extra (torch)")
     from hlb.export.learn_loop import run_loop
 
@@ -51,6 +52,18 @@ def test_the_daemon_learns_promotes_and_refuses_a_bad_model(kafka_bootstrap: str
     else:
         assert 0 < bad["decided"] <= loop.canary_tasks + loop.chunk
     assert result["running_after_bad"] == candidate["version"]
+
+    # Random weights with the shadow skipped: it decided in its canary and was rolled back when its
+    # first window had finished (judged on canary_tasks tasks: those it decided beyond them were
+    # still running then), and the last good model runs again.
+    vouched = result["vouched"]
+    assert vouched["verdict"] == "rolled_back", result["steps"]
+    assert loop.canary_tasks <= vouched["decided"] <= vouched["tasks_to_verdict"]
+    assert result["running_after_vouched"] == candidate["version"]
+    rolled = [s for s in result["steps"] if s["version"] == vouched["version"] and s["step"] == "rolled_back"]
+    assert len(rolled) == 1
+    assert f"on {loop.canary_tasks} tasks;" in rolled[0]["reason"]
+    assert "its error is higher" in rolled[0]["reason"]
 
     # Nothing placed twice, nothing lost: every task submitted finished.
     assert result["placed_twice"] == []

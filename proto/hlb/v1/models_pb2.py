@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13hlb/v1/models.proto\x12\x06hlb.v1\"F\n\tModelFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05parts\x18\x04 \x01(\r\"\x84\x01\n\rModelManifest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12 \n\x05\x66iles\x18\x02 \x03(\x0b\x32\x11.hlb.v1.ModelFile\x12\x11\n\tcard_json\x18\x03 \x01(\t\x12\x17\n\x0fpublished_at_ms\x18\x04 \x01(\x03\x12\x14\n\x0cpublished_by\x18\x05 \x01(\t\"G\n\tModelPart\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xd9\x01\n\x0cModelControl\x12+\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1b.hlb.v1.ModelControl.Action\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\n\n\x02\x62y\x18\x03 \x01(\t\x12\r\n\x05\x61t_ms\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"`\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0c\n\x08PROMOTED\x10\x01\x12\x0f\n\x0bROLLED_BACK\x10\x02\x12\x07\n\x03PIN\x10\x03\x12\t\n\x05UNPIN\x10\x04\x12\x0b\n\x07REFUSED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13hlb/v1/models.proto\x12\x06hlb.v1\"F\n\tModelFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05parts\x18\x04 \x01(\r\"\x99\x01\n\rModelManifest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12 \n\x05\x66iles\x18\x02 \x03(\x0b\x32\x11.hlb.v1.ModelFile\x12\x11\n\tcard_json\x18\x03 \x01(\t\x12\x17\n\x0fpublished_at_ms\x18\x04 \x01(\x03\x12\x14\n\x0cpublished_by\x18\x05 \x01(\t\x12\x13\n\x0bskip_shadow\x18\x06 \x01(\x08\"G\n\tModelPart\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xd9\x01\n\x0cModelControl\x12+\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1b.hlb.v1.ModelControl.Action\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\n\n\x02\x62y\x18\x03 \x01(\t\x12\r\n\x05\x61t_ms\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"`\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0c\n\x08PROMOTED\x10\x01\x12\x0f\n\x0bROLLED_BACK\x10\x02\x12\x07\n\x03PIN\x10\x03\x12\t\n\x05UNPIN\x10\x04\x12\x0b\n\x07REFUSED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELFILE']._serialized_start=31
   _globals['_MODELFILE']._serialized_end=101
   _globals['_MODELMANIFEST']._serialized_start=104
-  _globals['_MODELMANIFEST']._serialized_end=236
-  _globals['_MODELPART']._serialized_start=238
-  _globals['_MODELPART']._serialized_end=309
-  _globals['_MODELCONTROL']._serialized_start=312
-  _globals['_MODELCONTROL']._serialized_end=529
-  _globals['_MODELCONTROL_ACTION']._serialized_start=433
-  _globals['_MODELCONTROL_ACTION']._serialized_end=529
+  _globals['_MODELMANIFEST']._serialized_end=257
+  _globals['_MODELPART']._serialized_start=259
+  _globals['_MODELPART']._serialized_end=330
+  _globals['_MODELCONTROL']._serialized_start=333
+  _globals['_MODELCONTROL']._serialized_end=550
+  _globals['_MODELCONTROL_ACTION']._serialized_start=454
+  _globals['_MODELCONTROL_ACTION']._serialized_end=550
 # @@protoc_insertion_point(module_scope)

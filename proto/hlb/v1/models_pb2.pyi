@@ -74,6 +74,7 @@ class ModelManifest(_message.Message):
     CARD_JSON_FIELD_NUMBER: _builtins.int
     PUBLISHED_AT_MS_FIELD_NUMBER: _builtins.int
     PUBLISHED_BY_FIELD_NUMBER: _builtins.int
+    SKIP_SHADOW_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """the model's version (the ONNX files' hlb.model_version)"""
     card_json: _builtins.str
@@ -82,6 +83,10 @@ class ModelManifest(_message.Message):
     """Unix epoch milliseconds"""
     published_by: _builtins.str
     """who published it (user@host, or the learner)"""
+    skip_shadow: _builtins.bool
+    """The publisher vouches for it (hlb models publish --skip-shadow): the canary cell tries it at
+    once, without its shadow, and its canary still judges it; other cells shadow it as always.
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelFile]: ...
     def __init__(
@@ -92,10 +97,11 @@ class ModelManifest(_message.Message):
         card_json: _builtins.str = ...,
         published_at_ms: _builtins.int = ...,
         published_by: _builtins.str = ...,
+        skip_shadow: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["card_json", b"card_json", "files", b"files", "published_at_ms", b"published_at_ms", "published_by", b"published_by", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["card_json", b"card_json", "files", b"files", "published_at_ms", b"published_at_ms", "published_by", b"published_by", "skip_shadow", b"skip_shadow", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
