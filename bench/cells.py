@@ -139,6 +139,8 @@ class CellCluster:
     session_timeout_ms: int = 6000
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     instances: dict[str, CellInstance] = field(default_factory=dict)
+    scheduler: str = "  max_tasks_per_device: 0\n"  # the scheduler section's lines
+    extra: str = ""  # more top-level sections of every instance's config (YAML)
 
     @property
     def topics(self) -> dict[str, str]:
@@ -166,9 +168,10 @@ class CellCluster:
             f'    session.timeout.ms: "{self.session_timeout_ms}"\n'
             f"grpc:\n  listen: 127.0.0.1:{port}\n"
             "log:\n  format: json\n"
-            "scheduler:\n  max_tasks_per_device: 0\n"
+            f"scheduler:\n{self.scheduler}"
             "snapshot:\n  interval_s: 5.0\n"
             f"cells:\n  enabled: true\n  partitions: {self.partitions}\n  topic: {self.cells_topic}\n"
+            f"{self.extra}"
         )
         log_path = self.work_dir / f"{name}.log"
         env = {**os.environ, "HLB_KAFKA__BOOTSTRAP_SERVERS": self.bootstrap}

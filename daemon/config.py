@@ -517,7 +517,8 @@ class LearningSettings(_Section):
     # Models through Kafka (docs/learning.md, "Models through Kafka" and "The model lifecycle"): the
     # compacted topic of model bundles and their verdicts (hlb models), and, with auto_models, the
     # daemon's lifecycle of each new bundle: shadow for shadow_tasks finished tasks, then canary in
-    # canary_cell (None: this daemon's cell) for canary_tasks, then promoted or rolled back.
+    # canary_cell (None: this daemon's cell; required with cells.enabled) for canary_tasks, then
+    # promoted or rolled back.
     models_topic: str = Field("hlb.models", min_length=1, max_length=249)
     auto_models: bool = False
     shadow_tasks: int = Field(200, ge=1, le=1_000_000)
@@ -577,6 +578,11 @@ class Settings(BaseSettings):
             raise ValueError("cells.enabled needs bus: kafka (the consumer group shares the cells)")
         if self.cells.enabled and not self.kafka.group_instance_id:
             raise ValueError("cells.enabled needs kafka.group_instance_id, a stable id per instance")
+        if self.cells.enabled and self.learning.auto_models and self.learning.canary_cell is None:
+            raise ValueError(
+                "learning.auto_models with cells.enabled needs learning.canary_cell: one cell, the same in every "
+                "instance's config, where a candidate decides first"
+            )
         if self.auth.trust_header and self.grpc.tls.require_client_cert:
             raise ValueError(
                 "auth.trust_header is for a port without mutual TLS: with grpc.tls.require_client_cert every "

@@ -191,7 +191,9 @@ class CellHost:
             [topics.inventory, s.cells.topic],
             self.partitions,
         )
-        await asyncio.to_thread(KafkaBus(s.kafka).ensure_topics, [topics.dlq])
+        # One partition, every cell's: the models topic is not cut by cell.
+        models = [s.learning.models_topic] if s.learning.auto_models else []
+        await asyncio.to_thread(KafkaBus(s.kafka).ensure_topics, [topics.dlq], models)
         await asyncio.to_thread(require_kept, s)  # the ledger must keep what the next start reads back
         if s.metrics.listen:
             log.warning("metrics.listen is not served with cells.enabled yet", listen=s.metrics.listen)

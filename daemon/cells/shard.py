@@ -16,7 +16,8 @@ from typing import Any
 
 import structlog
 
-from hlb.daemon.bus.seam import EventBus, Offsets, RawEvent
+from hlb.daemon.bus.kafka import KafkaBus
+from hlb.daemon.bus.seam import EventBus, EventSource, Offsets, RawEvent
 from hlb.daemon.cells.bus import TransactionalPublisher
 from hlb.daemon.config import Settings
 from hlb.daemon.errors import InvalidEventError
@@ -41,6 +42,10 @@ class Shard(Daemon):
         self.journal_enabled = False
         self.transactions: TransactionalPublisher | None = None
         self.service: SchedulerService | None = None  # what the instance's router asks (``run_shard``)
+
+    def models_source(self, topics: list[str], group: str) -> EventSource:
+        """The models topic whole (one partition, every cell's), not this shard's partition."""
+        return KafkaBus(self.settings.kafka).source(topics, group)
 
     async def durable(self) -> None:
         """Commit the open transaction: an answer waits for its decisions in the ledger topic."""
@@ -94,6 +99,7 @@ class Shard(Daemon):
                 stopped.cancel()
         finally:
             self.serving = False
+            await asyncio.to_thread(self.stop_lifecycle)
             stop_policy(self.scheduler.policy)
             if committing.done() and committing.exception() is not None:
                 failure = committing.exception()

@@ -50,7 +50,7 @@ import structlog
 from grpc_health.v1 import health_pb2
 
 from hlb.daemon.bus.lag import Lag
-from hlb.daemon.bus.seam import EventBus, MemoryBus, Offsets, Publisher
+from hlb.daemon.bus.seam import EventBus, EventSource, MemoryBus, Offsets, Publisher
 from hlb.daemon.config import Settings
 from hlb.daemon.decide.fgd import cluster_fragmentation_gpus
 from hlb.daemon.decide.leases import LeaseTimeouts
@@ -286,15 +286,14 @@ class Daemon:
         (``hlb.daemon.runtime.lifecycle``), told of every finished task."""
         if not settings.learning.auto_models:
             return None
-        if settings.cells.enabled:  # shards share one process and one policy per shard: not wired yet
-            log.warning("learning.auto_models is not supported with cells.enabled yet: no model is tried or installed")
-            return None
         if model_scorer(self.scheduler.policy) is None:
             log.warning("learning.auto_models needs scheduler.policy gnn: off", policy=settings.scheduler.policy)
             return None
         models = DaemonModels(settings, self.scheduler, self.lock, self.metrics.observe_shadow_error)
         metrics = LifecycleMetrics(self.metrics.registry)
-        lifecycle = ModelLifecycle(settings, models, self.raw_publisher, clock=self.clock, metrics=metrics)
+        lifecycle = ModelLifecycle(
+            settings, models, self.raw_publisher, clock=self.clock, metrics=metrics, cell=lambda: self.scheduler.cell
+        )
 
         def finished(task: Task, rows: Rows, ran_s: float, ended_s: float) -> None:
             counted = models.finished(task, rows, ran_s, ended_s)
@@ -308,10 +307,22 @@ class Daemon:
         """Read the models topic from its start (a group of this process's own: it commits nothing)."""
         if self.lifecycle is None:
             return
-        group = f"{self.settings.kafka.group_id}.models.{self.settings.cell}.{uuid.uuid4().hex[:12]}"
-        source = self.bus.source([self.settings.learning.models_topic], group)
+        group = f"{self.settings.kafka.group_id}.models.{self.scheduler.cell}.{uuid.uuid4().hex[:12]}"
+        source = self.models_source([self.settings.learning.models_topic], group)
         self._lifecycle_thread = LifecycleThread(self.lifecycle, source)
         self._lifecycle_thread.start()
+
+    def models_source(self, topics: list[str], group: str) -> EventSource:
+        """Where the lifecycle reads the models topic: the daemon's bus (a shard's reads all of it)."""
+        return self.bus.source(topics, group)
+
+    def stop_lifecycle(self) -> None:
+        """Stop the lifecycle's thread and unload its candidate (at shutdown)."""
+        if self._lifecycle_thread is not None:
+            self._lifecycle_thread.stop()
+            self._lifecycle_thread = None
+        if self.lifecycle is not None:
+            self.lifecycle.models.drop_candidate()
 
     def _tell_lifecycle(self, reload: Reloader) -> Reloader:
         """``reload`` (which loads ``model.path``'s model), then the model lifecycle installs the
@@ -815,13 +826,10 @@ class Daemon:
 
     async def _shutdown(self, server: GrpcServer, ingest: IngestThread, metrics_server: MetricsServer | None) -> None:
         self.serving = False
-        if self._lifecycle_thread is not None:
-            await asyncio.to_thread(self._lifecycle_thread.stop)
+        await asyncio.to_thread(self.stop_lifecycle)
         stop_policy(self.scheduler.policy)
         if self.shadow is not None and self.shadow.candidate is not None:
             self.shadow.candidate.stop()
-        if self.lifecycle is not None:
-            self.lifecycle.models.drop_candidate()
         self.notifier.stopping("finishing in-flight requests")
         log.info("stopping", grace_s=self.settings.grpc.grace_s)
         await server.stop(self.settings.grpc.grace_s)  # health NOT_SERVING first, then refuse new RPCs

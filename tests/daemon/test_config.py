@@ -131,6 +131,14 @@ def test_cells_need_kafka_and_a_static_instance_id() -> None:
     assert settings.cells.partitions == 12
 
 
+def test_models_tried_by_cells_need_one_named_canary_cell() -> None:
+    cells = {"cells": {"enabled": True}, "kafka": {"group_instance_id": "i1"}}
+    with pytest.raises(ConfigError, match=r"learning\.canary_cell"):
+        load_settings(None, learning={"auto_models": True}, **cells)
+    settings = load_settings(None, learning={"auto_models": True, "canary_cell": "cell-03"}, **cells)
+    assert settings.learning.canary_cell == "cell-03"
+
+
 def _serve(config: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hlb.cli", "serve", "--config", str(config)],

@@ -1,0 +1,159 @@
+"""The model lifecycle with ``cells.enabled``, through a real broker: one instance serves two cells;
+a candidate published with ``--skip-shadow`` becomes the running model of the canary cell's shard
+alone, while the other cell's shard keeps it in shadow, and ``Place`` answers say which model
+decided; ``hlb models rollback`` then puts the canary cell back on its last good model, and the
+other cell drops the candidate without ever having run it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from hlb.bench.cells import CellCluster, CellInstance, CellLoad, pick_cells, small_task
+from hlb.cli import main
+from hlb.daemon.config import Settings
+from hlb.daemon.runtime.models import publish_model
+from hlb.v1 import scheduler_pb2 as api
+from hlb.v1 import scheduler_pb2_grpc as api_grpc
+
+pytestmark = pytest.mark.kafka
+
+WAIT_S = 180.0  # two shards load and warm up two models each on a shared 2-core machine
+TASKS: dict[str, Any] = {}
+
+
+def export(folder: Path, seed: int, version: str) -> Path:
+    assert (
+        main(
+            [
+                "export",
+                "--random",
+                "--seed",
+                str(seed),
+                "--hidden",
+                "16",
+                "--model-version",
+                version,
+                "--out",
+                str(folder),
+            ]
+        )
+        == 0
+    )
+    return folder
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            if condition():
+                return
+        except grpc.RpcError:  # a shard still replaying: UNAVAILABLE until it serves
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {WAIT_S:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def models_of(instance: CellInstance, cell: str) -> api.ModelLifecycle:
+    state: api.ClusterState = instance.cluster_state(cell)
+    return state.models
+
+
+def placed_by(instance: CellInstance, cell: str, task_id: str) -> str:
+    """Place a task in ``cell``; the model version that decided it ("" while it waits: asked again,
+    the same task gets the same answer)."""
+    task = TASKS.setdefault(task_id, small_task(task_id))  # it carries its submit time: one spec per task
+    with grpc.insecure_channel(instance.target) as channel:
+        answer = api_grpc.SchedulerStub(channel).Place(api.PlaceRequest(cell=cell, task=task), timeout=30.0)
+    if not answer.HasField("placement"):
+        return ""
+    assert answer.placement.policy == "gnn", answer
+    return answer.placement.model_version
+
+
+def decides_with(instance: CellInstance, cell: str, task_id: str, version: str) -> bool:
+    return placed_by(instance, cell, task_id) == version
+
+
+@pytest.fixture
+def cluster(kafka_bootstrap: str, tmp_path: Path) -> Iterator[CellCluster]:
+    cells = CellCluster(kafka_bootstrap, tmp_path, partitions=2)
+    yield cells
+    cells.stop_all()
+
+
+def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_every_cell(
+    cluster: CellCluster, kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch", reason="the test models are exported with the export extra (torch)")
+    base = export(tmp_path / "base", 3, "base-1")
+    candidate = export(tmp_path / "candidate", 11, "candidate-1")
+    canary, other = pick_cells(2, 2)
+    models_topic = f"c-{cluster.run}.models"
+    cluster.scheduler = "  max_tasks_per_device: 0\n  policy: gnn\n"
+    cluster.extra = (
+        f"model:\n  path: {base}\n  providers: [CPUExecutionProvider]\n"
+        "learning:\n  auto_models: true\n"
+        f"  models_topic: {models_topic}\n  shadow_tasks: 1000\n  canary_tasks: 1000\n  canary_cell: {canary}\n"
+    )
+    instance = cluster.start("a")
+    cluster.wait_all_served(owners=1)
+    load = CellLoad(kafka_bootstrap, cluster.topics)
+    for cell in (canary, other):
+        load.inventory(cell, 16)
+    load.flush()
+    for cell in (canary, other):
+        wait_for(partial(decides_with, instance, cell, f"{cell}-before", "base-1"), f"{cell} deciding")
+
+    settings = Settings(
+        bus="kafka", kafka={"bootstrap_servers": kafka_bootstrap}, learning={"models_topic": models_topic}
+    )
+    publish_model(settings, candidate, {"version": "candidate-1"}, skip_shadow=True)
+
+    def canary_runs_it() -> bool:
+        state = models_of(instance, canary)
+        return (state.running_version, state.candidate_stage) == ("candidate-1", "canary")
+
+    def other_shadows_it() -> bool:
+        state = models_of(instance, other)
+        return (state.running_version, state.candidate_version, state.candidate_stage) == (
+            "base-1",
+            "candidate-1",
+            "shadow",
+        )
+
+    wait_for(canary_runs_it, "the canary cell running the candidate")
+    wait_for(other_shadows_it, "the other cell shadowing the candidate")
+    assert models_of(instance, canary).last_good_version == "base-1"
+    assert placed_by(instance, canary, "in-canary") == "candidate-1"
+    assert placed_by(instance, other, "in-other") == "base-1"
+    assert other_shadows_it()  # still only in shadow there
+
+    monkeypatch.setenv("HLB_KAFKA__BOOTSTRAP_SERVERS", kafka_bootstrap)
+    assert main(["models", "--config", str(tmp_path / "a.yaml"), "rollback", "--reason", "by hand in a test"]) == 0
+
+    def canary_back() -> bool:
+        state = models_of(instance, canary)
+        return (state.running_version, state.running_stage, state.candidate_version) == ("base-1", "last_good", "")
+
+    def other_dropped_it() -> bool:
+        state = models_of(instance, other)
+        return state.candidate_version == "" and any(
+            s.step == "refused" and s.version == "candidate-1" for s in state.steps
+        )
+
+    wait_for(canary_back, "the canary cell back on its last good model")
+    wait_for(other_dropped_it, "the other cell dropping the candidate")
+    assert placed_by(instance, canary, "after-canary") == "base-1"
+    assert placed_by(instance, other, "after-other") == "base-1"
+    steps = [(s.step, s.version) for s in models_of(instance, other).steps]
+    assert ("canary", "candidate-1") not in steps
+    assert ("installed", "candidate-1") not in steps
