@@ -12,7 +12,8 @@ tried in one cell, then promoted or rolled back (docs/learning.md, "The model li
 3. **canary**: in the canary cell only (``learning.canary_cell``, by default the daemon's own
    ``cell``) it becomes the running model; the model it replaced is kept as *last good*. A daemon
    of another cell keeps shadowing it and waits for the canary cell's verdict.
-4. After ``learning.canary_tasks`` finished tasks that it decided, it is **promoted** when its mean
+4. Once the first ``learning.canary_tasks`` tasks to arrive after the switch have finished (all
+   of them, not the first to finish: those are the short ones), it is **promoted** when its mean
    |error| and the mean JCT of those tasks (submit to finish) are no worse than the last good
    model's over the last ``canary_tasks`` tasks that model decided before the switch (JCT within
    ``learning.jct_tolerance``); else it is **rolled back**: the last good model runs again, or the
@@ -133,6 +134,9 @@ class Trial:
     # The last Task.arrival before the switch: a task that waited in the queue under the last good
     # model carries that wait in its JCT, so the canary counts only tasks that arrived after it.
     first_arrival: int = -1
+    # Tasks the candidate decided that arrived after its window (the first canary_tasks arrivals
+    # after the switch) and finished: they bound the wait for a window task that never finishes.
+    after_window: int = 0
 
 
 class LifecycleMetrics:
@@ -358,10 +362,17 @@ class ModelLifecycle:
         trial = self.trial
         if trial is not None and trial.stage == "canary":
             if task.decided_by == trial.version and "running" in task.errors and task.arrival > trial.first_arrival:
-                trial.canary.append(task)
-                self.metrics.window.labels(stage="canary").set(len(trial.canary))
-                self._show_canary(trial)
-                if len(trial.canary) >= self.canary_tasks:
+                if task.arrival <= trial.first_arrival + self.canary_tasks:
+                    trial.canary.append(task)
+                    self.metrics.window.labels(stage="canary").set(len(trial.canary))
+                    self._show_canary(trial)
+                else:
+                    trial.after_window += 1
+                # The whole window: judged on its first tasks to finish, the short ones, the
+                # candidate's JCT would look better than it is. A window task that never finishes
+                # (cancelled, or decided without a prediction) is waited for until as many tasks
+                # after the window finished.
+                if len(trial.canary) >= self.canary_tasks or (trial.canary and trial.after_window >= self.canary_tasks):
                     self._judge_canary(trial)
             return
         if task.decided_by == self.models.running_version() and _error(task) is not None:

@@ -114,7 +114,7 @@ class Feed:
     """Reads the topic into a lifecycle as its thread does, and finishes tasks."""
 
     def __init__(self, lifecycle: ModelLifecycle, bus: MemoryBus) -> None:
-        self.lifecycle, self.bus, self.read, self.serial = lifecycle, bus, 0, 0
+        self.lifecycle, self.bus, self.read, self.serial, self.arrived = lifecycle, bus, 0, 0, 0
 
     def step(self) -> None:
         records = self.bus.read_all(TOPIC)
@@ -134,13 +134,15 @@ class Feed:
         """``count`` tasks finish; each arrived just before it finished unless ``arrival`` says when."""
         for _ in range(count):
             self.serial += 1
+            if arrival is None:
+                self.arrived += 1
             errors = {"running": running, "profiles": 0.8}
             if candidate is not None:
                 errors["candidate"] = candidate
             models = self.lifecycle.models
             if isinstance(models, TwinModels):
-                models.arrived = max(models.arrived, self.serial)
-            task = Finished(f"t{self.serial}", decided_by, errors, jct_s, self.serial if arrival is None else arrival)
+                models.arrived = max(models.arrived, self.arrived)
+            task = Finished(f"t{self.serial}", decided_by, errors, jct_s, self.arrived if arrival is None else arrival)
             self.lifecycle.finished(task)
             self.step()
 
@@ -172,7 +174,7 @@ def test_a_better_candidate_goes_from_shadow_to_canary_to_promoted(tmp_path: Pat
     assert (state.candidate_stage, state.running_version, state.last_good_version) == ("canary", "v1", "v0")
     assert models.ran == ["v1"]
 
-    feed.tasks(3, "v0", running=0.9, candidate=None)  # placed by v0 before the switch: not the canary's
+    feed.tasks(3, "v0", running=0.9, candidate=None, arrival=feed.arrived)  # placed by v0 before the switch
     feed.tasks(WINDOW, "v1", running=0.2, candidate=None, jct_s=95.0)
     state = lifecycle.state()
     assert (state.running_version, state.running_stage, state.candidate_version) == ("v1", "promoted", "")
@@ -300,12 +302,57 @@ def test_the_canary_counts_only_the_tasks_that_arrived_after_its_switch(tmp_path
     publish_bundle(bus, "v1")
     feed.step()
     feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
-    switched_at = feed.serial
+    switched_at = feed.arrived
     assert lifecycle.state().candidate_stage == "canary"
     feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=500.0, arrival=switched_at - 1)  # queued before
     assert lifecycle.state().candidate_stage == "canary"  # none of them counted
     feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=100.0)
     assert verdicts(bus) == {"v1": "promoted"}
+
+
+def test_the_canary_waits_for_every_task_of_its_window_not_the_first_to_finish(tmp_path: Path) -> None:
+    """Its first tasks to finish are its short ones: judged on them, a candidate whose long tasks
+    run late would pass. The window is the first canary_tasks arrivals after the switch."""
+    bus = MemoryBus()
+    lifecycle, _models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None, jct_s=100.0)
+    publish_bundle(bus, "v1")
+    feed.step()
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    assert lifecycle.state().candidate_stage == "canary"
+    start = feed.arrived  # the window: arrivals start + 1 .. start + WINDOW
+    for k in range(1, WINDOW - 1):  # all but the last two of the window finish first, quickly
+        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=50.0, arrival=start + k)
+    for k in range(WINDOW - 1):  # tasks that arrived after the window finish too, quickly
+        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=50.0, arrival=start + WINDOW + k + 1)
+    assert lifecycle.state().candidate_stage == "canary"  # two of its window still run
+    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=400.0, arrival=start + WINDOW - 1)
+    assert verdicts(bus) == {}
+    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=400.0, arrival=start + WINDOW)
+    assert verdicts(bus) == {"v1": "rolled_back"}  # (4 x 50 + 2 x 400) / 6 = 167 s, over 105
+    reason = next(s.reason for s in lifecycle.state().steps if s.step == "rolled_back")
+    assert f"on {WINDOW} tasks" in reason
+    assert "JCT is more than 5% longer" in reason
+
+
+def test_a_window_task_that_never_finishes_is_waited_for_one_more_window(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    lifecycle, _models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None, jct_s=100.0)
+    publish_bundle(bus, "v1")
+    feed.step()
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    start = feed.arrived
+    for k in range(1, WINDOW):  # the window's last task is cancelled: it never finishes
+        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=90.0, arrival=start + k)
+    feed.arrived = start + WINDOW
+    feed.tasks(WINDOW - 1, "v1", running=0.3, candidate=None, jct_s=90.0)
+    assert lifecycle.state().candidate_stage == "canary"
+    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=90.0)
+    assert verdicts(bus) == {"v1": "promoted"}
+    assert f"on {WINDOW - 1} tasks" in next(s.reason for s in lifecycle.state().steps if s.step == "promoted")
 
 
 def test_a_rollback_whose_last_good_model_does_not_load_ends_on_the_prior(tmp_path: Path) -> None:
