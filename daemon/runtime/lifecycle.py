@@ -13,10 +13,13 @@ tried in one cell, then promoted or rolled back (docs/learning.md, "The model li
    ``cell``) it becomes the running model; the model it replaced is kept as *last good*. A daemon
    of another cell keeps shadowing it and waits for the canary cell's verdict.
 4. Once the first ``learning.canary_tasks`` tasks to arrive after the switch have finished (all
-   of them, not the first to finish: those are the short ones), it is **promoted** when its mean
-   |error| and the mean JCT of those tasks (submit to finish) are no worse than the last good
-   model's over the last ``canary_tasks`` tasks that model decided before the switch (JCT within
-   ``learning.jct_tolerance``); else it is **rolled back**: the last good model runs again, or the
+   of them, not the first to finish: those are the short ones), it is **promoted** when their mean
+   |error| is no higher than the last good model's over the last ``canary_tasks`` tasks that model
+   decided before the switch, and their mean JCT (submit to finish) is not longer than that
+   model's by more than ``learning.jct_tolerance`` beyond doubt (95%, one-sided); else it is
+   **rolled back** (at once when its first ``canary_tasks`` tasks to finish, whenever they
+   arrived, erred more than the last good model: the error tells a bad model before its window
+   is over): the last good model runs again, or the
    profiles alone (zero correction) when that does not load. Either verdict is published on the
    topic, so every cell installs a promoted version and never a rolled-back one.
 
@@ -78,6 +81,7 @@ STEPS = (
     "superseded",
 )
 KEPT_STEPS = 32  # steps GetClusterState lists
+AFTER_WINDOW_WAIT = 4  # windows of later tasks that finish before a canary is judged on fewer tasks
 RELOADED = "\0reloaded"  # applied_target after a reload: no version is installed, model.path's runs
 
 
@@ -137,6 +141,7 @@ class Trial:
     # Tasks the candidate decided that arrived after its window (the first canary_tasks arrivals
     # after the switch) and finished: they bound the wait for a window task that never finishes.
     after_window: int = 0
+    first_errors: list[float] = field(default_factory=list)  # of its first canary_tasks tasks to finish
 
 
 class LifecycleMetrics:
@@ -368,11 +373,21 @@ class ModelLifecycle:
                     self._show_canary(trial)
                 else:
                     trial.after_window += 1
+                # Its error tells a bad model before its window is over: rolled back as soon as its
+                # first canary_tasks tasks to finish, whenever they arrived, err more than the last
+                # good model's did.
+                error = _error(task)
+                if error is not None and len(trial.first_errors) < self.canary_tasks:
+                    trial.first_errors.append(error)
+                    if len(trial.first_errors) == self.canary_tasks and self._early_error(trial):
+                        return
                 # The whole window: judged on its first tasks to finish, the short ones, the
                 # candidate's JCT would look better than it is. A window task that never finishes
-                # (cancelled, or decided without a prediction) is waited for until as many tasks
-                # after the window finished.
-                if len(trial.canary) >= self.canary_tasks or (trial.canary and trial.after_window >= self.canary_tasks):
+                # (cancelled, or decided without a prediction) is waited for until AFTER_WINDOW_WAIT
+                # windows of later tasks finished (a long task may outlast one).
+                if len(trial.canary) >= self.canary_tasks or (
+                    trial.canary and trial.after_window >= AFTER_WINDOW_WAIT * self.canary_tasks
+                ):
                     self._judge_canary(trial)
             return
         if task.decided_by == self.models.running_version() and _error(task) is not None:
@@ -431,6 +446,19 @@ class ModelLifecycle:
             if jct is not None:
                 self.metrics.canary_jct.labels(model=model).set(jct)
 
+    def _early_error(self, trial: Trial) -> bool:
+        """Roll ``trial`` back if its first tasks to finish erred more than the last good model;
+        whether it did."""
+        error, (good_error, _) = float(np.mean(trial.first_errors)), _means(trial.baseline)
+        if good_error is None or error <= good_error:
+            return False
+        said = (
+            f"canary: mean |error| {_num(error)} on its first {len(trial.first_errors)} tasks to finish; last good "
+            f"{_num(good_error)} on {len(trial.baseline)} tasks before the switch: its error is higher"
+        )
+        self._roll_back(trial, said, publish=True)
+        return True
+
     def _judge_canary(self, trial: Trial) -> None:
         error, jct = _means(trial.canary)
         good_error, good_jct = _means(trial.baseline)
@@ -441,8 +469,9 @@ class ModelLifecycle:
         worse: list[str] = []
         if good_error is not None and error is not None and error > good_error:
             worse.append("its error is higher")
-        if jct is not None and good_jct is not None and jct > good_jct * (1 + self.tolerance):
-            worse.append(f"its JCT is more than {self.tolerance:.0%} longer")
+        longer = _jct_excess(trial.canary, trial.baseline, self.tolerance)
+        if longer is not None and longer > 0:
+            worse.append(f"its JCT is more than {self.tolerance:.0%} longer (by {_s(longer)} at least, 95% one-sided)")
         if good_error is None:
             worse.append("the last good model decided no task to compare with")
         if worse:
@@ -550,6 +579,23 @@ def _means(tasks: Sequence[Finished]) -> tuple[float | None, float | None]:
     errors = [e for e in map(_error, tasks) if e is not None]
     jcts = [t.jct_s for t in tasks if t.jct_s is not None]
     return (float(np.mean(errors)) if errors else None, float(np.mean(jcts)) if jcts else None)
+
+
+Z_ONE_SIDED_95 = 1.645
+
+
+def _jct_excess(canary: Sequence[Finished], baseline: Sequence[Finished], tolerance: float) -> float | None:
+    """The lower bound (95%, one-sided, normal approximation) of how far the canary's mean JCT
+    exceeds the last good model's times ``1 + tolerance``, in seconds; above zero: longer beyond
+    doubt. JCTs of a few dozen tasks spread widely (long tasks beside short ones), so a plain
+    comparison of two means would roll back good models and promote bad ones by chance. None
+    when either side has no JCT."""
+    a = np.asarray([t.jct_s for t in canary if t.jct_s is not None], dtype=np.float64)
+    b = np.asarray([t.jct_s for t in baseline if t.jct_s is not None], dtype=np.float64) * (1 + tolerance)
+    if not len(a) or not len(b):
+        return None
+    spread = np.sqrt((a.var(ddof=1) / len(a) if len(a) > 1 else 0.0) + (b.var(ddof=1) / len(b) if len(b) > 1 else 0.0))
+    return float(a.mean() - b.mean() - Z_ONE_SIDED_95 * spread)
 
 
 def _num(value: float | None) -> str:

@@ -311,8 +311,9 @@ def test_the_canary_counts_only_the_tasks_that_arrived_after_its_switch(tmp_path
 
 
 def test_the_canary_waits_for_every_task_of_its_window_not_the_first_to_finish(tmp_path: Path) -> None:
-    """Its first tasks to finish are its short ones: judged on them, a candidate whose long tasks
-    run late would pass. The window is the first canary_tasks arrivals after the switch."""
+    """Judged on its first tasks to finish (the short ones, some of which arrived after the window),
+    a candidate whose window runs long would pass. The window is the first canary_tasks arrivals
+    after the switch, all of them finished."""
     bus = MemoryBus()
     lifecycle, _models = make(tmp_path, bus)
     feed = Feed(lifecycle, bus)
@@ -322,21 +323,55 @@ def test_the_canary_waits_for_every_task_of_its_window_not_the_first_to_finish(t
     feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
     assert lifecycle.state().candidate_stage == "canary"
     start = feed.arrived  # the window: arrivals start + 1 .. start + WINDOW
-    for k in range(1, WINDOW - 1):  # all but the last two of the window finish first, quickly
-        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=50.0, arrival=start + k)
-    for k in range(WINDOW - 1):  # tasks that arrived after the window finish too, quickly
-        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=50.0, arrival=start + WINDOW + k + 1)
-    assert lifecycle.state().candidate_stage == "canary"  # two of its window still run
-    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=400.0, arrival=start + WINDOW - 1)
+    for k in range(1, WINDOW - 1):  # all but the last two of the window finish
+        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=120.0, arrival=start + k)
+    for k in range(WINDOW):  # short tasks that arrived after the window finish before its last two
+        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=20.0, arrival=start + WINDOW + k + 1)
+    assert lifecycle.state().candidate_stage == "canary"  # (4 x 120 + 2 x 20) / 6 would have passed
+    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=130.0, arrival=start + WINDOW - 1)
     assert verdicts(bus) == {}
-    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=400.0, arrival=start + WINDOW)
-    assert verdicts(bus) == {"v1": "rolled_back"}  # (4 x 50 + 2 x 400) / 6 = 167 s, over 105
+    feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=130.0, arrival=start + WINDOW)
+    assert verdicts(bus) == {"v1": "rolled_back"}  # 123 s on average, over 105 beyond doubt
     reason = next(s.reason for s in lifecycle.state().steps if s.step == "rolled_back")
-    assert f"on {WINDOW} tasks" in reason
+    assert f"JCT 123.3 s on {WINDOW} tasks" in reason
     assert "JCT is more than 5% longer" in reason
 
 
-def test_a_window_task_that_never_finishes_is_waited_for_one_more_window(tmp_path: Path) -> None:
+def test_a_canary_that_errs_more_is_rolled_back_before_its_window_is_over(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    lifecycle, _models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
+    publish_bundle(bus, "v1")
+    feed.step()
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    start = feed.arrived
+    feed.tasks(1, "v1", running=0.9, candidate=None, arrival=start + 1)  # the window's first; the rest run long
+    feed.arrived = start + WINDOW
+    feed.tasks(WINDOW - 2, "v1", running=0.9, candidate=None)  # later arrivals, finished first
+    assert lifecycle.state().candidate_stage == "canary"
+    feed.tasks(1, "v1", running=0.9, candidate=None)
+    assert verdicts(bus) == {"v1": "rolled_back"}
+    reason = next(s.reason for s in lifecycle.state().steps if s.step == "rolled_back")
+    assert f"0.9000 on its first {WINDOW} tasks to finish" in reason
+
+
+def test_a_canary_jct_longer_only_by_chance_is_not_rolled_back(tmp_path: Path) -> None:
+    """A mean JCT over the tolerance whose interval reaches it: not longer beyond doubt."""
+    bus = MemoryBus()
+    lifecycle, _models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    publish_bundle(bus, "v1")
+    feed.step()
+    for jct in (50.0, 150.0) * (WINDOW // 2):  # the last good model's window: its shadow's tasks
+        feed.tasks(1, "v0", running=0.5, candidate=0.3, jct_s=jct)
+    assert lifecycle.state().candidate_stage == "canary"
+    for jct in (60.0, 160.0) * (WINDOW // 2):  # 110 s on average, 10% longer, as widely spread
+        feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=jct)
+    assert verdicts(bus) == {"v1": "promoted"}
+
+
+def test_a_window_task_that_never_finishes_is_waited_for_four_more_windows(tmp_path: Path) -> None:
     bus = MemoryBus()
     lifecycle, _models = make(tmp_path, bus)
     feed = Feed(lifecycle, bus)
@@ -348,7 +383,7 @@ def test_a_window_task_that_never_finishes_is_waited_for_one_more_window(tmp_pat
     for k in range(1, WINDOW):  # the window's last task is cancelled: it never finishes
         feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=90.0, arrival=start + k)
     feed.arrived = start + WINDOW
-    feed.tasks(WINDOW - 1, "v1", running=0.3, candidate=None, jct_s=90.0)
+    feed.tasks(4 * WINDOW - 1, "v1", running=0.3, candidate=None, jct_s=90.0)
     assert lifecycle.state().candidate_stage == "canary"
     feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=90.0)
     assert verdicts(bus) == {"v1": "promoted"}

@@ -53,16 +53,16 @@ def test_the_daemon_learns_promotes_refuses_and_rolls_back_bad_models(kafka_boot
         assert 0 < bad["decided"] <= loop.canary_tasks + loop.chunk
     assert result["running_after_bad"] == candidate["version"]
 
-    # Random weights with the shadow skipped: it decided in its canary and was rolled back when its
-    # first window had finished (judged on canary_tasks tasks: those it decided beyond them were
-    # still running then), and the last good model runs again.
+    # Random weights with the shadow skipped: it decided in its canary and was rolled back as soon
+    # as canary_tasks of its tasks had finished (those it decided beyond them were still running
+    # then), for its error, and the last good model runs again.
     vouched = result["vouched"]
     assert vouched["verdict"] == "rolled_back", result["steps"]
     assert loop.canary_tasks <= vouched["decided"] <= vouched["tasks_to_verdict"]
     assert result["running_after_vouched"] == candidate["version"]
     rolled = [s for s in result["steps"] if s["version"] == vouched["version"] and s["step"] == "rolled_back"]
     assert len(rolled) == 1
-    assert f"on {loop.canary_tasks} tasks;" in rolled[0]["reason"]
+    assert f"on its first {loop.canary_tasks} tasks to finish;" in rolled[0]["reason"]
     assert "its error is higher" in rolled[0]["reason"]
 
     # Nothing placed twice, nothing lost: every task submitted finished.
