@@ -147,6 +147,20 @@ class Feed:
             self.step()
 
 
+def in_canary(tmp_path: Path) -> tuple[MemoryBus, ModelLifecycle, TwinModels, Feed]:
+    """v0 decided a window of tasks (error 0.5, JCT 100 s), then v1 was published, shadowed for a
+    window (error 0.3) and now decides as the canary."""
+    bus = MemoryBus()
+    lifecycle, models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
+    publish_bundle(bus, "v1")
+    feed.step()
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    assert lifecycle.state().candidate_stage == "canary"
+    return bus, lifecycle, models, feed
+
+
 def verdicts(bus: MemoryBus) -> dict[str, str]:
     catalog = ModelCatalog.read(bus.read_all(TOPIC))
     return {version: catalog.verdict(version) for version in catalog.verdicts}
@@ -213,13 +227,7 @@ def test_a_worse_candidate_is_refused_in_shadow_and_never_decides(tmp_path: Path
 
 
 def test_better_in_shadow_but_worse_in_canary_is_rolled_back_within_one_window(tmp_path: Path) -> None:
-    bus = MemoryBus()
-    lifecycle, models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    bus, lifecycle, models, feed = in_canary(tmp_path)
     assert lifecycle.state().candidate_stage == "canary"
     feed.tasks(WINDOW - 1, "v1", running=0.9, candidate=None)
     assert lifecycle.state().candidate_stage == "canary"  # judged on the whole window only
@@ -280,13 +288,7 @@ def test_a_shard_is_the_canary_only_once_it_knows_its_cell_is_the_canary_cell(tm
 
 
 def test_a_longer_jct_in_canary_rolls_back_even_with_a_lower_error(tmp_path: Path) -> None:
-    bus = MemoryBus()
-    lifecycle, _models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None, jct_s=100.0)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3, jct_s=100.0)
+    bus, lifecycle, _models, feed = in_canary(tmp_path)
     feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=106.0)  # 6% longer, over the 5% allowed
     assert verdicts(bus) == {"v1": "rolled_back"}
     assert "JCT is more than 5% longer" in next(s.reason for s in lifecycle.state().steps if s.step == "rolled_back")
@@ -295,13 +297,7 @@ def test_a_longer_jct_in_canary_rolls_back_even_with_a_lower_error(tmp_path: Pat
 def test_the_canary_counts_only_the_tasks_that_arrived_after_its_switch(tmp_path: Path) -> None:
     """A task that waited in the queue under the last good model carries that wait in its JCT: the
     candidate decided it, but the canary window leaves it out."""
-    bus = MemoryBus()
-    lifecycle, _models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    bus, lifecycle, _models, feed = in_canary(tmp_path)
     switched_at = feed.arrived
     assert lifecycle.state().candidate_stage == "canary"
     feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=500.0, arrival=switched_at - 1)  # queued before
@@ -314,13 +310,7 @@ def test_the_canary_waits_for_every_task_of_its_window_not_the_first_to_finish(t
     """Judged on its first tasks to finish (the short ones, some of which arrived after the window),
     a candidate whose window runs long would pass. The window is the first canary_tasks arrivals
     after the switch, all of them finished."""
-    bus = MemoryBus()
-    lifecycle, _models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None, jct_s=100.0)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    bus, lifecycle, _models, feed = in_canary(tmp_path)
     assert lifecycle.state().candidate_stage == "canary"
     start = feed.arrived  # the window: arrivals start + 1 .. start + WINDOW
     for k in range(1, WINDOW - 1):  # all but the last two of the window finish
@@ -338,13 +328,7 @@ def test_the_canary_waits_for_every_task_of_its_window_not_the_first_to_finish(t
 
 
 def test_a_canary_that_errs_more_is_rolled_back_before_its_window_is_over(tmp_path: Path) -> None:
-    bus = MemoryBus()
-    lifecycle, _models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    bus, lifecycle, _models, feed = in_canary(tmp_path)
     start = feed.arrived
     feed.tasks(1, "v1", running=0.9, candidate=None, arrival=start + 1)  # the window's first; the rest run long
     feed.arrived = start + WINDOW
@@ -372,13 +356,7 @@ def test_a_canary_jct_longer_only_by_chance_is_not_rolled_back(tmp_path: Path) -
 
 
 def test_a_window_task_that_never_finishes_is_waited_for_four_more_windows(tmp_path: Path) -> None:
-    bus = MemoryBus()
-    lifecycle, _models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None, jct_s=100.0)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    bus, lifecycle, _models, feed = in_canary(tmp_path)
     start = feed.arrived
     for k in range(1, WINDOW):  # the window's last task is cancelled: it never finishes
         feed.tasks(1, "v1", running=0.3, candidate=None, jct_s=90.0, arrival=start + k)
@@ -391,13 +369,7 @@ def test_a_window_task_that_never_finishes_is_waited_for_four_more_windows(tmp_p
 
 
 def test_a_rollback_whose_last_good_model_does_not_load_ends_on_the_prior(tmp_path: Path) -> None:
-    bus = MemoryBus()
-    lifecycle, models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    _bus, lifecycle, models, feed = in_canary(tmp_path)
     models.broken.add("v0")  # the last good model's files are gone meanwhile
     feed.tasks(WINDOW, "v1", running=0.9, candidate=None)
     state = lifecycle.state()
@@ -494,13 +466,7 @@ def test_a_pinned_version_runs_and_nothing_is_tried_until_unpinned(tmp_path: Pat
 
 
 def test_rollback_by_hand_ends_a_canary_and_moves_the_fleet_back(tmp_path: Path) -> None:
-    bus = MemoryBus()
-    lifecycle, _models = make(tmp_path, bus)
-    feed = Feed(lifecycle, bus)
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=None)
-    publish_bundle(bus, "v1")
-    feed.step()
-    feed.tasks(WINDOW, "v0", running=0.5, candidate=0.3)
+    bus, lifecycle, _models, feed = in_canary(tmp_path)
     assert lifecycle.state().candidate_stage == "canary"
     for key, value in decide_by_hand(ModelCatalog.read(bus.read_all(TOPIC)), "rollback", None, "paged", "ops", 20):
         bus.publish(TOPIC, key, value)
