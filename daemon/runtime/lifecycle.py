@@ -357,7 +357,6 @@ class ModelLifecycle:
         self.trial = Trial(version, directory)
         manifest = self.catalog.manifests.get(version)
         if manifest is not None and manifest.skip_shadow and self.in_canary_cell:
-            self.trial.passed_shadow = True
             self._step("shadow_passed", version, f"shadow skipped: {manifest.published_by or 'its publisher'} vouched")
             self._to_canary(self.trial)
             return
@@ -376,9 +375,8 @@ class ModelLifecycle:
                 # Its error tells a bad model before its window is over: rolled back as soon as its
                 # first canary_tasks tasks to finish, whenever they arrived, err more than the last
                 # good model's did.
-                error = _error(task)
-                if error is not None and len(trial.first_errors) < self.canary_tasks:
-                    trial.first_errors.append(error)
+                if len(trial.first_errors) < self.canary_tasks:
+                    trial.first_errors.append(task.errors["running"])
                     if len(trial.first_errors) == self.canary_tasks and self._early_error(trial):
                         return
                 # The whole window: judged on its first tasks to finish, the short ones, the
