@@ -53,6 +53,7 @@ class _Shape:
     score: Callable[[Rows], NDArray[np.float64]]  # the policy's batch_scorer for the shape
     rows: Rows
     scores: NDArray[np.float64]
+    upper_bounds: bool  # a stale score bounds the true one from above (see BatchScores)
     stale: set[int] = field(default_factory=set)  # device rows bound since ``scores`` were computed
 
 
@@ -64,12 +65,13 @@ class BatchScores:
 
     Within a batch (one lock hold) the only changes are the batch's own bindings, which only take
     memory and capacity: rows never become feasible, and only the rows just bound change score or
-    drop out. With a row-local policy, rescoring those rows gives exactly what a full pass would.
+    drop out. For a task its policy scores row by row (``Policy.row_local_for``), rescoring those
+    rows gives exactly what a full pass would.
 
     Rescoring is lazy: a binding only marks its rows stale in every shape, and a shape's stale rows
     are checked and rescored together (one vectorized call) when a task of that shape needs them.
     When the policy declares that a binding never raises a row's score
-    (``Policy.binding_lowers_scores``), a stale score is an upper bound of the true one, so a
+    (``Policy.lowers_scores_for``), a stale score is an upper bound of the true one, so a
     one-device task whose best score is on a row that is not stale takes that row without any
     rescoring: no other row can beat it, nor tie it from an earlier position.
     """
@@ -80,7 +82,6 @@ class BatchScores:
         self.entries: dict[ShapeKey, _Shape] = {}
         # With the default choose_gang a task of one device takes the first of the best scores.
         self.first_best = type(policy).choose_gang is Policy.choose_gang
-        self.upper_bounds = policy.binding_lowers_scores and self.first_best
         self.choosers: dict[ShapeKey, BatchChooser | None] = {}
         self.answered: BatchChooser | None = None  # the chooser that answered the last ``choose``
 
@@ -99,18 +100,19 @@ class BatchScores:
         if chooser is not None:
             self.answered = chooser
             return chooser.choose(spec)
-        if not self.policy.row_local:
+        if not self.policy.row_local_for(spec):  # not in the key: a service's filter reads its labels
             return None
         entry = self.entries.get(key)
         if entry is None:
             rows = self.graph.feasible_rows(spec)
             scorer = self.policy.batch_scorer(spec, self.graph)
-            entry = _Shape(spec, scorer, rows, np.array(scorer(rows), dtype=np.float64))
+            bounds = self.first_best and self.policy.lowers_scores_for(spec)
+            entry = _Shape(spec, scorer, rows, np.array(scorer(rows), dtype=np.float64), bounds)
             if len(self.entries) >= MAX_CACHED_SHAPES:
                 del self.entries[next(iter(self.entries))]
             self.entries[key] = entry
         elif entry.stale:
-            if self.upper_bounds and spec.num_devices <= 1 and len(entry.rows):
+            if entry.upper_bounds and spec.num_devices <= 1 and len(entry.rows):
                 best = int(entry.scores.argmax())
                 if int(entry.rows[best]) not in entry.stale:
                     return entry.rows, entry.rows[best : best + 1], float(entry.scores[best])

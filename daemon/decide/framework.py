@@ -140,6 +140,14 @@ class Policy:
     # before the binding as an upper bound and rescore lazily.
     binding_lowers_scores = False
 
+    def row_local_for(self, spec: ev.TaskSpec) -> bool:
+        """:attr:`row_local` for ``spec``'s tasks (a policy whose plugins touch only some tasks)."""
+        return self.row_local
+
+    def lowers_scores_for(self, spec: ev.TaskSpec) -> bool:
+        """:attr:`binding_lowers_scores` for ``spec``'s tasks."""
+        return self.binding_lowers_scores
+
     @property
     def waits(self) -> bool:
         """True when the policy may leave a task queued for a busy device (:meth:`wait_for`); the
@@ -376,6 +384,19 @@ class PluginPolicy(Policy):
         self.row_local = scorer.row_local and not self.filters and not self.scores
         self.binding_lowers_scores = scorer.binding_lowers_scores and not self.scores
 
+    def row_local_for(self, spec: ev.TaskSpec) -> bool:
+        """The scorer's, for a task that no filter narrows and no score plugin rescores (most tasks:
+        the rules' filter is for services, their score plugin for shares)."""
+        if not self.scorer.row_local_for(spec) or self._rescores(spec):
+            return False
+        for plugin in self.filters:  # a loop, not any(): a batch asks for every task
+            if plugin.applies(spec):
+                return not self.scorer.ready
+        return True
+
+    def lowers_scores_for(self, spec: ev.TaskSpec) -> bool:
+        return self.scorer.lowers_scores_for(spec) and not self._rescores(spec)
+
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.label if self.scorer.ready else self.scorer.name
@@ -411,7 +432,10 @@ class PluginPolicy(Policy):
         return lambda rows: self._rescored(spec, graph, rows, scorer(rows))
 
     def _rescores(self, spec: ev.TaskSpec) -> bool:
-        return self.scorer.ready and any(plugin.applies(spec) for plugin in self.scores)
+        for plugin in self.scores:
+            if plugin.applies(spec):
+                return self.scorer.ready
+        return False
 
     def _rescored(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, scores: Scores) -> Scores:
         if self.scorer.ready:

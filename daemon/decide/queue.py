@@ -12,6 +12,10 @@ order: a pass over the whole queue merges the buckets (``buckets``) and leaves a
 its shape is known not to fit, so its cost grows with the buckets and the tasks tried, not with the
 queue's length. A task parked (``park``: it waits for a dependency to end) keeps its place in the
 queue but leaves its bucket until ``unpark``.
+
+A task added while the order is kept is staged: it joins the sorted lists (its rank taken then,
+for all the staged tasks at once) when the order is next read. A task placed as soon as it is
+submitted, as most of a ``PlaceBatch`` are, leaves the queue without ever being sorted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class PendingQueue:
         self._parked: set[str] = set()  # queued, but in no bucket (see park)
         self._order: list[Task] | None = None  # a whole-queue sort, else None when stale
         self._epoch: tuple[int, int, bool, bool] | None = None
+        self._staged: dict[str, Task] = {}  # queued, not yet in the sorted lists (see the module docstring)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -51,12 +56,9 @@ class PendingQueue:
         self.tasks[task.spec.id] = task
         self._order = None
         if self._sorted is not None and self._epoch == self._epoch_of(graph, policy):
-            self._keys[task.spec.id] = self._keys_of([task], graph, policy)[0]
-            self._sorted.add(task.spec.id)
-            if task.spec.id not in self._parked:
-                self._bucket(task.fit_key).add(task.spec.id)
+            self._staged[task.spec.id] = task
         else:
-            self._sorted = None
+            self._sorted, self._staged = None, {}
 
     def remove(self, task_id: str) -> bool:
         """Take ``task_id`` out of the queue; False when it was not queued."""
@@ -64,7 +66,7 @@ class PendingQueue:
         if task is None:
             return False
         self._order = None
-        if self._sorted is not None:
+        if self._staged.pop(task_id, None) is None and self._sorted is not None:  # a staged one never was
             self._sorted.remove(task_id)
             self._leave_bucket(task)
             del self._keys[task_id]
@@ -89,7 +91,7 @@ class PendingQueue:
         if task_id not in self._parked:
             return False
         self._parked.discard(task_id)
-        if self._sorted is not None:
+        if self._sorted is not None and task_id not in self._staged:  # a staged one joins its bucket then
             self._bucket(self.tasks[task_id].fit_key).add(task_id)
         return True
 
@@ -145,9 +147,11 @@ class PendingQueue:
         """Bring the sorted list up to date; False when ranks are not per task (a whole-queue sort)."""
         epoch = self._epoch_of(graph, policy)
         if epoch != self._epoch:
-            self._epoch, self._sorted, self._order, self._buckets = epoch, None, None, {}
+            self._epoch, self._sorted, self._order, self._buckets, self._staged = epoch, None, None, {}, {}
         if not policy.rank_per_task:
             return False
+        if self._sorted is not None and self._staged:
+            self._join_staged(graph, policy)
         if self._sorted is None:
             tasks = list(self.tasks.values())
             self._keys = dict(zip((t.spec.id for t in tasks), self._keys_of(tasks, graph, policy), strict=True))
@@ -159,6 +163,19 @@ class PendingQueue:
                     groups.setdefault(task.fit_key, []).append(task.spec.id)
             self._buckets = {fit: SortedKeyList(ids, key=self._keys.__getitem__) for fit, ids in groups.items()}
         return True
+
+    def _join_staged(self, graph: InfraGraph, policy: Policy) -> None:
+        """Sort the staged tasks in: their ranks in one call, then each into its lists."""
+        assert self._sorted is not None
+        staged, self._staged = list(self._staged.values()), {}
+        keys = self._keys_of(staged, graph, policy)
+        for task, key in zip(staged, keys, strict=True):
+            self._keys[task.spec.id] = key
+        self._sorted.update(task.spec.id for task in staged)
+        parked = self._parked
+        for task in staged:
+            if task.spec.id not in parked:
+                self._bucket(task.fit_key).add(task.spec.id)
 
     def _leave_bucket(self, task: Task) -> None:
         fit = task.fit_key

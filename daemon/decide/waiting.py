@@ -73,22 +73,23 @@ class RunTimes:
     def __init__(self, profiles: DeviceProfiles) -> None:
         self.profiles = profiles
         self._known: dict[tuple[object, ...], NDArray[np.float64]] = {}
+        self._fastest: dict[tuple[object, ...], float] = {}  # the least of each table, as ranks read it
         self._graph_version = (0, -1, -1)  # (graph, its inventory version, the profiles' version)
 
-    def by_model(self, spec: ev.TaskSpec, graph: InfraGraph) -> NDArray[np.float64]:
+    def by_model(self, spec: ev.TaskSpec, graph: InfraGraph, plain: bool = False) -> NDArray[np.float64]:
         """Run time (s) per model index [len(graph.model_names) + 1]; the last entry is for
-        devices without a model (index -1)."""
-        key = (
-            spec.workload_class,
-            spec.kind,
-            spec.num_devices,
-            spec.work_ref_s,
-            tuple(spec.allowed_kinds),
-            tuple(spec.allowed_models),
-        )
+        devices without a model (index -1). ``plain``: the spec names no lists (``Task.plain``)."""
+        return self._table(self._key(spec, plain), spec, graph)
+
+    @staticmethod
+    def _key(spec: ev.TaskSpec, plain: bool) -> tuple[object, ...]:
+        lists = ((), ()) if plain else (tuple(spec.allowed_kinds), tuple(spec.allowed_models))
+        return (spec.workload_class, spec.kind, spec.num_devices, spec.work_ref_s, *lists)
+
+    def _table(self, key: tuple[object, ...], spec: ev.TaskSpec, graph: InfraGraph) -> NDArray[np.float64]:
         marks = (id(graph), graph.version, self.profiles.version)
         if self._graph_version != marks or len(self._known) > MAX_SHAPES:
-            self._graph_version, self._known = marks, {}
+            self._graph_version, self._known, self._fastest = marks, {}, {}
         table = self._known.get(key)
         if table is None:
             table = np.full(len(graph.model_names) + 1, NEVER_S)
@@ -105,9 +106,14 @@ class RunTimes:
         runtimes: NDArray[np.float64] = self.by_model(spec, graph)[graph.devices.model[rows]]
         return runtimes
 
-    def fastest(self, spec: ev.TaskSpec, graph: InfraGraph) -> float:
+    def fastest(self, spec: ev.TaskSpec, graph: InfraGraph, plain: bool = False) -> float:
         """Run time (s) on the fastest model the task may use; ``NEVER_S`` when none."""
-        return float(self.by_model(spec, graph).min())
+        key = self._key(spec, plain)
+        table = self._table(key, spec, graph)  # first: a changed graph or profiles empties both caches
+        fastest = self._fastest.get(key)
+        if fastest is None:
+            fastest = self._fastest[key] = float(table.min())
+        return fastest
 
     def ranks(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64]:
         """Shortest first, higher first: minus the fastest run time times the gang; 0 for a service
@@ -115,13 +121,15 @@ class RunTimes:
         estimated work: the order cannot know where their work belongs. A task that asks for a
         share of a device runs at that share: its run time is the whole device's over its share.
         [T] -> [T]."""
-        return np.array(
-            [
+        return np.fromiter(
+            (
                 0.0
                 if t.spec.latency_slo_ms > 0 or t.spec.work_ref_s <= 0
-                else -self.fastest(t.spec, graph) * t.gang_size * _share_stretch(t.spec)
+                else -self.fastest(t.spec, graph, t.plain) * t.gang_size * _share_stretch(t.spec)
                 for t in tasks
-            ]
+            ),
+            dtype=np.float64,
+            count=len(tasks),
         )
 
 

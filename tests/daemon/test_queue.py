@@ -36,29 +36,45 @@ def full_sort(queue: PendingQueue, graph: InfraGraph, policy_name: str) -> list[
     return [t.spec.id for t in sorted(tasks, key=lambda t: (-t.spec.priority, -rank[t.spec.id], t.arrival))]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.booleans(), st.integers(0, 2), st.sampled_from([0.0, 60.0, 600.0, 7200.0]), st.integers(0, 30)),
+        st.tuples(
+            st.sampled_from(["add", "add", "remove", "park", "unpark"]),
+            st.integers(0, 2),
+            st.sampled_from([0.0, 60.0, 600.0, 7200.0]),
+            st.integers(0, 30),
+            st.booleans(),  # read the order after this step (else staged arrivals pile up)
+        ),
         max_size=60,
     ),
     policy_name=st.sampled_from(["hetero-greedy", "rules", "heft"]),
 )
 def test_the_queue_order_and_positions_equal_a_full_sort_after_any_adds_and_removes(
-    ops: list[tuple[bool, int, float, int]], policy_name: str
+    ops: list[tuple[str, int, float, int, bool]], policy_name: str
 ) -> None:
     graph = cluster()
     policy = make_policy(policy_name)
     queue = PendingQueue()
-    for n, (add, priority, work, victim) in enumerate(ops):
-        if add or not queue.tasks:
-            spec = ev.TaskSpec(id=f"t{n}", priority=priority, work_ref_s=work, memory_per_device_gb=1.0)
+    for n, (op, priority, work, victim, read) in enumerate(ops):
+        if op == "add" or not queue.tasks:
+            memory = 1.0 + n % 2  # two fit buckets
+            spec = ev.TaskSpec(id=f"t{n}", priority=priority, work_ref_s=work, memory_per_device_gb=memory)
             queue.add(graph.add_task(spec, "c"), graph, policy)
         else:
-            queue.remove(sorted(queue.tasks)[victim % len(queue.tasks)])
+            chosen = sorted(queue.tasks)[victim % len(queue.tasks)]
+            {"remove": queue.remove, "park": queue.park, "unpark": queue.unpark}[op](chosen)
+        if not read:
+            continue
         order = [t.spec.id for t in queue.ordered(graph, policy)]
         assert order == full_sort(queue, graph, policy_name)
         assert [queue.position(t, graph, policy) for t in order] == list(range(1, len(order) + 1))
+        buckets = queue.buckets(graph, policy)
+        if buckets is not None:  # each bucket in queue order, every task not parked in one of them
+            in_buckets = [task_id for _, bucket in buckets for task_id in bucket]
+            assert sorted(in_buckets) == sorted(t for t in order if not queue.is_parked(t))
+            for _, bucket in buckets:
+                assert list(bucket) == [t for t in order if t in set(bucket)]
     assert queue.position("never-queued", graph, policy) == 0
 
 

@@ -491,6 +491,10 @@ def test_no_decision_ever_breaks_a_hard_constraint_or_places_a_task_twice(ops: l
         ("hetero-greedy", {"completion_time": 1.0, "utilization": 0.5, "energy": 0.2}, 0),
         ("hetero-greedy", None, 3),
         ("least-loaded", None, 2),
+        # The rules' presets cache the tasks no plugin touches; a service of the same shape is
+        # fitted to its SLO (a filter) and must not take a cached answer.
+        ("rules", None, 0),
+        ("rules-table", None, 3),
     ],
 )
 def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(
@@ -521,6 +525,8 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(
             allowed_models=[models[i % 4], models[(i + 1) % 4]] if i % 7 == 3 else [],
             preferred_models=[models[i % 4]] if i % 11 == 5 else [],
             allowed_kinds=[GPU] if i % 13 == 6 else [],
+            latency_slo_ms=20.0 if i % 5 == 2 else 0.0,
+            labels={"request_rate_per_s": "20", "request_work_ref_ms": "5"} if i % 5 == 2 else {},
         )
         for i in range(120)
     ]
@@ -532,7 +538,7 @@ def test_a_batch_decides_exactly_as_the_same_tasks_placed_one_by_one(
     assert sum(p is not None for p in batched) > (60 if per_device == 0 else 30)
 
 
-@pytest.mark.parametrize("policy", ["least-loaded", "best-fit", "hetero-greedy", "heft"])
+@pytest.mark.parametrize("policy", ["least-loaded", "best-fit", "hetero-greedy", "heft", "rules"])
 @pytest.mark.parametrize("per_device", [0, 2])
 def test_a_batch_of_one_device_tasks_decides_as_placing_them_one_by_one_by_priority(
     policy: str, per_device: int
