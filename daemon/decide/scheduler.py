@@ -118,6 +118,9 @@ class Scheduler:
         # Told of every placement as it is made, under the lock, before its devices hold the task:
         # (task, its device rows). Shadow scoring keeps what each model predicts from those inputs.
         self.place_listeners: list[Callable[[Task, Rows], None]] = []
+        # Told of every task that ended (finished, failed or cancelled), after the finish listeners:
+        # what a place listener kept for it can go.
+        self.end_listeners: list[Callable[[Task], None]] = []
         self.device_waits = DeviceWaits(policy.estimates)  # for a policy that may wait for a busy device
         self.ended = EndedTasks(ledger, keep_ended_s, remember_ended)
         # Leases on placements and the fencing of starts (hlb.daemon.decide.leases).
@@ -816,6 +819,8 @@ class Scheduler:
     # -- forgetting ended tasks (hlb.daemon.decide.forgetting) -------------------------------
 
     def _task_ended(self, task: Task) -> None:
+        for listener in self.end_listeners:
+            listener(task)
         self.leases.ended(task.spec.id)
         self.ended.task_ended(self.graph, task.spec, self.clock())
         if self._parked_on:

@@ -42,12 +42,13 @@ from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.profiles import on_one_host
 from hlb.daemon.state.tables import Rows
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
 
 MODELS = ("running", "candidate", "profiles")  # hlb_shadow_abs_error's model label
-KEPT_PREDICTIONS = 1_000_000  # tasks placed and not finished whose predictions are kept (oldest dropped)
+KEPT_PREDICTIONS = 1_000_000  # tasks placed and not ended whose predictions are kept (oldest dropped)
 Observe = Callable[[str, float], None]  # (model, absolute error in log speed ratio)
 
 
@@ -75,6 +76,11 @@ class Shadow:
         """Keep the predictions of each of ``scheduler``'s placements (:meth:`decided`), the running
         model being ``running()``'s at that moment (a reload may have replaced it)."""
         scheduler.place_listeners.append(lambda task, rows: self.decided(running(), task.spec, scheduler.graph, rows))
+        scheduler.end_listeners.append(self.ended)
+
+    def ended(self, task: Task) -> None:
+        """A task ended: a failed or cancelled one is never compared, so its predictions go."""
+        self._at_decision.pop(task.spec.id, None)
 
     def finished(self, spec: ev.TaskSpec, graph: InfraGraph, rows: Rows, ran_s: float) -> None:
         if self._running is not None:

@@ -158,3 +158,31 @@ def test_the_predictions_compared_are_those_of_the_decision(gnn_model_dir: Path,
     prior_s = running.fallback.profiles.gang_runtime_s(scheduler.graph, rows, spec)
     label = math.log(float(prior_s[0]) / 300.0)
     assert errors["candidate"] == pytest.approx(abs(label - float(at_decision[0, 0])))
+
+
+def test_a_task_that_fails_or_is_cancelled_leaves_no_prediction_behind(gnn_model_dir: Path) -> None:
+    """Only a finished task is compared; one that fails or is cancelled after its placement must
+    not keep its predictions until the bound (a daemon runs for months)."""
+    clock = Clock()
+    policy = make_policy("gnn", model=model_settings(gnn_model_dir))
+    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
+    running = gnn_scorer(policy)
+    assert running is not None
+    errors: dict[str, float] = {}
+    shadow = Shadow(None, errors.__setitem__)
+    shadow.attach(running)
+    shadow.listen(scheduler, lambda: running)
+    ended = {
+        "failed": ev.TaskEvent(cell="c", failed=ev.TaskFailed(task_id="failed")),
+        "cancelled": ev.TaskEvent(cell="c", cancelled=ev.EntityRef(id="cancelled")),
+    }
+    for task_id, event in ended.items():
+        spec = ev.TaskSpec(id=task_id, workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0)
+        assert scheduler.place(spec).placement is not None
+        assert task_id in shadow._at_decision  # kept at the decision
+        scheduler.apply_task_event(event)
+        assert task_id not in shadow._at_decision
+    run_one(scheduler, clock, ev.TaskSpec(id="done", workload_class="resnet50", work_ref_s=600.0), 300.0)
+    assert not shadow._at_decision
+    assert shadow.compared == 1
+    assert set(errors) == {"running", "profiles"}
