@@ -184,10 +184,11 @@ class CellHost:
         )
         self.port = server.port
         self.address = s.cells.advertise or advertised(s.grpc.listen, server.port)
+        features = [s.learning.topic] if s.learning.log_features else []  # keyed by cell, as the ledger
         await asyncio.to_thread(
             ensure_cell_topics,
             s.kafka,
-            [topics.telemetry, topics.tasks, topics.placements],
+            [topics.telemetry, topics.tasks, topics.placements, *features],
             [topics.inventory, s.cells.topic],
             self.partitions,
         )

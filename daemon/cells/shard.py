@@ -73,7 +73,7 @@ class Shard(Daemon):
         if not self.scheduler.cell:
             self.scheduler.cell = next((p.cell for p in self.ledger.since(0) if p.cell), "")
         log.info("shard restored", shard=self.shard, cell=self.scheduler.cell, placements=restored)
-        self.ledger.subscribe(self.decisions.placement)
+        self._follow_ledger()  # and the feature log's, with learning.log_features
         inputs = [topics.telemetry, topics.tasks]
         await asyncio.to_thread(self.capture_replay_targets, inputs, start)
         ingest = self._shard_ingest(inputs, start)
@@ -144,6 +144,8 @@ class Shard(Daemon):
         snapshot is written, the open transaction committed (unless fenced: it is not ours now)."""
         if ingest.ident is not None:
             await asyncio.to_thread(ingest.stop)
+        if self.features is not None:  # what ingest decided last is queued: published first
+            await asyncio.to_thread(self.features.stop, 10.0)
         try:
             await asyncio.to_thread(self.on_shutdown_snapshot)
         except Exception:

@@ -242,12 +242,10 @@ class Daemon:
 
     def _feature_log(self, settings: Settings, bus: EventBus) -> FeatureLog | None:
         """With ``learning.log_features``: the log of the GNN's decisions (``hlb.daemon.record.features``),
-        on a producer of its own so that the ledger's records never queue behind features."""
+        on a producer of its own so that the ledger's records never queue behind features (a shard's
+        too: its ledger goes through transactions, its features need none)."""
         learning = settings.learning
         if not learning.log_features:
-            return None
-        if settings.cells.enabled:  # a shard publishes through its transactions (hlb.daemon.cells.shard)
-            log.warning("learning.log_features is not supported with cells.enabled yet: nothing is logged")
             return None
         if settings.scheduler.policy != "gnn":
             log.warning(

@@ -2,7 +2,8 @@
 a candidate published with ``--skip-shadow`` becomes the running model of the canary cell's shard
 alone, while the other cell's shard keeps it in shadow, and ``Place`` answers say which model
 decided; ``hlb models rollback`` then puts the canary cell back on its last good model, and the
-other cell drops the candidate without ever having run it."""
+other cell drops the candidate without ever having run it. Both shards log their decisions to the
+features topic (``learning.log_features``), each under its cell and the model that decided."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import pytest
 
 from hlb.bench.cells import CellCluster, CellInstance, CellLoad, pick_cells, small_task
 from hlb.cli import main
-from hlb.daemon.config import Settings
+from hlb.daemon.bus.kafka import KafkaBus
+from hlb.daemon.config import KafkaSettings, Settings
 from hlb.daemon.runtime.models import publish_model
+from hlb.v1 import learning_pb2 as lrn
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
 
@@ -97,12 +100,13 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     base = export(tmp_path / "base", 3, "base-1")
     candidate = export(tmp_path / "candidate", 11, "candidate-1")
     canary, other = pick_cells(2, 2)
-    models_topic = f"c-{cluster.run}.models"
+    models_topic, features_topic = f"c-{cluster.run}.models", f"c-{cluster.run}.features"
     cluster.scheduler = "  max_tasks_per_device: 0\n  policy: gnn\n"
     cluster.extra = (
         f"model:\n  path: {base}\n  providers: [CPUExecutionProvider]\n"
         "learning:\n  auto_models: true\n"
         f"  models_topic: {models_topic}\n  shadow_tasks: 1000\n  canary_tasks: 1000\n  canary_cell: {canary}\n"
+        f"  log_features: true\n  topic: {features_topic}\n"
     )
     instance = cluster.start("a")
     cluster.wait_all_served(owners=1)
@@ -157,3 +161,23 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     steps = [(s.step, s.version) for s in models_of(instance, other).steps]
     assert ("canary", "candidate-1") not in steps
     assert ("installed", "candidate-1") not in steps
+
+    expected = {
+        (canary, "in-canary"): "candidate-1",
+        (other, "in-other"): "base-1",
+        (canary, "after-canary"): "base-1",
+        (other, "after-other"): "base-1",
+    }
+    bus = KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap))
+    wait_for(lambda: expected.items() <= logged(bus, features_topic).items(), "both cells' decisions logged")
+
+
+def logged(bus: KafkaBus, topic: str) -> dict[tuple[str, str], str]:
+    """(cell, task id) -> the version of the model that decided, of every decision in the topic."""
+    out: dict[tuple[str, str], str] = {}
+    for record in bus.read_all(topic):
+        batch = lrn.DecisionFeaturesBatch.FromString(record.value or b"")
+        assert record.key == batch.cell.encode()  # keyed by its cell, as the ledger
+        for task_id, shape in zip(batch.task_id, batch.shape, strict=True):
+            out[batch.cell, task_id] = batch.shapes[shape].model_version
+    return out
