@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from hlb.daemon.bus.kafka import KafkaBus, KafkaPublisher
 from hlb.daemon.bus.topics import require_kept
@@ -44,10 +45,12 @@ from hlb.daemon.cells.bus import (
     PartitionBus,
     ensure_cell_topics,
 )
+from hlb.daemon.cells.metrics import instance_registry
 from hlb.daemon.cells.plan import shard_of
 from hlb.daemon.cells.shard import Shard
 from hlb.daemon.config import Settings
 from hlb.daemon.errors import AccessDeniedError
+from hlb.daemon.runtime.metrics import start_metrics_server
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, cluster_state
 from hlb.daemon.serve.auth import ANONYMOUS, IDENTITY_HEADER, Access
@@ -92,6 +95,7 @@ class CellHost:
         self.shards: dict[int, ShardRun] = {}
         self.address = ""
         self.port = 0
+        self.metrics_port = 0  # where metrics.listen serves (its port 0 picks one)
         self.board: ClaimBoard | None = None
         self.notifier = SystemdNotifier()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,6 +169,11 @@ class CellHost:
         run.announced = claim
         log.info("shard announced", shard=run.shard, serving=serving, cell=cell, address=self.address)
 
+    def _registries(self) -> list[tuple[int, str, CollectorRegistry]]:
+        """Each running shard's metrics, for the instance's ``/metrics`` (its HTTP thread)."""
+        runs = list(self.shards.values())
+        return [(r.shard, r.daemon.scheduler.cell, r.daemon.metrics.registry) for r in runs if r.daemon is not None]
+
     def _renew_claims(self) -> None:
         """A shard that adopted its cell after it was announced is announced again."""
         for run in list(self.shards.values()):
@@ -196,8 +205,10 @@ class CellHost:
         models = [s.learning.models_topic] if s.learning.auto_models else []
         await asyncio.to_thread(KafkaBus(s.kafka).ensure_topics, [topics.dlq], models)
         await asyncio.to_thread(require_kept, s)  # the ledger must keep what the next start reads back
-        if s.metrics.listen:
-            log.warning("metrics.listen is not served with cells.enabled yet", listen=s.metrics.listen)
+        metrics = start_metrics_server(instance_registry(self._registries), s.metrics.listen)
+        if metrics is not None:
+            self.metrics_port = metrics.port
+            log.info("metrics serving", listen=s.metrics.listen, port=metrics.port)
         self._announcer = KafkaPublisher(s.kafka)
         self.board = ClaimBoard(s.kafka, s.cells.topic, self.partitions)
         self.board.start()
@@ -218,6 +229,8 @@ class CellHost:
             await server.stop(s.grpc.grace_s)
             await asyncio.to_thread(self._announcer.flush, 10.0)
             await asyncio.to_thread(self.board.stop)
+            if metrics is not None:
+                await asyncio.to_thread(metrics.stop)
             log.info("instance stopped", instance=self.instance)
         if group.failure is not None:
             raise RuntimeError("the cell group member failed") from group.failure

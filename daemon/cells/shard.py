@@ -77,6 +77,7 @@ class Shard(Daemon):
         inputs = [topics.telemetry, topics.tasks]
         await asyncio.to_thread(self.capture_replay_targets, inputs, start)
         ingest = self._shard_ingest(inputs, start)
+        self.metrics.observe(self.metrics_sample)  # the instance's /metrics reads it (hlb.daemon.cells.metrics)
         self.service = self._make_service()
         if self.snapshots is not None:
             self.on_shutdown_snapshot = self.write_snapshot

@@ -895,7 +895,7 @@ class Daemon:
 
     def _start_metrics(self, inputs: Sequence[str]) -> MetricsServer | None:
         self.metrics.observe(self.metrics_sample)
-        metrics_server = start_metrics_server(self.metrics, self.settings.metrics.listen)
+        metrics_server = start_metrics_server(self.metrics.registry, self.settings.metrics.listen)
         if metrics_server is None:
             return None
         self.metrics_port = metrics_server.port

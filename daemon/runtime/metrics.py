@@ -438,11 +438,11 @@ class RpcMetricsInterceptor(HandlerWrapper):
 class MetricsServer:
     """``/metrics`` over HTTP on ``listen`` (host:port; port 0 picks a free one), on its own thread."""
 
-    def __init__(self, metrics: DaemonMetrics, listen: str) -> None:
+    def __init__(self, registry: CollectorRegistry, listen: str) -> None:
         host, _, port = listen.rpartition(":")
         self._httpd: WSGIServer
         try:
-            self._httpd, self._thread = start_http_server(int(port), host.strip("[]"), metrics.registry)
+            self._httpd, self._thread = start_http_server(int(port), host.strip("[]"), registry)
         except OSError as exc:  # a bare "[Errno 98] Address already in use" said nothing of where
             raise OSError(
                 exc.errno, f"cannot serve metrics on {listen} (metrics.listen): {exc.strerror or exc}"
@@ -455,9 +455,10 @@ class MetricsServer:
         self._thread.join(5.0)
 
 
-def start_metrics_server(metrics: DaemonMetrics, listen: str) -> MetricsServer | None:
-    """The endpoint, or None when ``listen`` is empty (metrics disabled)."""
-    return MetricsServer(metrics, listen) if listen else None
+def start_metrics_server(registry: CollectorRegistry, listen: str) -> MetricsServer | None:
+    """The endpoint of ``registry`` (a daemon's: ``DaemonMetrics.registry``), or None when
+    ``listen`` is empty (metrics disabled)."""
+    return MetricsServer(registry, listen) if listen else None
 
 
 def lag_probe(bus: EventBus, settings: Settings, inputs: Sequence[str]) -> LagProbe | None:

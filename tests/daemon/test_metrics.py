@@ -208,3 +208,34 @@ def test_unit_names_follow_prometheus_conventions(running: BackgroundDaemon) -> 
     assert value(samples, "hlb_mean_utilization_ratio") == 0.0
     names = {name for name, _ in samples}
     assert not {"hlb_mean_utilization", "hlb_consumer_lag"} & names
+
+
+def test_an_instance_with_cells_serves_every_shards_metrics_labelled_by_cell() -> None:
+    """One endpoint for the shards of an instance: each family once, each sample with its shard's
+    cell and partition; a shard that stops is no longer shown."""
+    from prometheus_client import generate_latest
+
+    from hlb.daemon.cells.metrics import instance_registry
+
+    shards = {0: ("pod-a", DaemonMetrics()), 1: ("pod-b", DaemonMetrics())}
+    shards[0][1].placements.labels(policy="gnn").inc(3)
+    shards[1][1].placements.labels(policy="gnn").inc(5)
+    shards[1][1].count_feature_record("published", 100, 4)
+    registry = instance_registry(lambda: [(n, cell, m.registry) for n, (cell, m) in shards.items()])
+
+    def scrape() -> dict[str, list[tuple[dict[str, str], float]]]:
+        text = generate_latest(registry).decode()
+        assert text.count("# TYPE hlb_placements_total counter") == 1  # one family, both shards' samples
+        return {
+            family.name: [(dict(s.labels), s.value) for s in family.samples if s.name.endswith("_total")]
+            for family in text_string_to_metric_families(text)
+        }
+
+    figures = scrape()
+    assert sorted(figures["hlb_placements"], key=lambda s: s[0]["cell"]) == [
+        ({"policy": "gnn", "cell": "pod-a", "shard": "0"}, 3.0),
+        ({"policy": "gnn", "cell": "pod-b", "shard": "1"}, 5.0),
+    ]
+    assert ({"outcome": "published", "cell": "pod-b", "shard": "1"}, 4.0) in figures["hlb_feature_records"]
+    del shards[0]
+    assert {labels["cell"] for labels, _ in scrape()["hlb_placements"]} == {"pod-b"}

@@ -3,11 +3,13 @@ a candidate published with ``--skip-shadow`` becomes the running model of the ca
 alone, while the other cell's shard keeps it in shadow, and ``Place`` answers say which model
 decided; ``hlb models rollback`` then puts the canary cell back on its last good model, and the
 other cell drops the candidate without ever having run it. Both shards log their decisions to the
-features topic (``learning.log_features``), each under its cell and the model that decided."""
+features topic (``learning.log_features``), each under its cell and the model that decided, and the
+instance's ``/metrics`` shows each cell's placements, feature records and lifecycle steps."""
 
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -15,12 +17,14 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hlb.bench.cells import CellCluster, CellInstance, CellLoad, pick_cells, small_task
 from hlb.cli import main
 from hlb.daemon.bus.kafka import KafkaBus
 from hlb.daemon.config import KafkaSettings, Settings
 from hlb.daemon.runtime.models import publish_model
+from hlb.sim.kafka_local import free_port
 from hlb.v1 import learning_pb2 as lrn
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -102,11 +106,13 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     canary, other = pick_cells(2, 2)
     models_topic, features_topic = f"c-{cluster.run}.models", f"c-{cluster.run}.features"
     cluster.scheduler = "  max_tasks_per_device: 0\n  policy: gnn\n"
+    metrics_port = free_port()
     cluster.extra = (
         f"model:\n  path: {base}\n  providers: [CPUExecutionProvider]\n"
         "learning:\n  auto_models: true\n"
         f"  models_topic: {models_topic}\n  shadow_tasks: 1000\n  canary_tasks: 1000\n  canary_cell: {canary}\n"
         f"  log_features: true\n  topic: {features_topic}\n"
+        f"metrics:\n  listen: 127.0.0.1:{metrics_port}\n"
     )
     instance = cluster.start("a")
     cluster.wait_all_served(owners=1)
@@ -170,6 +176,27 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     }
     bus = KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap))
     wait_for(lambda: expected.items() <= logged(bus, features_topic).items(), "both cells' decisions logged")
+
+    figures = scrape(metrics_port)
+    for cell in (canary, other):
+        assert figures["hlb_placements_total", cell, "gnn"] >= 2
+        assert figures["hlb_feature_records_total", cell, "published"] >= 2
+        assert figures["hlb_model_steps_total", cell, "refused"] == (0 if cell == canary else 1)
+    assert figures["hlb_model_steps_total", canary, "canary"] == 1
+    assert figures["hlb_model_steps_total", canary, "rolled_back"] == 1
+    assert figures["hlb_model_steps_total", other, "canary"] == 0
+
+
+def scrape(port: int) -> dict[tuple[str, str, str], float]:
+    """(sample name, cell, its one other label's value) -> value, of the instance's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in ("cell", "shard")}
+            if len(labels) == 1 and "cell" in sample.labels:
+                out[sample.name, sample.labels["cell"], next(iter(labels.values()))] = sample.value
+    return out
 
 
 def logged(bus: KafkaBus, topic: str) -> dict[tuple[str, str], str]:

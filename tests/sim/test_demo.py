@@ -55,7 +55,7 @@ def test_the_demo_daemon_serves_metrics_on_a_free_port_not_the_configs(tmp_path:
         settings = demo_settings(load_settings(config), config, None)
         assert settings.metrics.listen == "127.0.0.1:0"
         assert settings.metrics.lag_interval_s == 7  # the rest of the config's section stays
-        server = start_metrics_server(DaemonMetrics(), settings.metrics.listen)
+        server = start_metrics_server(DaemonMetrics().registry, settings.metrics.listen)
         assert server is not None
         server.stop()
     config.write_text("log:\n  level: info\n")
