@@ -45,15 +45,17 @@ from hlb.daemon.cells.bus import (
     PartitionBus,
     ensure_cell_topics,
 )
-from hlb.daemon.cells.metrics import instance_registry
+from hlb.daemon.cells.metrics import InstanceMetrics
 from hlb.daemon.cells.plan import shard_of
 from hlb.daemon.cells.shard import Shard
 from hlb.daemon.config import Settings
 from hlb.daemon.errors import AccessDeniedError
-from hlb.daemon.runtime.metrics import start_metrics_server
+from hlb.daemon.runtime.metrics import start_metrics_server, timed_rpc
+from hlb.daemon.runtime.reload import token_bucket
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, cluster_state
 from hlb.daemon.serve.auth import ANONYMOUS, IDENTITY_HEADER, Access
+from hlb.daemon.serve.ratelimit import RateLimitInterceptor
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
@@ -95,6 +97,7 @@ class CellHost:
         self.shards: dict[int, ShardRun] = {}
         self.address = ""
         self.port = 0
+        self.metrics = InstanceMetrics(self._registries)
         self.metrics_port = 0  # where metrics.listen serves (its port 0 picks one)
         self.board: ClaimBoard | None = None
         self.notifier = SystemdNotifier()
@@ -188,8 +191,16 @@ class CellHost:
         s = self.settings
         topics = s.kafka.topics
         self._loop = asyncio.get_running_loop()
+        # grpc.max_requests_per_s bounds what this instance accepts, whoever sends it (a request
+        # forwarded to the owner counts there too: each instance bounds its own work).
+        limit = RateLimitInterceptor(token_bucket(s, time.monotonic), self.metrics.count_rate_limited)
         server = GrpcServer(
-            CellRouter(self), s.grpc.listen, s.grpc.max_message_bytes, s.grpc.reflection, tls=s.grpc.tls
+            CellRouter(self),
+            s.grpc.listen,
+            s.grpc.max_message_bytes,
+            s.grpc.reflection,
+            tls=s.grpc.tls,
+            interceptors=[limit],
         )
         self.port = server.port
         self.address = s.cells.advertise or advertised(s.grpc.listen, server.port)
@@ -205,7 +216,7 @@ class CellHost:
         models = [s.learning.models_topic] if s.learning.auto_models else []
         await asyncio.to_thread(KafkaBus(s.kafka).ensure_topics, [topics.dlq], models)
         await asyncio.to_thread(require_kept, s)  # the ledger must keep what the next start reads back
-        metrics = start_metrics_server(instance_registry(self._registries), s.metrics.listen)
+        metrics = start_metrics_server(self.metrics.registry, s.metrics.listen)
         if metrics is not None:
             self.metrics_port = metrics.port
             log.info("metrics serving", listen=s.metrics.listen, port=metrics.port)
@@ -374,9 +385,10 @@ class CellRouter(api_grpc.SchedulerServicer):
     async def _unary(self, method: str, request: Any, context: Context) -> Any:
         cell, shard = await self._cell(request, context)
         daemon = await self._local(cell, shard, context)
-        if daemon is not None:
+        if daemon is not None:  # counted and timed in its shard's metrics (a forwarded one, by its owner)
             assert daemon.service is not None
-            answer = await getattr(daemon.service, method)(request, context)
+            answer = getattr(daemon.service, method)(request, context)
+            answer = await timed_rpc(daemon.metrics, method, answer, context, lambda: daemon.scheduler.policy.name)
             if method == "GetClusterState":
                 answer.instance = self.host.instance
                 answer.shards.extend(self.host.owners())

@@ -5,23 +5,29 @@ it sees it, the feature log, the model lifecycle). :class:`ShardMetrics` collect
 scrape, every sample labelled with its shard's ``cell`` and ``shard`` (the partition), so that one
 scrape of an instance shows each cell it serves, and a cell that moves to another instance shows
 up there under the same ``cell`` label. A shard's counters start again from zero where it starts
-(a move, a restart), as a daemon's do.
+(a move, a restart), as a daemon's do. The request-rate limit is the instance's (its router's), so
+``hlb_rpc_rate_limited_total`` is the instance's own, without a cell.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from hlb.daemon.runtime.metrics import SCHEDULER_RPCS
+
 # (shard, its cell, its registry) of each shard running now
 Shards = Callable[[], Iterable[tuple[int, str, CollectorRegistry]]]
+# The instance's own, not its shards': its router applies the request-rate limit.
+INSTANCE_FAMILIES = frozenset({"hlb_rpc_rate_limited"})
 
 
 class ShardMetrics(Collector):
-    """Every running shard's metric families, merged by name, each sample with ``cell`` and ``shard``."""
+    """Every running shard's metric families, merged by name, each sample with ``cell`` and ``shard``
+    (but :data:`INSTANCE_FAMILIES`)."""
 
     def __init__(self, shards: Shards) -> None:
         self.shards = shards
@@ -31,6 +37,8 @@ class ShardMetrics(Collector):
         for shard, cell, registry in self.shards():
             where = {"cell": cell, "shard": str(shard)}
             for family in registry.collect():
+                if family.name in INSTANCE_FAMILIES:
+                    continue
                 merged = families.get(family.name)
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
@@ -38,11 +46,24 @@ class ShardMetrics(Collector):
         return list(families.values())
 
 
-def instance_registry(shards: Shards) -> CollectorRegistry:
-    """The registry an instance serves on ``metrics.listen``."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(ShardMetrics(shards))
-    return registry
+class InstanceMetrics:
+    """What an instance serves on ``metrics.listen``: its shards' metrics and its own rate limit's."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ShardMetrics(shards))
+        self.rate_limited = Counter(
+            "hlb_rpc_rate_limited",
+            "RPCs refused with RESOURCE_EXHAUSTED by the instance's request-rate limit.",
+            ["rpc"],
+            registry=self.registry,
+        )
+        for rpc in SCHEDULER_RPCS:  # at zero from the start (docs/monitoring.md)
+            self.rate_limited.labels(rpc=rpc)
+
+    def count_rate_limited(self, method: str) -> None:
+        """One RPC refused; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
+        self.rate_limited.labels(rpc=method.rpartition("/")[2]).inc()
 
 
-__all__ = ["ShardMetrics", "instance_registry"]
+__all__ = ["INSTANCE_FAMILIES", "InstanceMetrics", "ShardMetrics"]

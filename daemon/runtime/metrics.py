@@ -230,10 +230,23 @@ class DaemonMetrics:
                 counter.labels(**{label: value})
         self._state = _StateCollector(state)
         r.register(self._state)
+        self._rpc_counters: dict[tuple[str, grpc.StatusCode], Any] = {}
 
     def observe(self, state: StateProvider) -> None:
         """Read observed values from ``state`` on every scrape from now on."""
         self._state.provider = state
+
+    def count_rpc(self, rpc: str, code: grpc.StatusCode | None, failed: bool, seconds: float, policy: str) -> None:
+        """One unary RPC answered: ``code`` as its handler left it (None: OK, or UNKNOWN when it
+        ``failed`` with an exception); a deciding RPC's ``seconds`` too, under ``policy``."""
+        if code is None:
+            code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+        counter = self._rpc_counters.get((rpc, code))
+        if counter is None:  # children made on first use: no series for codes never seen
+            counter = self._rpc_counters[rpc, code] = self.rpcs.labels(rpc=rpc, code=code.name)
+        counter.inc()
+        if rpc in DECISION_RPCS:
+            self.decision_latency.labels(rpc=rpc, policy=policy).observe(seconds)
 
     def count_rate_limited(self, method: str) -> None:
         """Count one RPC refused by the rate limit; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
@@ -407,32 +420,28 @@ class RpcMetricsInterceptor(HandlerWrapper):
         rpc = method.rpartition("/")[2]
         # The stubs describe sync handlers; on grpc.aio the behaviour is a coroutine function.
         behaviour: Callable[[object, Any], Awaitable[object]] = handler.unary_unary  # type: ignore[assignment]
-        rpcs = self._metrics.rpcs
-        calls: dict[grpc.StatusCode, Any] = {}  # children made on first use: no series for codes never seen
-        latency = self._metrics.decision_latency
-        times = rpc in DECISION_RPCS
 
         async def observed(request: object, context: Any) -> object:
-            start = time.perf_counter()
-            failed = False
-            try:
-                return await behaviour(request, context)
-            except BaseException:
-                failed = True
-                raise
-            finally:
-                # None unless the handler aborted or set a code.
-                code: grpc.StatusCode | None = context.code()
-                if code is None:
-                    code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
-                counter = calls.get(code)
-                if counter is None:
-                    counter = calls[code] = rpcs.labels(rpc=rpc, code=code.name)
-                counter.inc()
-                if times:
-                    latency.labels(rpc=rpc, policy=self._policy()).observe(time.perf_counter() - start)
+            return await timed_rpc(self._metrics, rpc, behaviour(request, context), context, self._policy)
 
         return grpc.unary_unary_rpc_method_handler(observed, handler.request_deserializer, handler.response_serializer)
+
+
+async def timed_rpc(
+    metrics: DaemonMetrics, rpc: str, answer: Awaitable[Any], context: Any, policy: Callable[[], str]
+) -> Any:
+    """Await a unary RPC's ``answer`` and count it in ``metrics`` (``DaemonMetrics.count_rpc``), by
+    the code its handler left on ``context`` (None unless it aborted or set one)."""
+    start = time.perf_counter()
+    failed = False
+    try:
+        return await answer
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        seconds = time.perf_counter() - start
+        metrics.count_rpc(rpc, context.code(), failed, seconds, policy() if rpc in DECISION_RPCS else "")
 
 
 class MetricsServer:

@@ -215,13 +215,15 @@ def test_an_instance_with_cells_serves_every_shards_metrics_labelled_by_cell() -
     cell and partition; a shard that stops is no longer shown."""
     from prometheus_client import generate_latest
 
-    from hlb.daemon.cells.metrics import instance_registry
+    from hlb.daemon.cells.metrics import InstanceMetrics
 
     shards = {0: ("pod-a", DaemonMetrics()), 1: ("pod-b", DaemonMetrics())}
     shards[0][1].placements.labels(policy="gnn").inc(3)
     shards[1][1].placements.labels(policy="gnn").inc(5)
     shards[1][1].count_feature_record("published", 100, 4)
-    registry = instance_registry(lambda: [(n, cell, m.registry) for n, (cell, m) in shards.items()])
+    instance = InstanceMetrics(lambda: [(n, cell, m.registry) for n, (cell, m) in shards.items()])
+    instance.count_rate_limited("/hlb.v1.Scheduler/Place")
+    registry = instance.registry
 
     def scrape() -> dict[str, list[tuple[dict[str, str], float]]]:
         text = generate_latest(registry).decode()
@@ -237,5 +239,8 @@ def test_an_instance_with_cells_serves_every_shards_metrics_labelled_by_cell() -
         ({"policy": "gnn", "cell": "pod-b", "shard": "1"}, 5.0),
     ]
     assert ({"outcome": "published", "cell": "pod-b", "shard": "1"}, 4.0) in figures["hlb_feature_records"]
+    # The rate limit is the instance's: its counter once, without a cell.
+    assert ({"rpc": "Place"}, 1.0) in figures["hlb_rpc_rate_limited"]
+    assert all("cell" not in labels for labels, _ in figures["hlb_rpc_rate_limited"])
     del shards[0]
     assert {labels["cell"] for labels, _ in scrape()["hlb_placements"]} == {"pod-b"}

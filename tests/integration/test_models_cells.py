@@ -4,7 +4,8 @@ alone, while the other cell's shard keeps it in shadow, and ``Place`` answers sa
 decided; ``hlb models rollback`` then puts the canary cell back on its last good model, and the
 other cell drops the candidate without ever having run it. Both shards log their decisions to the
 features topic (``learning.log_features``), each under its cell and the model that decided, and the
-instance's ``/metrics`` shows each cell's placements, feature records and lifecycle steps."""
+instance's ``/metrics`` shows each cell's placements, feature records, lifecycle steps and RPCs; the
+instance's request-rate limit refuses a flood."""
 
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
         f"  log_features: true\n  topic: {features_topic}\n"
         f"metrics:\n  listen: 127.0.0.1:{metrics_port}\n"
     )
+    monkeypatch.setenv("HLB_GRPC__MAX_REQUESTS_PER_S", "40")  # the test's own polling stays far below
     instance = cluster.start("a")
     cluster.wait_all_served(owners=1)
     load = CellLoad(kafka_bootstrap, cluster.topics)
@@ -168,35 +170,51 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     assert ("canary", "candidate-1") not in steps
     assert ("installed", "candidate-1") not in steps
 
+    check_features_logged(KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap)), features_topic, canary, other)
+    check_metrics(scrape(metrics_port), canary, other)
+    check_rate_limit(instance, canary, metrics_port)
+
+
+def check_features_logged(bus: KafkaBus, topic: str, canary: str, other: str) -> None:
+    """Both cells' decisions are on the features topic, each under the model that decided it."""
     expected = {
         (canary, "in-canary"): "candidate-1",
         (other, "in-other"): "base-1",
         (canary, "after-canary"): "base-1",
         (other, "after-other"): "base-1",
     }
-    bus = KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap))
-    wait_for(lambda: expected.items() <= logged(bus, features_topic).items(), "both cells' decisions logged")
+    wait_for(lambda: expected.items() <= logged(bus, topic).items(), "both cells' decisions logged")
 
-    figures = scrape(metrics_port)
+
+def check_metrics(figures: dict[tuple[str, str, str], float], canary: str, other: str) -> None:
+    """Each cell's placements, feature records, lifecycle steps and RPCs, under its cell."""
     for cell in (canary, other):
         assert figures["hlb_placements_total", cell, "gnn"] >= 2
         assert figures["hlb_feature_records_total", cell, "published"] >= 2
         assert figures["hlb_model_steps_total", cell, "refused"] == (0 if cell == canary else 1)
+        # timed by the instance's router for the shard that answered
+        assert figures["hlb_rpc_requests_total", cell, "OK,Place"] >= 2
+        assert figures["hlb_decision_latency_seconds_count", cell, "gnn,Place"] >= 2
     assert figures["hlb_model_steps_total", canary, "canary"] == 1
     assert figures["hlb_model_steps_total", canary, "rolled_back"] == 1
     assert figures["hlb_model_steps_total", other, "canary"] == 0
 
 
-def scrape(port: int) -> dict[tuple[str, str, str], float]:
-    """(sample name, cell, its one other label's value) -> value, of the instance's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[tuple[str, str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k not in ("cell", "shard")}
-            if len(labels) == 1 and "cell" in sample.labels:
-                out[sample.name, sample.labels["cell"], next(iter(labels.values()))] = sample.value
-    return out
+def check_rate_limit(instance: CellInstance, cell: str, metrics_port: int) -> None:
+    """A flood beyond grpc.max_requests_per_s: some refused, each counted by the instance."""
+    codes = []
+    with grpc.insecure_channel(instance.target) as channel:
+        stub = api_grpc.SchedulerStub(channel)
+        for _ in range(200):
+            try:
+                stub.GetPlacement(api.GetPlacementRequest(cell=cell, task_id="in-canary"), timeout=10.0)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    limited = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert f'hlb_rpc_rate_limited_total{{rpc="GetPlacement"}} {float(limited)}' in text
 
 
 def logged(bus: KafkaBus, topic: str) -> dict[tuple[str, str], str]:
@@ -207,4 +225,18 @@ def logged(bus: KafkaBus, topic: str) -> dict[tuple[str, str], str]:
         assert record.key == batch.cell.encode()  # keyed by its cell, as the ledger
         for task_id, shape in zip(batch.task_id, batch.shape, strict=True):
             out[batch.cell, task_id] = batch.shapes[shape].model_version
+    return out
+
+
+def scrape(port: int) -> dict[tuple[str, str, str], float]:
+    """(sample name, cell, its other labels' values joined by commas, by label name) -> value, of
+    the instance's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "cell" not in sample.labels:  # the instance's own (its rate limit)
+                continue
+            others = ",".join(v for k, v in sorted(sample.labels.items()) if k not in ("cell", "shard"))
+            out[sample.name, sample.labels["cell"], others] = sample.value
     return out
