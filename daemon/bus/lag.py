@@ -44,19 +44,23 @@ class MemoryLagProbe:
 
 
 class KafkaLagProbe:
-    """Lag of consumer group ``group_id`` on ``topics``: high watermark minus committed offset.
+    """Lag of consumer group ``group_id`` on ``topics`` (their ``partitions`` only, where named):
+    high watermark minus committed offset.
 
     A partition the group has never committed counts from its low watermark (everything
     retained is unread). The probe's client is not a group member: it only reads offsets.
     """
 
-    def __init__(self, settings: KafkaSettings, topics: Sequence[str], group_id: str) -> None:
+    def __init__(
+        self, settings: KafkaSettings, topics: Sequence[str], group_id: str, partitions: Sequence[int] | None = None
+    ) -> None:
         from confluent_kafka import Consumer
 
         from hlb.daemon.bus.kafka import _client_config  # the one place client settings are assembled
         from hlb.daemon.bus.kafkalog import KafkaLog
 
         self._topics = tuple(topics)
+        self._partitions = None if partitions is None else frozenset(partitions)
         # read() runs on a worker thread; close() must wait for it rather than pull the client away.
         self._lock = threading.Lock()
         self._closed = False
@@ -80,6 +84,7 @@ class KafkaLagProbe:
             for topic in self._topics
             if topic in metadata and metadata[topic].error is None
             for partition in metadata[topic].partitions
+            if self._partitions is None or partition in self._partitions
         ]
         if not partitions:
             return {}

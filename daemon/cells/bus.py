@@ -42,6 +42,7 @@ from hlb.daemon.bus.kafka import (
     produce,
 )
 from hlb.daemon.bus.kafkalog import KafkaLog
+from hlb.daemon.bus.lag import KafkaLagProbe
 from hlb.daemon.bus.seam import Offsets, RawEvent
 from hlb.daemon.config import KafkaSettings
 from hlb.daemon.errors import BrokerError, ConfigError
@@ -229,6 +230,10 @@ class PartitionBus:
 
     def source(self, topics: Sequence[str], group_id: str, start: Offsets | None = None) -> PartitionSource:
         return PartitionSource(self.settings, topics, self.shard, f"{group_id}.shards", start)
+
+    def lag_probe(self, topics: Sequence[str], group_id: str) -> KafkaLagProbe:
+        """The lag of :meth:`source`'s reads: its group, this partition."""
+        return KafkaLagProbe(self.settings, topics, f"{group_id}.shards", [self.shard])
 
     def publisher(self) -> KafkaPublisher:
         return KafkaPublisher(self.settings)

@@ -18,11 +18,12 @@ import structlog
 
 from hlb.daemon.bus.kafka import KafkaBus
 from hlb.daemon.bus.seam import EventBus, EventSource, Offsets, RawEvent
-from hlb.daemon.cells.bus import TransactionalPublisher
+from hlb.daemon.cells.bus import PartitionBus, TransactionalPublisher
 from hlb.daemon.config import Settings
 from hlb.daemon.errors import InvalidEventError
 from hlb.daemon.ingest.pipeline import Ingestor, IngestThread
 from hlb.daemon.runtime.daemon import Daemon
+from hlb.daemon.runtime.metrics import watch_lag
 from hlb.daemon.runtime.policy import stop_policy
 from hlb.daemon.runtime.publish import CountingPublisher
 from hlb.daemon.runtime.restore import read_watermarks, replay_targets
@@ -77,7 +78,7 @@ class Shard(Daemon):
         inputs = [topics.telemetry, topics.tasks]
         await asyncio.to_thread(self.capture_replay_targets, inputs, start)
         ingest = self._shard_ingest(inputs, start)
-        self.metrics.observe(self.metrics_sample)  # the instance's /metrics reads it (hlb.daemon.cells.metrics)
+        self._observe(inputs)
         self.service = self._make_service()
         if self.snapshots is not None:
             self.on_shutdown_snapshot = self.write_snapshot
@@ -110,6 +111,14 @@ class Shard(Daemon):
             raise failure
         if ingest.failure is not None:
             raise RuntimeError("ingest failed") from ingest.failure
+
+    def _observe(self, inputs: Sequence[str]) -> None:
+        """Let the instance's ``/metrics`` read this shard (``hlb.daemon.cells.metrics``), with the
+        consumer lag of its partition of ``inputs``."""
+        self.metrics.observe(self.metrics_sample)
+        if self.settings.metrics.listen and isinstance(self.bus, PartitionBus):
+            probe = self.bus.lag_probe(inputs, self.settings.kafka.group_id)
+            self._spawn(watch_lag(probe, self.settings.metrics.lag_interval_s, self._record_lag))
 
     def _shard_ingest(self, inputs: Sequence[str], start: Offsets | None) -> IngestThread:
         kafka = self.settings.kafka

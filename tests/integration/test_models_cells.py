@@ -172,6 +172,7 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
 
     check_features_logged(KafkaBus(KafkaSettings(bootstrap_servers=kafka_bootstrap)), features_topic, canary, other)
     check_metrics(scrape(metrics_port), canary, other)
+    check_lag(metrics_port, {canary, other}, cluster.topics["tasks"])
     check_rate_limit(instance, canary, metrics_port)
 
 
@@ -198,6 +199,19 @@ def check_metrics(figures: dict[tuple[str, str, str], float], canary: str, other
     assert figures["hlb_model_steps_total", canary, "canary"] == 1
     assert figures["hlb_model_steps_total", canary, "rolled_back"] == 1
     assert figures["hlb_model_steps_total", other, "canary"] == 0
+
+
+def check_lag(port: int, cells: set[str], tasks_topic: str) -> None:
+    """Each shard shows the consumer lag of its own partition of the inputs, none of another's."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    lag = [
+        sample.labels
+        for family in text_string_to_metric_families(text)
+        if family.name == "hlb_consumer_lag_messages"
+        for sample in family.samples
+    ]
+    assert {labels["cell"] for labels in lag if labels["topic"] == tasks_topic} == cells
+    assert all(labels["partition"] == labels["shard"] for labels in lag)
 
 
 def check_rate_limit(instance: CellInstance, cell: str, metrics_port: int) -> None:
