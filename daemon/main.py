@@ -2,7 +2,8 @@
 of several sharing the cells (``hlb.daemon.cells.host``), run until SIGTERM or SIGINT.
 
 SIGHUP reloads the config (``Daemon.reload``) and SIGUSR1 writes the canonical state dump
-(``Daemon.dump_state``); an instance sharing the cells does neither and says so. Exit codes: 0
+(``Daemon.dump_state``); an instance sharing the cells writes one dump per cell it runs
+(``CellHost.dump_state``) and does not reload, saying so. Exit codes: 0
 after a clean stop, 78 (``EX_CONFIG``) for invalid settings, 1 for any other failure.
 """
 
@@ -53,11 +54,13 @@ async def _serve(settings: Settings, config_path: Path | None) -> int:
     if settings.cells.enabled:
         from hlb.daemon.cells.host import CellHost  # librdkafka loads only when Kafka is used
 
-        run = CellHost(settings).run
+        host = CellHost(settings)
+        run = host.run
         loop.add_signal_handler(
             signal.SIGHUP, lambda: log.warning("reload is not supported with cells.enabled; restart the instance")
         )
-        loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning("the state dump is not written with cells.enabled"))
+        # SIGUSR1: each shard writes its state dump into its own state directory.
+        loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, host.dump_state))
     else:
         daemon = Daemon(settings, make_bus(settings), config_path=config_path)
         run = daemon.run

@@ -30,6 +30,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -171,6 +172,11 @@ class CellHost:
             self._announcer.publish(self.settings.cells.topic, claim.key, claim.encode())
         run.announced = claim
         log.info("shard announced", shard=run.shard, serving=serving, cell=cell, address=self.address)
+
+    def dump_state(self) -> list[Path]:
+        """SIGUSR1: each running shard writes its state dump (``hlb.daemon.record.statedump``) to
+        its own state directory, ``<state_dir>/shards/<partition>/state-dump.json``."""
+        return [run.daemon.dump_state() for run in list(self.shards.values()) if run.daemon is not None]
 
     def _registries(self) -> list[tuple[int, str, CollectorRegistry]]:
         """Each running shard's metrics, for the instance's ``/metrics`` (its HTTP thread)."""

@@ -44,6 +44,10 @@ class Shard(Daemon):
         self.transactions: TransactionalPublisher | None = None
         self.service: SchedulerService | None = None  # what the instance's router asks (``run_shard``)
 
+    def dump_labels(self) -> dict[str, Any]:
+        """The shard's dump is in its own state directory (``<state_dir>/shards/<partition>``)."""
+        return {"cell": self.scheduler.cell, "shard": self.shard}
+
     def models_source(self, topics: list[str], group: str) -> EventSource:
         """The models topic whole (one partition, every cell's), not this shard's partition."""
         return KafkaBus(self.settings.kafka).source(topics, group)

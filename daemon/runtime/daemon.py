@@ -545,9 +545,14 @@ class Daemon:
             if self._ingestor is not None:
                 stats = self._ingestor.stats
                 state["ingest"] = {"applied": stats.applied, "rejected": dict(stats.rejected)}
+            state.update(self.dump_labels())
         path = write_dump(state, self.settings.state_dir)
         log.info("state dumped", path=str(path))
         return path
+
+    def dump_labels(self) -> dict[str, Any]:
+        """What the state dump says of whose state it is, beside the state (a shard: its cell)."""
+        return {}
 
     def write_snapshot(self) -> None:
         if self.snapshots is not None and self._ingestor is not None:

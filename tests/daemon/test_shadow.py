@@ -51,6 +51,23 @@ def candidate(path: Path) -> GnnScorer:
     return scorer
 
 
+def shadowed(
+    model_dir: Path, candidate: GnnScorer | None
+) -> tuple[Clock, Scheduler, GnnScorer, Shadow, dict[str, float]]:
+    """A scheduler running the GNN of ``model_dir``, its shadow listening with ``candidate``, and
+    the errors the shadow observes by model."""
+    clock = Clock()
+    policy = make_policy("gnn", model=model_settings(model_dir))
+    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
+    running = gnn_scorer(policy)
+    assert running is not None
+    errors: dict[str, float] = {}
+    shadow = Shadow(candidate, errors.__setitem__)
+    shadow.attach(running)
+    shadow.listen(scheduler, lambda: running)
+    return clock, scheduler, running, shadow, errors
+
+
 def run_one(scheduler: Scheduler, clock: Clock, spec: ev.TaskSpec, ran_s: float) -> ev.Placement:
     placement = scheduler.place(spec).placement
     assert placement is not None
@@ -129,16 +146,8 @@ def test_the_predictions_compared_are_those_of_the_decision(gnn_model_dir: Path,
     """What a model predicts when the task finishes is for other inputs (its device holds the task,
     the cluster moved on): the error compared is the one of the prediction made at the placement.
     Here the candidate is even replaced by another model before the finish."""
-    clock = Clock()
-    policy = make_policy("gnn", model=model_settings(gnn_model_dir))
-    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
-    running = gnn_scorer(policy)
-    assert running is not None
-    errors: dict[str, float] = {}
     first = candidate(other_model_dir)
-    shadow = Shadow(first, errors.__setitem__)
-    shadow.attach(running)
-    shadow.listen(scheduler, lambda: running)
+    clock, scheduler, running, shadow, errors = shadowed(gnn_model_dir, first)
     spec = ev.TaskSpec(id="t", workload_class="resnet50", work_ref_s=600.0, memory_per_device_gb=1.0)
     placement = scheduler.place(spec).placement
     assert placement is not None
@@ -163,15 +172,7 @@ def test_the_predictions_compared_are_those_of_the_decision(gnn_model_dir: Path,
 def test_a_task_that_fails_or_is_cancelled_leaves_no_prediction_behind(gnn_model_dir: Path) -> None:
     """Only a finished task is compared; one that fails or is cancelled after its placement must
     not keep its predictions until the bound (a daemon runs for months)."""
-    clock = Clock()
-    policy = make_policy("gnn", model=model_settings(gnn_model_dir))
-    scheduler = Scheduler(cluster(), policy, PlacementLedger(), "c", clock=clock)
-    running = gnn_scorer(policy)
-    assert running is not None
-    errors: dict[str, float] = {}
-    shadow = Shadow(None, errors.__setitem__)
-    shadow.attach(running)
-    shadow.listen(scheduler, lambda: running)
+    clock, scheduler, _, shadow, errors = shadowed(gnn_model_dir, None)
     ended = {
         "failed": ev.TaskEvent(cell="c", failed=ev.TaskFailed(task_id="failed")),
         "cancelled": ev.TaskEvent(cell="c", cancelled=ev.EntityRef(id="cancelled")),

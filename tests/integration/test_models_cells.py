@@ -9,6 +9,8 @@ instance's request-rate limit refuses a flood."""
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -174,6 +176,7 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     check_metrics(scrape(metrics_port), canary, other)
     check_lag(metrics_port, {canary, other}, cluster.topics["tasks"])
     check_rate_limit(instance, canary, metrics_port)
+    check_state_dumps(instance, tmp_path / "a", {canary: "in-canary", other: "in-other"})
 
 
 def check_features_logged(bus: KafkaBus, topic: str, canary: str, other: str) -> None:
@@ -212,6 +215,19 @@ def check_lag(port: int, cells: set[str], tasks_topic: str) -> None:
     ]
     assert {labels["cell"] for labels in lag if labels["topic"] == tasks_topic} == cells
     assert all(labels["partition"] == labels["shard"] for labels in lag)
+
+
+def check_state_dumps(instance: CellInstance, state_dir: Path, placed: dict[str, str]) -> None:
+    """SIGUSR1: each shard writes its dump into its own state directory, its cell named, its
+    cell's tasks only."""
+    instance.process.send_signal(signal.SIGUSR1)
+    paths = [state_dir / "shards" / str(shard) / "state-dump.json" for shard in range(2)]
+    wait_for(lambda: all(path.exists() for path in paths), "a state dump from each shard")
+    dumps = {dump["cell"]: dump for dump in (json.loads(path.read_text()) for path in paths)}
+    assert set(dumps) == set(placed)
+    for cell, task_id in placed.items():
+        assert task_id in dumps[cell]["tasks"]
+        assert not any(other in dumps[cell]["tasks"] for other in placed.values() if other != task_id)
 
 
 def check_rate_limit(instance: CellInstance, cell: str, metrics_port: int) -> None:
