@@ -2,8 +2,8 @@
 of several sharing the cells (``hlb.daemon.cells.host``), run until SIGTERM or SIGINT.
 
 SIGHUP reloads the config (``Daemon.reload``) and SIGUSR1 writes the canonical state dump
-(``Daemon.dump_state``); an instance sharing the cells writes one dump per cell it runs
-(``CellHost.dump_state``) and does not reload, saying so. Exit codes: 0
+(``Daemon.dump_state``); an instance sharing the cells has each cell it runs do both
+(``CellHost.reload``, ``CellHost.dump_state``). Exit codes: 0
 after a clean stop, 78 (``EX_CONFIG``) for invalid settings, 1 for any other failure.
 """
 
@@ -54,11 +54,9 @@ async def _serve(settings: Settings, config_path: Path | None) -> int:
     if settings.cells.enabled:
         from hlb.daemon.cells.host import CellHost  # librdkafka loads only when Kafka is used
 
-        host = CellHost(settings)
+        host = CellHost(settings, config_path)
         run = host.run
-        loop.add_signal_handler(
-            signal.SIGHUP, lambda: log.warning("reload is not supported with cells.enabled; restart the instance")
-        )
+        loop.add_signal_handler(signal.SIGHUP, host.request_reload)
         # SIGUSR1: each shard writes its state dump into its own state directory.
         loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, host.dump_state))
     else:

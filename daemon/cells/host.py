@@ -51,8 +51,18 @@ from hlb.daemon.cells.plan import shard_of
 from hlb.daemon.cells.shard import Shard
 from hlb.daemon.config import Settings
 from hlb.daemon.errors import AccessDeniedError
+from hlb.daemon.runtime.daemon import RELOADED, RESTART_ONLY
 from hlb.daemon.runtime.metrics import start_metrics_server, timed_rpc
-from hlb.daemon.runtime.reload import token_bucket
+from hlb.daemon.runtime.reload import (
+    Reloader,
+    ReloadResult,
+    apply_settings,
+    load_for_reload,
+    rate_limit_reloader,
+    reload_logging,
+    reloader_for,
+    token_bucket,
+)
 from hlb.daemon.runtime.sdnotify import SystemdNotifier, WatchdogPinger
 from hlb.daemon.serve.api import SERVICE_NAME, GrpcServer, cluster_state
 from hlb.daemon.serve.auth import ANONYMOUS, IDENTITY_HEADER, Access
@@ -70,6 +80,10 @@ ANNOUNCE_S = 2.0  # how often a shard's claim is renewed when its cell or state 
 MAX_CELL_CHARS = 128
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def _each_shard(_: Settings) -> None:
+    """The instance's part of a key each shard reloads itself: none."""
 
 
 async def _abort(context: Context, code: grpc.StatusCode, details: str) -> NoReturn:
@@ -91,14 +105,15 @@ class ShardRun:
 class CellHost:
     """One instance of several sharing the cells: group membership, shards, the router."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, config_path: Path | None = None) -> None:
         self.settings = settings
+        self.config_path = config_path  # what SIGHUP reads again (``reload``)
         self.instance = settings.kafka.group_instance_id or ""
         self.partitions = settings.cells.partitions
         self.shards: dict[int, ShardRun] = {}
+        self.metrics = InstanceMetrics(self._registries)
         self.address = ""
         self.port = 0
-        self.metrics = InstanceMetrics(self._registries)
         self.metrics_port = 0  # where metrics.listen serves (its port 0 picks one)
         self.board: ClaimBoard | None = None
         self.notifier = SystemdNotifier()
@@ -106,6 +121,20 @@ class CellHost:
         self._announcer: KafkaPublisher | None = None
         self._stopping = False
         self.access = Access.from_settings(settings)  # a policy file that does not load: ConfigError
+        # grpc.max_requests_per_s bounds what this instance accepts, whoever sends it (a request
+        # forwarded to the owner counts there too: each instance bounds its own work).
+        self.limit = RateLimitInterceptor(token_bucket(settings, time.monotonic), self.metrics.count_rate_limited)
+        limit = rate_limit_reloader(self.limit, time.monotonic)
+        # The instance applies its own keys; each shard applies every key a daemon reloads
+        # (Daemon.reload_to), and a shard started later starts with them.
+        self.reloaders: dict[str, Reloader] = {
+            **dict.fromkeys(RELOADED, _each_shard),
+            "grpc.max_requests_per_s": limit,
+            "grpc.request_burst": limit,
+            "auth.": self.access.reload,
+            "log.": reload_logging,
+        }
+        self._reload_lock = asyncio.Lock()
 
     # -- the partitions the group gives and takes ----------------------------------------------
 
@@ -150,8 +179,7 @@ class CellHost:
     def _make_shard(self, shard: int) -> Shard:
         s = self.settings
         claim = self.board.get(shard) if self.board is not None else None
-        settings = s.model_copy(update={"state_dir": s.state_dir / "shards" / str(shard)})
-        daemon = Shard(settings, PartitionBus(s.kafka, shard), shard)
+        daemon = Shard(self._shard_settings(s, shard), PartitionBus(s.kafka, shard), shard)
         daemon.scheduler.cell = claim.cell if claim is not None else ""
         return daemon
 
@@ -172,6 +200,35 @@ class CellHost:
             self._announcer.publish(self.settings.cells.topic, claim.key, claim.encode())
         run.announced = claim
         log.info("shard announced", shard=run.shard, serving=serving, cell=cell, address=self.address)
+
+    def request_reload(self) -> None:
+        """Reload on the running loop (the SIGHUP handler)."""
+        assert self._loop is not None
+        self._loop.create_task(self.reload())
+
+    async def reload(self) -> None:
+        """Re-read the config file: the instance applies its own keys (the request-rate limit, the
+        access policy, logging), then each running shard every key a daemon reloads, as a daemon
+        does on SIGHUP (``Daemon.reload_to``), with its own state directory."""
+        async with self._reload_lock:
+            self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+            try:
+                new = await load_for_reload(self.config_path)
+                if isinstance(new, ReloadResult):
+                    return
+                self.settings, result = await apply_settings(
+                    new, self.settings, lambda key: reloader_for(self.reloaders, set(RESTART_ONLY), key)
+                )
+                for run in list(self.shards.values()):
+                    if run.daemon is not None:
+                        await run.daemon.reload_to(self._shard_settings(new, run.shard))
+                log.info("instance reloaded", applied=result.applied, needs_restart=result.needs_restart)
+            finally:
+                self.notifier.ready(f"instance {self.instance} serving on {self.address}")
+
+    def _shard_settings(self, settings: Settings, shard: int) -> Settings:
+        """``settings`` as shard ``shard`` runs them: with its own state directory."""
+        return settings.model_copy(update={"state_dir": settings.state_dir / "shards" / str(shard)})
 
     def dump_state(self) -> list[Path]:
         """SIGUSR1: each running shard writes its state dump (``hlb.daemon.record.statedump``) to
@@ -197,16 +254,13 @@ class CellHost:
         s = self.settings
         topics = s.kafka.topics
         self._loop = asyncio.get_running_loop()
-        # grpc.max_requests_per_s bounds what this instance accepts, whoever sends it (a request
-        # forwarded to the owner counts there too: each instance bounds its own work).
-        limit = RateLimitInterceptor(token_bucket(s, time.monotonic), self.metrics.count_rate_limited)
         server = GrpcServer(
             CellRouter(self),
             s.grpc.listen,
             s.grpc.max_message_bytes,
             s.grpc.reflection,
             tls=s.grpc.tls,
-            interceptors=[limit],
+            interceptors=[self.limit],
         )
         self.port = server.port
         self.address = s.cells.advertise or advertised(s.grpc.listen, server.port)

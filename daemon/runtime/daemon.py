@@ -42,7 +42,7 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ from hlb.daemon.runtime.publish import CountingPublisher, DecisionPublisher
 from hlb.daemon.runtime.reload import (
     Reloader,
     ReloadResult,
+    apply_settings,
     model_reloader,
     rate_limit_reloader,
     reload_logging,
@@ -120,6 +121,11 @@ from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
+
+# The keys and sections a running daemon reloads (``Daemon.reloaders``), and those keys under them
+# it cannot: an instance sharing the cells has each shard apply them (``hlb.daemon.cells.host``).
+RELOADED = ("log.", "scheduler.", "model.", "grpc.max_requests_per_s", "grpc.request_burst", "auth.", "leases.")
+RESTART_ONLY = frozenset({"scheduler.max_tasks_per_device", "leases.check_interval_s"})
 
 JOURNAL_SYNC_S = 0.05  # decisions made by ingest reach the disk at least this often (the API's at once)
 JOURNAL_ACK_S = 1.0  # how often acknowledged records are dropped from the journal
@@ -228,7 +234,7 @@ class Daemon:
             "leases.": self._reload_leases,
         }
         # Keys under a reloader's section that it cannot apply: the graph is built with them.
-        self.restart_only = {"scheduler.max_tasks_per_device", "leases.check_interval_s"}
+        self.restart_only = set(RESTART_ONLY)
         self._monotonic = monotonic
         self._ingestor: Ingestor | None = None
         self.snapshots: snapshot.SnapshotStore | None = (
@@ -936,19 +942,29 @@ class Daemon:
         async with self._reload_lock:
             self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
             try:
-                self.settings, result = await reload_settings(
-                    self.config_path, self.settings, lambda key: reloader_for(self.reloaders, self.restart_only, key)
-                )
-                reloaded = (*result.applied, *result.failed)
-                if result.error is None and not any(key.startswith("auth.") for key in reloaded):
-                    result = await asyncio.to_thread(self._reread_policy, result)
-                self.metrics.reloads.labels(result=result.outcome).inc()
-                policy = self.scheduler.policy
-                if has_model(policy):  # SIGHUP also looks at the model files again
-                    await asyncio.to_thread(reload_model_files, policy)
+                return await self._reload(reload_settings(self.config_path, self.settings, self._reloader_for))
             finally:
                 self.notifier.ready(self._status_line())
-            return result
+
+    async def reload_to(self, new: Settings) -> ReloadResult:
+        """Apply what can change while running of settings loaded elsewhere (a shard: its
+        instance's file, with the shard's own state directory)."""
+        async with self._reload_lock:
+            return await self._reload(apply_settings(new, self.settings, self._reloader_for))
+
+    def _reloader_for(self, key: str) -> Reloader | None:
+        return reloader_for(self.reloaders, self.restart_only, key)
+
+    async def _reload(self, applying: Awaitable[tuple[Settings, ReloadResult]]) -> ReloadResult:
+        self.settings, result = await applying
+        reloaded = (*result.applied, *result.failed)
+        if result.error is None and not any(key.startswith("auth.") for key in reloaded):
+            result = await asyncio.to_thread(self._reread_policy, result)
+        self.metrics.reloads.labels(result=result.outcome).inc()
+        policy = self.scheduler.policy
+        if has_model(policy):  # SIGHUP also looks at the model files again
+            await asyncio.to_thread(reload_model_files, policy)
+        return result
 
     def _reread_policy(self, result: ReloadResult) -> ReloadResult:
         """The policy file's contents may have changed with no key: read it again, keeping the

@@ -54,15 +54,30 @@ class ReloadResult:
 async def reload_settings(
     path: Path | None, running: Settings, reloader_for: Callable[[str], Reloader | None]
 ) -> tuple[Settings, ReloadResult]:
-    """Re-read ``path`` and run the reloader of each changed key (each reloader once, on a worker
-    thread: a model load must not stall the RPCs); returns the settings now in effect (``running``
-    with the applied keys changed) and what was done."""
+    """Re-read ``path`` and run the reloader of each changed key (:func:`apply_settings`); returns
+    the settings now in effect and what was done."""
+    new = await load_for_reload(path)
+    if isinstance(new, ReloadResult):
+        return running, new
+    return await apply_settings(new, running, reloader_for)
+
+
+async def load_for_reload(path: Path | None) -> Settings | ReloadResult:
+    """The settings of ``path`` and the environment, or the refusal when they do not load (logged)."""
     try:
-        new = await asyncio.to_thread(load_settings, path)
+        return await asyncio.to_thread(load_settings, path)
     except Exception as exc:  # whatever stops the load: a SIGHUP must not end in a task that died
         error = str(exc) if isinstance(exc, ConfigError) else f"config file {path}: {exc!r}"
         log.error("reload refused: the config does not load; the running config is kept", error=error)
-        return running, ReloadResult(error=error)
+        return ReloadResult(error=error)
+
+
+async def apply_settings(
+    new: Settings, running: Settings, reloader_for: Callable[[str], Reloader | None]
+) -> tuple[Settings, ReloadResult]:
+    """Run the reloader of each key ``new`` changes (each reloader once, on a worker thread: a
+    model load must not stall the RPCs); returns the settings now in effect (``running`` with the
+    applied keys changed) and what was done."""
     by_reloader: dict[Reloader, list[str]] = {}
     needs_restart: list[str] = []
     for key in changed_keys(running, new):

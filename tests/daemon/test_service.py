@@ -289,6 +289,16 @@ def test_reload_applies_reloadable_keys_and_names_the_rest(
     assert daemon.metrics.registry.get_sample_value("hlb_config_reloads_total", {"result": "partial"}) == 1.0
 
 
+def test_the_keys_a_daemon_reloads_are_those_an_instance_with_cells_passes_to_its_shards(tmp_path: Path) -> None:
+    """An instance sharing the cells has each shard apply ``RELOADED`` (hlb.daemon.cells.host):
+    the list must be the daemon's own."""
+    from hlb.daemon.runtime.daemon import RELOADED, RESTART_ONLY
+
+    daemon = Daemon(load_settings(_write_config(tmp_path / "config.yaml")), MemoryBus())
+    assert set(daemon.reloaders) == set(RELOADED)
+    assert daemon.restart_only == set(RESTART_ONLY)
+
+
 def test_reload_of_an_invalid_config_keeps_the_running_one(
     tmp_path: Path, logging_calls: list[tuple[str, str]]
 ) -> None:

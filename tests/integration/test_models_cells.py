@@ -177,6 +177,7 @@ def test_a_candidate_decides_in_the_canary_cell_only_and_a_rollback_reaches_ever
     check_lag(metrics_port, {canary, other}, cluster.topics["tasks"])
     check_rate_limit(instance, canary, metrics_port)
     check_state_dumps(instance, tmp_path / "a", {canary: "in-canary", other: "in-other"})
+    check_reload(instance, tmp_path / "a.yaml", (canary, other))
 
 
 def check_features_logged(bus: KafkaBus, topic: str, canary: str, other: str) -> None:
@@ -228,6 +229,23 @@ def check_state_dumps(instance: CellInstance, state_dir: Path, placed: dict[str,
     for cell, task_id in placed.items():
         assert task_id in dumps[cell]["tasks"]
         assert not any(other in dumps[cell]["tasks"] for other in placed.values() if other != task_id)
+
+
+def check_reload(instance: CellInstance, config: Path, cells: tuple[str, ...]) -> None:
+    """SIGHUP: every cell the instance runs applies a changed scheduler key, as a daemon would."""
+    text = config.read_text()
+    assert "  policy: gnn\n" in text
+    config.write_text(text.replace("  policy: gnn\n", "  policy: rules\n"))
+    instance.process.send_signal(signal.SIGHUP)
+
+    def decided_by_rules(cell: str) -> bool:  # a new task each time: an earlier answer stands
+        task = small_task(f"{cell}-reloaded-{time.monotonic_ns()}")
+        with grpc.insecure_channel(instance.target) as channel:
+            answer = api_grpc.SchedulerStub(channel).Place(api.PlaceRequest(cell=cell, task=task), timeout=30.0)
+        return answer.placement.policy == "rules"
+
+    for cell in cells:
+        wait_for(partial(decided_by_rules, cell), f"{cell} deciding with the reloaded policy")
 
 
 def check_rate_limit(instance: CellInstance, cell: str, metrics_port: int) -> None:
