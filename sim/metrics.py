@@ -44,6 +44,8 @@ class MetricInfo:
     better: str  # "lower" or "higher"; "" for counts that are context
 
 
+LARGE_GANG = 8  # devices: the gangs runtime_bias_gangs is over (a whole host in most clusters)
+
 METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("jct_mean_s", "JCT mean", "s", "lower"),
     MetricInfo("jct_p50_s", "JCT median", "s", "lower"),
@@ -92,6 +94,9 @@ METRICS: tuple[MetricInfo, ...] = (
     # Over the tasks whose final attempt shared a device with another running task (TaskRecord.colocated).
     MetricInfo("runtime_error_colocated", "run-time error, co-located tasks", "", "lower"),
     MetricInfo("colocated_tasks", "co-located tasks estimated", "", ""),
+    # Signed: above 0 where the estimates run long, by the median log of estimated over observed.
+    MetricInfo("runtime_bias", "run-time bias (median log of estimated over observed)", "", ""),
+    MetricInfo("runtime_bias_gangs", f"run-time bias, gangs of {LARGE_GANG}+ devices", "", ""),
     MetricInfo("jobs_finished", "jobs finished", "", ""),
     MetricInfo("tasks_unfinished", "tasks not finished", "", ""),
     MetricInfo("task_failures", "task attempts failed", "", ""),
@@ -193,11 +198,27 @@ def runtime_errors(tasks: Iterable[TaskRecord], colocated: bool = False) -> list
     """``|log(estimated / observed run time)|`` of each finished task the policy estimated (start to
     finish of the final attempt, input transfers excluded); ``colocated``: of those whose final
     attempt shared a device with another running task only."""
+    return [abs(e) for e in runtime_log_ratios(tasks, colocated)]
+
+
+def runtime_log_ratios(tasks: Iterable[TaskRecord], colocated: bool = False, min_gang: int = 1) -> list[float]:
+    """``log(estimated / observed run time)`` of the tasks :func:`runtime_errors` counts, of gangs
+    of ``min_gang`` devices or more only: above 0 where the estimate was long."""
     return [
-        abs(math.log(t.estimated_s / (t.finish_s - t.start_s)))
+        math.log(t.estimated_s / (t.finish_s - t.start_s))
         for t in tasks
-        if t.state == "finished" and t.estimated_s > 0 and t.finish_s > t.start_s and (t.colocated or not colocated)
+        if t.state == "finished"
+        and t.estimated_s > 0
+        and t.finish_s > t.start_s
+        and (t.colocated or not colocated)
+        and t.num_devices >= min_gang
     ]
+
+
+def runtime_bias(tasks: Sequence[TaskRecord], min_gang: int = 1) -> float:
+    """The median of :func:`runtime_log_ratios`; nan when there is none."""
+    ratios = runtime_log_ratios(tasks, min_gang=min_gang)
+    return float(np.median(ratios)) if ratios else math.nan
 
 
 def runtime_error(tasks: Sequence[TaskRecord], colocated: bool = False) -> float:
@@ -381,6 +402,8 @@ def compute_metrics(result: SimResult, longest: int = 10) -> dict[str, float]:
         "runtime_error": runtime_error(result.tasks),
         "runtime_error_colocated": runtime_error(result.tasks, colocated=True),
         "colocated_tasks": float(len(runtime_errors(result.tasks, colocated=True))),
+        "runtime_bias": runtime_bias(result.tasks),
+        "runtime_bias_gangs": runtime_bias(result.tasks, min_gang=LARGE_GANG),
         "jobs": float(len(jobs)),
         "jobs_finished": float(len(done)),
         "tasks_unfinished": float(sum(t.state != "finished" for t in result.tasks)),

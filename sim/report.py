@@ -29,7 +29,8 @@ TABLE_METRICS = (
     "jct_gap",
     "runtime_error",
 )
-# The second table: medians, percentiles and windows that stay meaningful on heavy-tailed traces.
+# The second table: medians, percentiles and windows that stay meaningful on heavy-tailed traces,
+# and the run-time estimates' bias (signed: where they run long or short, and for large gangs).
 ROBUST_TABLE_METRICS = (
     "jct_p50_s",
     "queue_p50_s",
@@ -41,6 +42,8 @@ ROBUST_TABLE_METRICS = (
     "jct_mean_s_rest",
     "jct_p50_s_rest",
     "longest_work_share",
+    "runtime_bias",
+    "runtime_bias_gangs",
 )
 # Runs on shared devices (hlb.sim.metrics.share_metrics): allocation, fragmentation, saturation.
 SHARE_TABLE_METRICS = (
@@ -361,7 +364,8 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
     table = table_markdown(document["summary"])
     robust = [m for m in ROBUST_TABLE_METRICS if all(m in row["metrics"] for row in document["summary"])]
     if robust:
-        table += "\n## Medians, windows and the longest jobs\n\n" + table_markdown(document["summary"], robust)
+        table += "\n## Medians, windows, the longest jobs and the estimates' bias\n\n"
+        table += table_markdown(document["summary"], robust)
     shared = [row for row in document["summary"] if "gpu_allocation" in row["metrics"]]
     if shared:
         table += "\n## Shared devices: allocation and fragmentation (GPU-equivalents)\n\n" + table_markdown(

@@ -114,6 +114,28 @@ def test_the_run_time_error_of_colocated_tasks_counts_only_those() -> None:
     assert math.isnan(compute_metrics(result_of(tasks[:2]))["runtime_error_colocated"])
 
 
+def test_the_run_time_bias_is_signed_and_kept_apart_for_large_gangs() -> None:
+    """Where the error says how far the estimates are off, the bias says which way: long (above
+    0) or short; the large gangs' own shows where they go one way while the rest goes the other."""
+
+    def ran(task_id: str, estimated_s: float, gang: int) -> TaskRecord:
+        return record(task_id, state="finished", start_s=0.0, finish_s=100.0, estimated_s=estimated_s, num_devices=gang)
+
+    tasks = [
+        ran("short1/x", 50.0, 1),  # log 1/2
+        ran("short2/x", 50.0, 1),
+        ran("short3/x", 25.0, 2),  # log 1/4
+        ran("gang1/x", 300.0, 8),  # log 3
+        ran("gang2/x", 200.0, 16),  # log 2
+        record("unfinished/x", estimated_s=10.0, num_devices=8),  # no observed run time
+    ]
+    metrics = compute_metrics(result_of(tasks))
+    assert metrics["runtime_bias"] == pytest.approx(math.log(0.5))
+    assert metrics["runtime_bias_gangs"] == pytest.approx((math.log(3.0) + math.log(2.0)) / 2)  # their median
+    assert metrics["runtime_error"] == pytest.approx(math.log(2.0))
+    assert math.isnan(compute_metrics(result_of(tasks[:3]))["runtime_bias_gangs"])
+
+
 def test_metrics_of_a_hand_made_run() -> None:
     tasks = [
         record("a/x", state="finished", finish_s=20.0, queue_s=10.0),
