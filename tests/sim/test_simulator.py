@@ -256,6 +256,8 @@ def test_estimate_error_changes_what_the_scheduler_is_told_not_the_work_that_run
     # waiting and shortest-first order compare estimates of different tasks, so it decides otherwise.
     noisy_greedy, exact_greedy = run(1.0, "hetero-greedy")[1], run(0.0, "hetero-greedy")[1]
     assert noisy_greedy.pop("runtime_error") > exact_greedy.pop("runtime_error")
+    for estimates in ("runtime_bias", "runtime_bias_gangs"):  # of the estimates, not of what ran
+        assert noisy_greedy.pop(estimates) != exact_greedy.pop(estimates)
     assert noisy_greedy == exact_greedy
     gnn = [
         compute_metrics(simulate(catalogue, inventory, tasks, make_sim_policy("gnn"), 4, SimConfig(estimate_sigma=s)))
