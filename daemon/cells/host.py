@@ -217,7 +217,7 @@ class CellHost:
                 if isinstance(new, ReloadResult):
                     return
                 self.settings, result = await apply_settings(
-                    new, self.settings, lambda key: reloader_for(self.reloaders, set(RESTART_ONLY), key)
+                    new, self.settings, lambda key: reloader_for(self.reloaders, RESTART_ONLY, key)
                 )
                 for run in list(self.shards.values()):
                     if run.daemon is not None:

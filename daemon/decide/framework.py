@@ -379,14 +379,11 @@ class PluginPolicy(Policy):
         self.filters = tuple(filters)
         self.scores = tuple(scores)
         self.permits = tuple(permits)
-        # A batch's cached scores skip the filters and score plugins (which read the whole graph):
-        # only a scorer without them may be cached.
-        self.row_local = scorer.row_local and not self.filters and not self.scores
-        self.binding_lowers_scores = scorer.binding_lowers_scores and not self.scores
 
     def row_local_for(self, spec: ev.TaskSpec) -> bool:
         """The scorer's, for a task that no filter narrows and no score plugin rescores (most tasks:
-        the rules' filter is for services, their score plugin for shares)."""
+        the rules' filter is for services, their score plugin for shares): a batch's cached scores
+        skip the filters and score plugins, which read the whole graph."""
         if not self.scorer.row_local_for(spec) or self._rescores(spec):
             return False
         for plugin in self.filters:  # a loop, not any(): a batch asks for every task

@@ -234,7 +234,7 @@ class Daemon:
             "leases.": self._reload_leases,
         }
         # Keys under a reloader's section that it cannot apply: the graph is built with them.
-        self.restart_only = set(RESTART_ONLY)
+        self.restart_only = RESTART_ONLY
         self._monotonic = monotonic
         self._ingestor: Ingestor | None = None
         self.snapshots: snapshot.SnapshotStore | None = (

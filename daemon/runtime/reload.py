@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,7 @@ async def apply_settings(
     return effective, ReloadResult(tuple(applied), tuple(needs_restart), tuple(failed))
 
 
-def reloader_for(reloaders: dict[str, Reloader], restart_only: set[str], key: str) -> Reloader | None:
+def reloader_for(reloaders: dict[str, Reloader], restart_only: AbstractSet[str], key: str) -> Reloader | None:
     """The reloader of dotted ``key``: the one registered for it or for its longest section
     prefix (``"scheduler."``); None when it needs a restart."""
     if key in restart_only:
