@@ -232,8 +232,18 @@ class CellHost:
 
     def dump_state(self) -> list[Path]:
         """SIGUSR1: each running shard writes its state dump (``hlb.daemon.record.statedump``) to
-        its own state directory, ``<state_dir>/shards/<partition>/state-dump.json``."""
-        return [run.daemon.dump_state() for run in list(self.shards.values()) if run.daemon is not None]
+        its own state directory, ``<state_dir>/shards/<partition>/state-dump.json``. A shard whose
+        dump cannot be written (a full disk) is logged and the others still write theirs; returns
+        the dumps written."""
+        written: list[Path] = []
+        for run in list(self.shards.values()):
+            if run.daemon is None:
+                continue
+            try:
+                written.append(run.daemon.dump_state())
+            except OSError as exc:
+                log.error("state dump not written", shard=run.shard, error=str(exc))
+        return written
 
     def _registries(self) -> list[tuple[int, str, CollectorRegistry]]:
         """Each running shard's metrics, for the instance's ``/metrics`` (its HTTP thread)."""

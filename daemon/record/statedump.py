@@ -87,9 +87,13 @@ def write_dump(state: dict[str, Any], state_dir: Path) -> Path:
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / DUMP_NAME
     partial = path.with_suffix(".json.partial")
-    with partial.open("w") as out:
-        json.dump(state, out, sort_keys=True)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, path)
+    try:
+        with partial.open("w") as out:
+            json.dump(state, out, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+    except OSError:  # a full disk: no half-written file left beside the last good dump
+        partial.unlink(missing_ok=True)
+        raise
     return path
