@@ -63,11 +63,16 @@ class TrainConfig:
     hidden: int = 32
     rounds: int = 2
     message_passing: bool = True
+    # Weigh each training example by its gang's devices (a gang's estimate decides that many
+    # devices' time); False: every finished task weighs one.
+    weight_gangs: bool = False
     seed: int = 0
 
     def describe(self) -> str:
         stages = "; ".join(s.label() for s in self.stages)
         graph = "with message passing" if self.message_passing else "without message passing (gnn-no-graph)"
+        if self.weight_gangs:
+            graph += ", examples weighted by their gangs' devices"
         return (
             f"speed ratios of executions logged with hidden truth, Gaussian NLL, {graph}; "
             f"{self.episodes} episodes per stage (families {', '.join(TRAIN_FAMILIES)}, seeds >= "

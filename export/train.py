@@ -64,11 +64,14 @@ class Batch:
     shape_x: Tensor  # [B, S]
     prior_x: Tensor  # [B, P]
     labels: Tensor  # [B]
+    weights: Tensor  # [B] each example's weight in the loss (1, or its gang's devices)
 
 
-def to_batches(episodes: Sequence[Episode], message_passing: bool) -> list[Batch]:
-    """Group every episode's examples by snapshot into tensors."""
+def to_batches(episodes: Sequence[Episode], message_passing: bool, weight_gangs: bool = False) -> list[Batch]:
+    """Group every episode's examples by snapshot into tensors; ``weight_gangs``: each example
+    weighs as many as its gang's devices (else 1)."""
     names = feat.encoder_feed_names()
+    gang = feat.names(feat.SHAPE_FEATURES).index("gang")
     out: list[Batch] = []
     for episode in episodes:
         by_snapshot: dict[int, list[int]] = {}
@@ -85,6 +88,10 @@ def to_batches(episodes: Sequence[Episode], message_passing: bool) -> list[Batch
                     shape_x=torch.from_numpy(np.stack([e.shape_x for e in examples])),
                     prior_x=torch.from_numpy(np.stack([e.prior_x for e in examples])),
                     labels=torch.tensor([e.label for e in examples], dtype=torch.float32),
+                    weights=torch.tensor(
+                        [round(float(np.expm1(e.shape_x[gang]))) if weight_gangs else 1.0 for e in examples],
+                        dtype=torch.float32,
+                    ),
                 )
             )
     return out
@@ -97,10 +104,12 @@ def predict(model: HlbGnn, batch: Batch) -> Tensor:
     return out
 
 
-def gaussian_nll(out: Tensor, labels: Tensor) -> Tensor:
-    """Mean negative log-likelihood (without the constant) of ``labels`` [B] under [B, 2] = (mean, log sd)."""
+def gaussian_nll(out: Tensor, labels: Tensor, weights: Tensor | None = None) -> Tensor:
+    """Mean negative log-likelihood (without the constant) of ``labels`` [B] under [B, 2] = (mean, log
+    sd), each example weighted by ``weights`` [B] when given."""
     mean, log_sigma = out[:, 0], out[:, 1]
-    return (log_sigma + 0.5 * ((labels - mean) * torch.exp(-log_sigma)) ** 2).mean()
+    nll = log_sigma + 0.5 * ((labels - mean) * torch.exp(-log_sigma)) ** 2
+    return nll.mean() if weights is None else (nll * weights).sum() / weights.sum()
 
 
 class Trainer:
@@ -139,7 +148,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(_plain(asdict(self.config)), indent=1) + "\n")
         self.say(f"hlb train: {self.describe()}")
-        train = to_batches(train_episodes, self.config.message_passing)
+        train = to_batches(train_episodes, self.config.message_passing, self.config.weight_gangs)
         validation = to_batches(validation_episodes, self.config.message_passing)
         n_train = sum(len(b.labels) for b in train)
         self.say(f"data: {n_train} training and {sum(len(b.labels) for b in validation)} validation examples")
@@ -233,11 +242,15 @@ class Trainer:
             group = [batches[i] for i in order[start : start + step].tolist()]
             optimizer.zero_grad()
             n = sum(len(b.labels) for b in group)
-            loss = sum((gaussian_nll(predict(self.model, b), b.labels) * len(b.labels) for b in group), torch.zeros(()))
-            (loss / n).backward()  # type: ignore[no-untyped-call]
+            weight = sum(float(b.weights.sum()) for b in group)
+            loss = sum(
+                (gaussian_nll(predict(self.model, b), b.labels, b.weights) * float(b.weights.sum()) for b in group),
+                torch.zeros(()),
+            )
+            (loss / weight).backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 5.0)
             optimizer.step()
-            total += float(loss.detach())
+            total += float(loss.detach()) * n / weight
             count += n
         return total / max(count, 1)
 

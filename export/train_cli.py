@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train without message passing (every neighbour list empty): the gnn-no-graph ablation",
     )
+    parser.add_argument(
+        "--weight-gangs",
+        action="store_true",
+        help="weigh each training example by its gang's devices in the loss (default: each task weighs one)",
+    )
     parser.add_argument("--data", type=Path, help="train on the data.pt of an earlier run instead of logging anew")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    config = replace(config, **overrides, message_passing=not args.no_graph)
+    config = replace(config, **overrides, message_passing=not args.no_graph, weight_gangs=args.weight_gangs)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     say = lambda line: print(line, flush=True)  # noqa: E731

@@ -93,6 +93,17 @@ def test_gaussian_nll_is_lowest_where_the_sd_equals_the_error() -> None:
     assert at_error < float(train.gaussian_nll(narrower, torch.tensor([0.3])))
 
 
+def test_weighted_gaussian_nll_counts_each_example_as_many_times_as_its_weight() -> None:
+    out = torch.tensor([[0.5, math.log(2.0)], [-1.0, 0.0], [0.0, -1.0]])
+    labels = torch.tensor([1.5, -1.0, 0.5])
+    weights = torch.tensor([1.0, 4.0, 2.0])
+    repeated = [0, 1, 1, 1, 1, 2, 2]
+    expected = float(train.gaussian_nll(out[repeated], labels[repeated]))
+    assert float(train.gaussian_nll(out, labels, weights)) == pytest.approx(expected, rel=1e-6)
+    unweighted = float(train.gaussian_nll(out, labels))
+    assert float(train.gaussian_nll(out, labels, torch.ones(3))) == pytest.approx(unweighted)
+
+
 # -- logged simulations --------------------------------------------------------------------------
 
 
@@ -183,6 +194,12 @@ def test_batches_group_examples_by_snapshot_and_drop_edges_without_message_passi
     with_graph = train.to_batches([episode], message_passing=True)
     without = train.to_batches([episode], message_passing=False)
     assert len(with_graph) == len(episode.snapshots)
+    assert all(float(w) == 1.0 for b in with_graph for w in b.weights)
+    weighted = train.to_batches([episode], message_passing=True, weight_gangs=True)
+    column = feat.names(feat.SHAPE_FEATURES).index("gang")
+    gangs = sorted(int(np.rint(np.expm1(e.shape_x[column]))) for e in episode.examples)
+    assert sorted(int(w) for b in weighted for w in b.weights) == gangs
+    assert max(gangs) > 1  # the tiny workload has gangs
     np.testing.assert_allclose(
         sorted(float(x) for b in with_graph for x in b.labels), sorted(e.label for e in episode.examples), atol=1e-6
     )
