@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from hlb.daemon.runtime.metrics import SCHEDULER_RPCS
+from hlb.daemon.runtime.metrics import count_rate_limited, rate_limited_counter
 
 # (shard, its cell, its registry) of each shard running now
 Shards = Callable[[], Iterable[tuple[int, str, CollectorRegistry]]]
@@ -52,18 +52,11 @@ class InstanceMetrics:
     def __init__(self, shards: Shards) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ShardMetrics(shards))
-        self.rate_limited = Counter(
-            "hlb_rpc_rate_limited",
-            "RPCs refused with RESOURCE_EXHAUSTED by the instance's request-rate limit.",
-            ["rpc"],
-            registry=self.registry,
-        )
-        for rpc in SCHEDULER_RPCS:  # at zero from the start (docs/monitoring.md)
-            self.rate_limited.labels(rpc=rpc)
+        self.rate_limited = rate_limited_counter(self.registry, "the instance's request-rate limit")
 
     def count_rate_limited(self, method: str) -> None:
         """One RPC refused; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
-        self.rate_limited.labels(rpc=method.rpartition("/")[2]).inc()
+        count_rate_limited(self.rate_limited, method)
 
 
 __all__ = ["INSTANCE_FAMILIES", "InstanceMetrics", "ShardMetrics"]

@@ -114,6 +114,22 @@ class StateSample:
 StateProvider = Callable[[], StateSample]
 
 
+def rate_limited_counter(registry: CollectorRegistry, limit: str) -> Counter:
+    """``hlb_rpc_rate_limited_total`` in ``registry``: the RPCs ``limit`` refused, by RPC, each at
+    zero from the start (docs/monitoring.md)."""
+    counter = Counter(
+        "hlb_rpc_rate_limited", f"RPCs refused with RESOURCE_EXHAUSTED by {limit}.", ["rpc"], registry=registry
+    )
+    for rpc in SCHEDULER_RPCS:
+        counter.labels(rpc=rpc)
+    return counter
+
+
+def count_rate_limited(counter: Counter, method: str) -> None:
+    """One RPC refused; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
+    counter.labels(rpc=method.rpartition("/")[2]).inc()
+
+
 class DaemonMetrics:
     """All of hlb's metrics, on one registry. Instruments are attributes; observed values come from ``state``.
 
@@ -137,12 +153,7 @@ class DaemonMetrics:
         self.rpcs = Counter(
             "hlb_rpc_requests", "Unary RPCs answered, by RPC and status code.", ["rpc", "code"], registry=r
         )
-        self.rate_limited = Counter(
-            "hlb_rpc_rate_limited",
-            "RPCs refused with RESOURCE_EXHAUSTED by the request-rate limit.",
-            ["rpc"],
-            registry=r,
-        )
+        self.rate_limited = rate_limited_counter(r, "the request-rate limit")
         self.placements = Counter(
             "hlb_placements", "Placements recorded in the ledger, by policy.", ["policy"], registry=r
         )
@@ -217,7 +228,6 @@ class DaemonMetrics:
         self.start_time = Gauge("hlb_start_time_seconds", "When the daemon started (Unix time).", registry=r)
         self.start_time.set(time.time())
         at_zero: list[tuple[Counter, str, Sequence[str]]] = [
-            (self.rate_limited, "rpc", SCHEDULER_RPCS),
             (self.reloads, "result", RELOAD_RESULTS),
             (self.fallbacks, "reason", FALLBACK_REASONS),
             (self.decisions_withdrawn, "kind", DECISION_KINDS),
@@ -249,8 +259,8 @@ class DaemonMetrics:
             self.decision_latency.labels(rpc=rpc, policy=policy).observe(seconds)
 
     def count_rate_limited(self, method: str) -> None:
-        """Count one RPC refused by the rate limit; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
-        self.rate_limited.labels(rpc=method.rpartition("/")[2]).inc()
+        """One RPC refused; ``method`` is gRPC's full name (/pkg.Service/Rpc)."""
+        count_rate_limited(self.rate_limited, method)
 
     def observe_shadow_error(self, model: str, error: float) -> None:
         """One finished task's absolute error in log speed ratio of ``model`` (running, candidate, profiles)."""
