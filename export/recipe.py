@@ -44,6 +44,13 @@ DEFAULT_STAGES: tuple[Stage, ...] = (
     Stage("mixed:256", "gavel", 0.8, 600, gangs_only=True),
     Stage("mixed:256", "gavel", 1.0, 600, gangs_only=True),
 )
+# The gangs of the clusters hlb eval runs most: gangs-only simulations on 64 and 128 devices, where
+# 8-device gangs mostly run on one host (the default stages hold few of those; docs/gnn.md,
+# "More gangs in training").
+MORE_GANG_STAGES: tuple[Stage, ...] = (
+    Stage("mixed:64", "gavel", 0.9, 600, gangs_only=True),
+    Stage("mixed:128", "gavel", 0.9, 600, gangs_only=True),
+)
 TINY_STAGES: tuple[Stage, ...] = (Stage("mixed:8", "gavel", 0.8, 12),)
 
 
@@ -83,6 +90,7 @@ class TrainConfig:
 
 PRESETS: dict[str, TrainConfig] = {
     "default": TrainConfig(),
+    "more-gangs": TrainConfig(stages=DEFAULT_STAGES + MORE_GANG_STAGES),
     "tiny": TrainConfig(
         stages=TINY_STAGES, episodes=2, validation_episodes=1, epochs=2, batch_snapshots=4, hidden=8, rounds=1
     ),

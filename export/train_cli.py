@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-PRESET_NAMES = ("default", "tiny")  # hlb.export.recipe.PRESETS (a test keeps the two in step)
+PRESET_NAMES = ("default", "more-gangs", "tiny")  # hlb.export.recipe.PRESETS (a test keeps the two in step)
 MISSING_EXTRA = "hlb train: install the export extra: pip install 'hlb[export]'"
 
 

@@ -48,6 +48,11 @@ def one_torch_thread() -> Iterator[None]:
 
 def test_presets_match_the_command_line() -> None:
     assert set(PRESET_NAMES) == set(recipe.PRESETS)
+    for config in recipe.PRESETS.values():
+        recipe.check_stages(config.stages)  # training families on clusters that can be built
+    more = recipe.PRESETS["more-gangs"].stages
+    assert more[: len(recipe.DEFAULT_STAGES)] == recipe.DEFAULT_STAGES  # the default's, and gangs
+    assert all(stage.gangs_only for stage in more[len(recipe.DEFAULT_STAGES) :])
 
 
 def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
