@@ -46,14 +46,6 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(settings, path))
 
 
-def _dump_state(daemon: Daemon) -> None:
-    """SIGUSR1's state dump; one that cannot be written (a full disk) is logged, never fatal."""
-    try:
-        daemon.dump_state()
-    except OSError as exc:
-        log.error("state dump not written", error=str(exc))
-
-
 async def _serve(settings: Settings, config_path: Path | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -72,7 +64,7 @@ async def _serve(settings: Settings, config_path: Path | None) -> int:
         run = daemon.run
         loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
         # SIGUSR1 writes the canonical state dump, for operators and the fault-injection tests.
-        loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, _dump_state, daemon))
+        loop.add_signal_handler(signal.SIGUSR1, lambda: loop.run_in_executor(None, daemon.dump_state))
     try:
         await run(stop)
     except ConfigError as exc:

@@ -242,9 +242,13 @@ class Trainer:
             group = [batches[i] for i in order[start : start + step].tolist()]
             optimizer.zero_grad()
             n = sum(len(b.labels) for b in group)
-            weight = sum(float(b.weights.sum()) for b in group)
+            weights = [float(b.weights.sum()) for b in group]
+            weight = sum(weights)
             loss = sum(
-                (gaussian_nll(predict(self.model, b), b.labels, b.weights) * float(b.weights.sum()) for b in group),
+                (
+                    gaussian_nll(predict(self.model, b), b.labels, b.weights) * w
+                    for b, w in zip(group, weights, strict=True)
+                ),
                 torch.zeros(()),
             )
             (loss / weight).backward()  # type: ignore[no-untyped-call]

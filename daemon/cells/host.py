@@ -232,18 +232,10 @@ class CellHost:
 
     def dump_state(self) -> list[Path]:
         """SIGUSR1: each running shard writes its state dump (``hlb.daemon.record.statedump``) to
-        its own state directory, ``<state_dir>/shards/<partition>/state-dump.json``. A shard whose
-        dump cannot be written (a full disk) is logged and the others still write theirs; returns
-        the dumps written."""
-        written: list[Path] = []
-        for run in list(self.shards.values()):
-            if run.daemon is None:
-                continue
-            try:
-                written.append(run.daemon.dump_state())
-            except OSError as exc:
-                log.error("state dump not written", shard=run.shard, error=str(exc))
-        return written
+        its own state directory, ``<state_dir>/shards/<partition>/state-dump.json``; returns the
+        dumps written (one that could not be, a full disk, is logged by its shard)."""
+        dumps = [run.daemon.dump_state() for run in list(self.shards.values()) if run.daemon is not None]
+        return [path for path in dumps if path is not None]
 
     def _registries(self) -> list[tuple[int, str, CollectorRegistry]]:
         """Each running shard's metrics, for the instance's ``/metrics`` (its HTTP thread)."""

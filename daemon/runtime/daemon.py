@@ -544,15 +544,21 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await server.health.set(name, status)
 
-    def dump_state(self) -> Path:
-        """Write the canonical state dump (``hlb.daemon.record.statedump``) to the state directory."""
+    def dump_state(self) -> Path | None:
+        """Write the canonical state dump (``hlb.daemon.record.statedump``) to the state directory;
+        None when it cannot be written (a full disk: logged, the last good dump kept)."""
         with self.lock:
             state = canonical_state(self.scheduler)
             if self._ingestor is not None:
                 stats = self._ingestor.stats
                 state["ingest"] = {"applied": stats.applied, "rejected": dict(stats.rejected)}
-            state.update(self.dump_labels())
-        path = write_dump(state, self.settings.state_dir)
+            labels = self.dump_labels()
+            state.update(labels)
+        try:
+            path = write_dump(state, self.settings.state_dir)
+        except OSError as exc:
+            log.error("state dump not written", error=str(exc), **labels)
+            return None
         log.info("state dumped", path=str(path))
         return path
 

@@ -278,32 +278,24 @@ def test_a_state_dump_the_disk_does_not_take_keeps_the_last_one_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hlb.daemon.cells.host import CellHost, ShardRun
-    from hlb.daemon.main import _dump_state
-    from hlb.daemon.record.statedump import DUMP_NAME, write_dump
+    from hlb.daemon.cells.shard import Shard
+    from hlb.daemon.record.statedump import DUMP_NAME
 
-    good, full = tmp_path / "good", tmp_path / "full"
+    host = CellHost(memory_settings(tmp_path))
+    shards = [Shard(host._shard_settings(host.settings, n), MemoryBus(), n) for n in range(2)]
+    for shard in shards:
+        host.shards[shard.shard] = ShardRun(shard.shard, daemon=shard)
+    full = shards[0].settings.state_dir
     disk = DiskFull(monkeypatch, full)
-    first = write_dump({"n": 1}, full)
+    first = shards[0].dump_state()
+    assert first == full / DUMP_NAME
+    kept = first.read_text()
     disk.full = True
-    with pytest.raises(OSError, match="No space left"):
-        write_dump({"n": 2}, full)
-    assert sorted(p.name for p in full.iterdir()) == [DUMP_NAME]  # no partial file beside it
-    assert first.read_text() == '{"n": 1}'
-
-    class Dumping:  # a shard's dump_state, into its own folder
-        def __init__(self, folder: Path) -> None:
-            self.folder = folder
-
-        def dump_state(self) -> Path:
-            return write_dump({"shard": self.folder.name}, self.folder)
-
-    host = CellHost(memory_settings(tmp_path / "host"))
-    for shard, folder in enumerate((full, good)):
-        host.shards[shard] = ShardRun(shard, daemon=Dumping(folder))  # type: ignore[arg-type]
     with capture_logs() as logs:
         written = host.dump_state()
-        _dump_state(Dumping(full))  # type: ignore[arg-type]
-    assert written == [good / DUMP_NAME]  # the shard after the one that failed still wrote its dump
-    failures = [entry for entry in logs if entry["event"] == "state dump not written"]
-    assert [entry.get("shard") for entry in failures] == [0, None]
-    assert all("No space left" in entry["error"] for entry in failures)
+    assert written == [shards[1].settings.state_dir / DUMP_NAME]  # the other shard still wrote its dump
+    assert sorted(p.name for p in full.iterdir()) == [DUMP_NAME]  # no partial file beside the last good one
+    assert first.read_text() == kept
+    (failure,) = [entry for entry in logs if entry["event"] == "state dump not written"]
+    assert failure["shard"] == 0
+    assert "No space left" in failure["error"]
