@@ -78,9 +78,10 @@ test: install-export kafka tools lint
 demo: install kafka
 	$(PY) -m hlb.cli demo --duration $(DURATION)
 
-# The shipped GNN and its no-graph ablation: the default training recipe (logged simulations, then
-# about 20 minutes of fitting per model on 2 cores; an hour in all), the second model on the first
-# one's data, then hlb export into the package. CI never runs this; it trains a tiny model in the tests.
+# The shipped GNN and its no-graph ablation: the default training recipe (192 logged simulations,
+# 43 minutes on 2 cores when logged in one process, now in two (hlb train --workers); then about 17
+# minutes of fitting per model), the second model on the first one's data, then hlb export into the
+# package. CI never runs this; it trains a tiny model in the tests.
 TRAIN_OUT ?= .cache/train
 model: install-export
 	rm -rf $(TRAIN_OUT)

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +39,8 @@ from torch import Tensor
 from hlb.daemon.decide.gnn import features as feat
 from hlb.export.dataset import Episode, simulate
 from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
-from hlb.export.recipe import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, TrainConfig
-from hlb.sim.catalogue import load_catalogue
+from hlb.export.recipe import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, Stage, TrainConfig
+from hlb.sim.catalogue import Catalogue, load_catalogue
 
 DATA_FORMAT = "hlb-speed-data/1"
 
@@ -112,6 +116,38 @@ def gaussian_nll(out: Tensor, labels: Tensor, weights: Tensor | None = None) -> 
     return nll.mean() if weights is None else (nll * weights).sum() / weights.sum()
 
 
+@dataclass(frozen=True)
+class LogJob:
+    """One logged simulation of :meth:`Trainer.episodes`: its stage, seed and exploration."""
+
+    stage: Stage
+    seed: int
+    is_train: bool
+    explore: float
+    explore_sigma: float
+
+
+@lru_cache(maxsize=1)
+def _catalogue() -> Catalogue:
+    return load_catalogue()
+
+
+def log_one(job: LogJob) -> Episode:
+    """Run and log one simulation (in a worker process too: everything it needs is in ``job``)."""
+    stage = job.stage
+    return simulate(
+        _catalogue(),
+        stage.cluster,
+        stage.workload,
+        stage.load,
+        stage.jobs,
+        job.seed,
+        job.explore,
+        job.explore_sigma,
+        gangs_only=stage.gangs_only,
+    )
+
+
 class Trainer:
     """Runs :class:`TrainConfig` end to end into ``out`` (data.pt, train.jsonl, best.pt, final.pt)."""
 
@@ -122,12 +158,14 @@ class Trainer:
         say: Callable[[str], None],
         progress: bool = True,
         data: Path | None = None,
+        workers: int = 1,
     ) -> None:
         self.config = config
         self.out = out
         self.say = say
         self.progress = progress
         self.data = data
+        self.workers = max(1, workers)  # processes that log simulations (1: this one)
         torch.manual_seed(config.seed)
         model_config = ModelConfig(hidden=config.hidden, rounds=config.rounds, message_passing=config.message_passing)
         self.model = HlbGnn(model_config)
@@ -201,10 +239,9 @@ class Trainer:
                 raise ValueError(f"{self.data}: not hlb training data ({DATA_FORMAT})") from None
             self.say(f"data: read {self.data} ({self.data_description})")
             return loaded
-        catalogue = load_catalogue()
         c = self.config
         runs = [
-            (stage, base + stage_index * 1000 + i, is_train)
+            LogJob(stage, base + stage_index * 1000 + i, is_train, c.explore, c.explore_sigma)
             for stage_index, stage in enumerate(c.stages)
             for base, count, is_train in (
                 (TRAIN_SEED_BASE, c.episodes, True),
@@ -214,19 +251,10 @@ class Trainer:
         ]
         train: list[Episode] = []
         validation: list[Episode] = []
-        for stage, seed, is_train in self._bar(runs, "logging simulations"):
-            episode = simulate(
-                catalogue,
-                stage.cluster,
-                stage.workload,
-                stage.load,
-                stage.jobs,
-                seed,
-                c.explore,
-                c.explore_sigma,
-                gangs_only=stage.gangs_only,
-            )
-            (train if is_train else validation).append(episode)
+        with self._pool(len(runs)) as pool:
+            logged = map(log_one, runs) if pool is None else pool.map(log_one, runs)
+            for job, episode in zip(runs, self._bar(logged, "logging simulations", len(runs)), strict=True):
+                (train if job.is_train else validation).append(episode)
         document = {"format": DATA_FORMAT, "description": c.describe(), "train": train, "validation": validation}
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(document, self.out / "data.pt")
@@ -302,12 +330,20 @@ class Trainer:
         )
         return summary
 
-    def _bar(self, items: Sequence[Any], label: str) -> Any:
+    def _pool(self, runs: int) -> AbstractContextManager[ProcessPoolExecutor | None]:
+        """The processes that log simulations: none (this one) with one worker, else ``workers``
+        spawned ones (not forked: torch's threads do not survive a fork). Every simulation has its
+        own seed and the episodes come back in order, so the data are the same either way."""
+        if self.workers == 1 or runs < 2:
+            return nullcontext()
+        return ProcessPoolExecutor(min(self.workers, runs), mp_context=multiprocessing.get_context("spawn"))
+
+    def _bar(self, items: Iterable[Any], label: str, total: int | None = None) -> Any:
         if not self.progress:
             return items
         from tqdm import tqdm
 
-        return tqdm(items, desc=label, leave=False)
+        return tqdm(items, desc=label, leave=False, total=total)
 
 
 def _plain(value: Any) -> Any:

@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-PRESET_NAMES = ("default", "more-gangs", "tiny")  # hlb.export.recipe.PRESETS (a test keeps the two in step)
+PRESET_NAMES = ("default", "few-gangs", "tiny")  # hlb.export.recipe.PRESETS (a test keeps the two in step)
 MISSING_EXTRA = "hlb train: install the export extra: pip install 'hlb[export]'"
 
 
@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--data", type=Path, help="train on the data.pt of an earlier run instead of logging anew")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="processes that log the simulations (1: this one; the data are the same)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (epoch summaries only)")
 
 
@@ -67,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2
     overrides = {k: getattr(args, k) for k in ("episodes", "epochs", "seed") if getattr(args, k) is not None}
-    if any(v < 0 for v in overrides.values()) or overrides.get("epochs") == 0:
-        print("hlb train: --episodes and --seed must be >= 0, --epochs >= 1", file=sys.stderr)
+    if any(v < 0 for v in overrides.values()) or overrides.get("epochs") == 0 or args.workers < 1:
+        print("hlb train: --episodes and --seed must be >= 0, --epochs and --workers >= 1", file=sys.stderr)
         return 2
     if args.data is not None and not args.data.is_file():
         print(f"hlb train: --data {args.data}: no such file", file=sys.stderr)
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     say = lambda line: print(line, flush=True)  # noqa: E731
-    trainer = train.Trainer(config, args.out, say, progress=not args.no_progress, data=args.data)
+    trainer = train.Trainer(config, args.out, say, progress=not args.no_progress, data=args.data, workers=args.workers)
     try:
         best = trainer.run()
     except (FileExistsError, ValueError) as error:

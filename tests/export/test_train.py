@@ -50,9 +50,10 @@ def test_presets_match_the_command_line() -> None:
     assert set(PRESET_NAMES) == set(recipe.PRESETS)
     for config in recipe.PRESETS.values():
         recipe.check_stages(config.stages)  # training families on clusters that can be built
-    more = recipe.PRESETS["more-gangs"].stages
-    assert more[: len(recipe.DEFAULT_STAGES)] == recipe.DEFAULT_STAGES  # the default's, and gangs
-    assert all(stage.gangs_only for stage in more[len(recipe.DEFAULT_STAGES) :])
+    default, few = recipe.PRESETS["default"].stages, recipe.PRESETS["few-gangs"].stages
+    assert default[: len(few)] == few  # the recipe shipped before, and gangs
+    assert len(default) > len(few)
+    assert all(stage.gangs_only for stage in default[len(few) :])
 
 
 def test_parse_stage_and_check_stages_refuse_bad_or_held_out_stages() -> None:
@@ -258,6 +259,23 @@ def test_training_learns_a_speed_that_depends_on_the_device(tmp_path: Path) -> N
     _, version, description = load_checkpoint(best)
     assert version.startswith("hlb-gnn-")
     assert "with message passing" in description
+
+
+def test_logging_in_worker_processes_gives_the_same_examples(tmp_path: Path) -> None:
+    tiny = recipe.PRESETS["tiny"]
+
+    def logged(workers: int) -> tuple[list[dataset.Episode], list[dataset.Episode]]:
+        return train.Trainer(tiny, tmp_path / str(workers), lambda _: None, progress=False, workers=workers).episodes()
+
+    here, pooled = logged(1), logged(2)
+    for one, two in zip(here, pooled, strict=True):  # training, then validation episodes, in order
+        assert len(one) == len(two) > 0
+        for a, b in zip(one, two, strict=True):
+            assert [(e.snapshot, e.position, e.label, e.explored) for e in a.examples] == [
+                (e.snapshot, e.position, e.label, e.explored) for e in b.examples
+            ]
+            assert all(np.array_equal(x.shape_x, y.shape_x) for x, y in zip(a.examples, b.examples, strict=True))
+            assert len(a.snapshots) == len(b.snapshots)
 
 
 def test_tiny_training_writes_its_files_and_a_second_run_reuses_the_data(
