@@ -70,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"hlb train: {error}", file=sys.stderr)
         return 2
     overrides = {k: getattr(args, k) for k in ("episodes", "epochs", "seed") if getattr(args, k) is not None}
-    if any(v < 0 for v in overrides.values()) or overrides.get("epochs") == 0 or args.workers < 1:
-        print("hlb train: --episodes and --seed must be >= 0, --epochs and --workers >= 1", file=sys.stderr)
+    if any(v < 0 for v in overrides.values()) or overrides.get("epochs") == 0:
+        print("hlb train: --episodes and --seed must be >= 0, --epochs >= 1", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print("hlb train: --workers must be >= 1", file=sys.stderr)
         return 2
     if args.data is not None and not args.data.is_file():
         print(f"hlb train: --data {args.data}: no such file", file=sys.stderr)

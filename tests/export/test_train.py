@@ -355,6 +355,8 @@ def test_train_command_reports_bad_arguments(tmp_path: Path, capsys: pytest.Capt
     assert "CLUSTER/WORKLOAD/LOAD/JOBS" in capsys.readouterr().err
     assert main(["train", "--out", out, "--preset", "tiny", "--epochs", "0"]) == 2
     assert "--epochs >= 1" in capsys.readouterr().err
+    assert main(["train", "--out", out, "--preset", "tiny", "--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
     assert main(["train", "--out", out, "--preset", "tiny", "--episodes", "-1"]) == 2
     assert "--episodes" in capsys.readouterr().err
     assert main(["train", "--out", out, "--preset", "tiny", "--data", str(tmp_path / "missing.pt")]) == 2
