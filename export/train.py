@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from hlb.daemon.decide.gnn import features as feat
 from hlb.export.dataset import Episode, simulate
 from hlb.export.model import HlbGnn, ModelConfig, save_checkpoint
 from hlb.export.recipe import TRAIN_SEED_BASE, VALIDATION_SEED_BASE, Stage, TrainConfig
-from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.catalogue import shipped_catalogue
 
 DATA_FORMAT = "hlb-speed-data/1"
 
@@ -127,16 +126,11 @@ class LogJob:
     explore_sigma: float
 
 
-@lru_cache(maxsize=1)
-def _catalogue() -> Catalogue:
-    return load_catalogue()
-
-
 def log_one(job: LogJob) -> Episode:
     """Run and log one simulation (in a worker process too: everything it needs is in ``job``)."""
     stage = job.stage
     return simulate(
-        _catalogue(),
+        shipped_catalogue(),
         stage.cluster,
         stage.workload,
         stage.load,

@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,12 @@ class Catalogue:
         if alone_a <= 0.0 or alone_b <= 0.0:
             return (0.0, 0.0)
         return (pair[0] / alone_a, pair[1] / alone_b)
+
+
+@lru_cache(maxsize=1)
+def shipped_catalogue() -> Catalogue:
+    """The package's catalogue, loaded once per process (read only, shared by its callers)."""
+    return load_catalogue()
 
 
 def load_catalogue(path: Path = DEFAULT_CATALOGUE_PATH) -> Catalogue:

@@ -30,7 +30,7 @@ from typing import Any
 
 from hlb.daemon.decide.framework import ObjectiveWeights
 from hlb.daemon.state.profiles import PROFILE_KINDS
-from hlb.sim.catalogue import Catalogue, load_catalogue
+from hlb.sim.catalogue import shipped_catalogue
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, HiddenConfig
 from hlb.sim.lookahead import LookaheadPolicy
 from hlb.sim.metrics import compute_metrics, job_outcomes, longest_jobs
@@ -85,14 +85,9 @@ class RunSpec:
     lookahead: LookaheadSettings = field(default_factory=LookaheadSettings)  # policy lookahead's bounds
 
 
-@lru_cache(maxsize=1)
-def _catalogue() -> Catalogue:
-    return load_catalogue()
-
-
 @lru_cache(maxsize=4)
 def _inventory(cluster: str, sample_devices: int = 0, sample_seed: int = 0) -> Inventory:
-    inventory = build_cluster(cluster, _catalogue())
+    inventory = build_cluster(cluster, shipped_catalogue())
     return sample_inventory(inventory, sample_devices, sample_seed) if sample_devices else inventory
 
 
@@ -131,7 +126,7 @@ def replay_tasks(spec: RunSpec, capacity: float) -> tuple[list[Task], dict[str, 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """Simulate one run; returns its metrics, JCTs (s) and a timeline (for plots)."""
     inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
-    catalogue = inventory.catalogue(_catalogue())
+    catalogue = inventory.catalogue(shipped_catalogue())
     if spec.workload in WORKLOADS:
         tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
     else:
@@ -507,7 +502,7 @@ def _cluster_document(spec: RunSpec) -> dict[str, Any]:
     """What results.json says of the cluster: its devices per model, which are modelled (and which of
     those from the inventory's nameplates), and how it was sampled."""
     inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
-    catalogue = inventory.catalogue(_catalogue())
+    catalogue = inventory.catalogue(shipped_catalogue())
     modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
     # Physical devices: a MIG partition is counted with its parent, not as a device of its own.
     whole = [d for d in inventory.devices if not d.parent_id]
@@ -559,7 +554,7 @@ def _replays(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
         if spec.workload in WORKLOADS or (spec.workload, spec.load) in seen:
             continue
         inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
-        capacity = v100_equivalents(inventory.catalogue(_catalogue()), inventory)
+        capacity = v100_equivalents(inventory.catalogue(shipped_catalogue()), inventory)
         seen[(spec.workload, spec.load)] = replay_tasks(spec, capacity)[1]
     return list(seen.values())
 
