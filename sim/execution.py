@@ -166,6 +166,7 @@ class ExecutionModel:
             min_device_s=0.0 if fixed or not math.isfinite(ideal) else task.num_devices * device_ideal,
             latency_slo_ms=task.latency_slo_ms,
             deadline_s=task.deadline_s,
+            job_speed=self._job_speed.get(task.job_id, 1.0),
         )
 
     def colocation_fraction(self, model: str, task: Task, others: Sequence[Task]) -> float:

@@ -93,6 +93,11 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("runtime_error", "run-time error (median abs. log of estimated over observed)", "", "lower"),
     # Over the tasks whose final attempt shared a device with another running task (TaskRecord.colocated).
     MetricInfo("runtime_error_colocated", "run-time error, co-located tasks", "", "lower"),
+    # Against the run time at the job's median speed: the hidden per-job draw (HiddenConfig) taken out.
+    MetricInfo("runtime_error_job_removed", "run-time error, job's own speed taken out", "", "lower"),
+    # The prior's (the profiles the policy's estimates correct) on the same placements: paired.
+    MetricInfo("runtime_error_prior", "the prior's run-time error, same tasks", "", "lower"),
+    MetricInfo("runtime_error_prior_job_removed", "the prior's, job's own speed taken out", "", "lower"),
     MetricInfo("colocated_tasks", "co-located tasks estimated", "", ""),
     # Signed: above 0 where the estimates run long, by the median log of estimated over observed.
     MetricInfo("runtime_bias", "run-time bias (median log of estimated over observed)", "", ""),
@@ -194,21 +199,37 @@ def slo_attainment(tasks: Iterable[TaskRecord]) -> float:
     return met / total if total else math.nan
 
 
-def runtime_errors(tasks: Iterable[TaskRecord], colocated: bool = False) -> list[float]:
+def runtime_errors(
+    tasks: Iterable[TaskRecord], colocated: bool = False, job_removed: bool = False, prior: bool = False
+) -> list[float]:
     """``|log(estimated / observed run time)|`` of each finished task the policy estimated (start to
     finish of the final attempt, input transfers excluded); ``colocated``: of those whose final
-    attempt shared a device with another running task only."""
-    return [abs(e) for e in runtime_log_ratios(tasks, colocated)]
+    attempt shared a device with another running task only; ``job_removed``: against the run time
+    at its job's median speed (the observed one times ``TaskRecord.job_speed``), which takes out
+    the one draw no feature shows; ``prior``: of the prior's estimate of the same placements
+    (``TaskRecord.prior_estimated_s``)."""
+    return [abs(e) for e in runtime_log_ratios(tasks, colocated, job_removed=job_removed, prior=prior)]
 
 
-def runtime_log_ratios(tasks: Iterable[TaskRecord], colocated: bool = False, min_gang: int = 1) -> list[float]:
+def runtime_log_ratios(
+    tasks: Iterable[TaskRecord],
+    colocated: bool = False,
+    min_gang: int = 1,
+    job_removed: bool = False,
+    prior: bool = False,
+) -> list[float]:
     """``log(estimated / observed run time)`` of the tasks :func:`runtime_errors` counts, of gangs
-    of ``min_gang`` devices or more only: above 0 where the estimate was long."""
+    of ``min_gang`` devices or more only: above 0 where the estimate was long (``job_removed``,
+    ``prior``: as in :func:`runtime_errors`)."""
     return [
-        math.log(t.estimated_s / (t.finish_s - t.start_s))
+        math.log(
+            (t.prior_estimated_s if prior else t.estimated_s)
+            / ((t.finish_s - t.start_s) * (t.job_speed if job_removed else 1.0))
+        )
         for t in tasks
         if t.state == "finished"
         and t.estimated_s > 0
+        and (t.prior_estimated_s > 0 or not prior)
         and t.finish_s > t.start_s
         and (t.colocated or not colocated)
         and t.num_devices >= min_gang
@@ -221,9 +242,13 @@ def runtime_bias(tasks: Sequence[TaskRecord], min_gang: int = 1) -> float:
     return float(np.median(ratios)) if ratios else math.nan
 
 
-def runtime_error(tasks: Sequence[TaskRecord], colocated: bool = False) -> float:
+def _median(values: Sequence[float]) -> float:
+    return float(np.median(values)) if values else math.nan
+
+
+def runtime_error(tasks: Sequence[TaskRecord], colocated: bool = False, job_removed: bool = False) -> float:
     """The median of :func:`runtime_errors`; nan when there is none."""
-    errors = runtime_errors(tasks, colocated)
+    errors = runtime_errors(tasks, colocated, job_removed)
     return float(np.median(errors)) if errors else math.nan
 
 
@@ -401,6 +426,9 @@ def compute_metrics(result: SimResult, longest: int = 10) -> dict[str, float]:
         "makespan_lb_s": makespan_lb,
         "runtime_error": runtime_error(result.tasks),
         "runtime_error_colocated": runtime_error(result.tasks, colocated=True),
+        "runtime_error_job_removed": runtime_error(result.tasks, job_removed=True),
+        "runtime_error_prior": _median(runtime_errors(result.tasks, prior=True)),
+        "runtime_error_prior_job_removed": _median(runtime_errors(result.tasks, job_removed=True, prior=True)),
         "colocated_tasks": float(len(runtime_errors(result.tasks, colocated=True))),
         "runtime_bias": runtime_bias(result.tasks),
         "runtime_bias_gangs": runtime_bias(result.tasks, min_gang=LARGE_GANG),

@@ -38,10 +38,17 @@ class TaskRecord:
     # The policy's estimate of the final attempt's run time when it was placed (its estimates:
     # profiles, learned corrections included); 0 for a policy without estimates or a service.
     estimated_s: float = 0.0
+    # The same estimate by the profiles the policy's estimates correct (the nameplate prior the GNN
+    # and the table start from; ``estimated_s`` itself where the policy corrects nothing).
+    prior_estimated_s: float = 0.0
     # The final attempt shared one of its devices with another running task for some of its run
     # (a share beside other shares, or tasks co-located on a device): what it ran at depended on
     # co-runners the scheduler does not see.
     colocated: bool = False
+    # The hidden multiplier of its job's speed (HiddenConfig.job_speed_sigma; 1: as catalogued),
+    # which no policy is told: the metrics take it out to judge the part of an estimate a
+    # scheduler could get right.
+    job_speed: float = 1.0
     device_ids: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     slo_violated: bool = False

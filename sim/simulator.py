@@ -53,6 +53,7 @@ from hlb.daemon.decide.scorers import device_share
 from hlb.daemon.state.feasibility import Occupancy, share_charge
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.profiles import DeviceProfiles
 from hlb.sim.attempts import Attempts
 from hlb.sim.catalogue import Catalogue
 from hlb.sim.clock import SimClock
@@ -403,28 +404,34 @@ class Simulation:
         ledger = self.scheduler.ledger
         for placement in ledger.since(self._applied_sequence + 1):
             self._applied_sequence = placement.sequence
-            estimated_s = self._estimated_s(placement.task_id)
+            estimated_s, prior_s = self._estimated_s(placement.task_id)
             self.attempts.place(placement)
-            self.attempts.record_of(placement.task_id).estimated_s = estimated_s
+            record = self.attempts.record_of(placement.task_id)
+            record.estimated_s, record.prior_estimated_s = estimated_s, prior_s
 
-    def _estimated_s(self, task_id: str) -> float:
+    def _estimated_s(self, task_id: str) -> tuple[float, float]:
         """The policy's estimate of a task's run time on the devices it was just bound to (the
-        slowest of its gang); 0 for a service or a policy without estimates. A task that asks for a
+        slowest of its gang), and that of the profiles its estimates correct (the same where they
+        correct nothing); 0 for a service or a policy without estimates. A task that asks for a
         share is estimated on its share, as the scorers count it (``device_share``, with the shares
         held there before it: the task is bound already)."""
         estimates = self.policy.estimates
         graph = self.scheduler.graph
         task = graph.tasks.get(task_id)
         if estimates is None or task is None or not task.device_rows or task.spec.latency_slo_ms > 0:
-            return 0.0
+            return 0.0, 0.0
         rows = np.asarray(task.device_rows, dtype=np.int64)
-        runtime = estimates.gang_runtime_s(graph, rows, task.spec)
+        runtimes = [estimates.gang_runtime_s(graph, rows, task.spec)]
+        prior = getattr(estimates, "base", None)  # learned and observed speeds keep the profiles they correct
+        runtimes.append(
+            prior.gang_runtime_s(graph, rows, task.spec) if isinstance(prior, DeviceProfiles) else runtimes[0]
+        )
         share = int(task.spec.device_share_milli)
         if share:
             held = Occupancy.of(graph, rows)
             before = replace(held, share_used=held.share_used - share_charge(graph.devices, share, rows))
-            runtime = runtime / device_share(graph, rows, before, share)
-        return float(runtime.max())
+            runtimes = [runtime / device_share(graph, rows, before, share) for runtime in runtimes]
+        return float(runtimes[0].max()), float(runtimes[1].max())
 
     # -- failures --------------------------------------------------------------------------
 

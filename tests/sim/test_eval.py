@@ -316,7 +316,7 @@ def test_paired_takes_the_run_time_error_of_colocated_tasks_as_a_difference_on_s
     markdown = paired_markdown([against_table])
     assert "| run-time error, co-located tasks (difference) |" in markdown
     assert f"| {mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] |" in markdown
-    # Without co-located tasks (whole devices), no run-time error columns.
+    # Without co-located tasks (whole devices), no column for them.
     plain = paired([r | {"metrics": r["metrics"] | {"runtime_error_colocated": math.nan}} for r in runs])
     assert "co-located" not in paired_markdown(plain)
 
@@ -336,6 +336,23 @@ def test_paired_measures_a_learned_policy_against_both_controls_and_the_oracle_g
     assert "oracle_gap" not in against_table
     markdown = paired_markdown([against_rules, against_table])
     assert "| 20.0% | 67% |" in markdown
+
+
+def test_the_model_is_also_measured_against_its_ablation_without_the_graph() -> None:
+    runs = [
+        *(_run("rules", s, jct) for s, jct in enumerate((100.0, 200.0))),
+        *(_run("gnn", s, jct) for s, jct in enumerate((80.0, 150.0))),
+        *(_run("gnn-no-graph", s, jct) for s, jct in enumerate((100.0, 150.0))),
+    ]
+    rows = paired(runs)
+    assert [(r["policy"], r["baseline"]) for r in rows] == [
+        ("gnn", "rules"),
+        ("gnn-no-graph", "rules"),
+        ("gnn", "gnn-no-graph"),
+    ]
+    mean, half = confidence_interval([-0.2, 0.0])
+    assert rows[-1]["change"]["jct_mean_s"] == {"mean": pytest.approx(mean), "ci95": pytest.approx(half)}
+    assert "| gnn | gnn-no-graph | 2 | -10.0% [" in paired_markdown(rows)
 
 
 def test_a_device_described_by_nameplate_runs_and_is_labelled_modelled(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from hlb.sim.eval import _hidden, add_arguments
 from hlb.sim.execution import TIME_SHARING_FACTOR, ExecutionModel, shared_uplink_rate
 from hlb.sim.hidden import HIDDEN_DEFAULTS, SHARED_DEVICE_TASKS, Episode, HiddenConfig, HiddenTruth
 from hlb.sim.metrics import compute_metrics
+from hlb.sim.policies import make_sim_policy
 from hlb.sim.result import SimResult
 from hlb.sim.scenarios import build_cluster, build_workload
 from hlb.sim.simulator import SimConfig, Simulation, simulate
@@ -79,6 +80,46 @@ def test_a_job_runs_its_speed_multiplier_faster_on_every_device(catalogue: Catal
     assert run_s(records["other"]) == pytest.approx(catalogue.runtime_s(3600.0, CLASS, model) / speed["k"])
     # A job's ideal run time is its true one: the bound moves with the job.
     assert records["on-v100"].ideal_s == pytest.approx(catalogue.runtime_s(3600.0, CLASS, V100) / speed["j"])
+    assert {r.task_id: r.job_speed for r in records.values()} == {
+        "on-v100": speed["j"],
+        "on-t4": speed["j"],
+        "other": speed["k"],
+    }
+
+
+def test_the_run_time_error_with_the_job_taken_out_leaves_only_what_a_scheduler_could_know(
+    catalogue: Catalogue,
+) -> None:
+    """Told the catalogue's true speeds, a policy misses each task by its job's hidden draw alone:
+    its run-time error is that draw's, and none once the draw is taken out."""
+    inventory = mixed_cluster(catalogue, {V100: 2, T4: 2})
+    tasks = [task(f"t{i}", 3600.0, job_id=f"j{i}", arrival_s=1e5 * i) for i in range(6)]
+    oracle = make_sim_policy("oracle-speeds")
+    sim = Simulation(catalogue, inventory, tasks, oracle, 0, hidden(job_speed_sigma=0.5))
+    metrics = compute_metrics(sim.run())
+    draws = np.abs(np.log([sim.hidden.job_speed[f"j{i}"] for i in range(6)]))
+    assert metrics["runtime_error"] == pytest.approx(float(np.median(draws)))
+    assert metrics["runtime_error"] > 0.05
+    assert metrics["runtime_error_job_removed"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["runtime_error_prior"] == metrics["runtime_error"]  # it corrects no prior
+
+
+def test_a_policy_that_corrects_the_prior_is_judged_beside_the_prior_on_the_same_placements(
+    catalogue: Catalogue,
+) -> None:
+    """The table learns each model's speed from the tasks that finish; the profiles it corrects
+    (nameplate) are recorded for the same placements, so their errors pair task by task."""
+    inventory = mixed_cluster(catalogue, {V100: 2, P100: 2})
+    tasks = [task(f"t{i}", 3600.0, job_id=f"j{i}", arrival_s=5e3 * i) for i in range(12)]
+    table = make_sim_policy("rules-table", profiles="nameplate")
+    result = Simulation(catalogue, inventory, tasks, table, 0, hidden(job_speed_sigma=0.2)).run()
+    estimated = [(r.estimated_s, r.prior_estimated_s) for r in result.tasks if r.state == "finished"]
+    assert len(estimated) == 12
+    assert all(ours > 0 and prior > 0 for ours, prior in estimated)
+    assert any(ours != pytest.approx(prior) for ours, prior in estimated)  # once it has learned
+    assert estimated[0][0] == pytest.approx(estimated[0][1])  # before any task finished: the prior
+    metrics = compute_metrics(result)
+    assert metrics["runtime_error"] < metrics["runtime_error_prior"]
 
 
 def test_job_speeds_are_lognormal_with_median_one() -> None:

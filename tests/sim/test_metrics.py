@@ -114,6 +114,20 @@ def test_the_run_time_error_of_colocated_tasks_counts_only_those() -> None:
     assert math.isnan(compute_metrics(result_of(tasks[:2]))["runtime_error_colocated"])
 
 
+def test_the_run_time_error_with_the_job_taken_out_compares_with_the_run_at_the_jobs_median_speed() -> None:
+    def ran(task_id: str, estimated_s: float, job_speed: float) -> TaskRecord:
+        return record(
+            task_id, state="finished", start_s=0.0, finish_s=100.0, estimated_s=estimated_s, job_speed=job_speed
+        )
+
+    # A job twice as fast as its class ran in 100 s: at its median speed it would have taken 200 s.
+    tasks = [ran("fast/x", 200.0, 2.0), ran("slow/x", 25.0, 0.5), ran("plain/x", 400.0, 1.0)]
+    assert runtime_error(tasks) == pytest.approx(math.log(4.0))  # errors log 2, log 4, log 4
+    assert runtime_error(tasks, job_removed=True) == pytest.approx(math.log(2.0))  # 0, log 2, log 4
+    assert compute_metrics(result_of(tasks[:1]))["runtime_error_job_removed"] == pytest.approx(0.0)
+    assert compute_metrics(result_of(tasks[:1]))["runtime_error"] == pytest.approx(math.log(2.0))
+
+
 def test_the_run_time_bias_is_signed_and_kept_apart_for_large_gangs() -> None:
     """Where the error says how far the estimates are off, the bias says which way: long (above
     0) or short; the large gangs' own shows where they go one way while the rest goes the other."""

@@ -242,8 +242,14 @@ def test_estimate_error_changes_what_the_scheduler_is_told_not_the_work_that_run
     noisy, noisy_metrics = run(1.0, "least-loaded")
     _, exact_metrics = run(0.0, "least-loaded")
     # Least-loaded estimates nothing: no run-time error to measure.
-    assert math.isnan(noisy_metrics.pop("runtime_error"))
-    assert math.isnan(exact_metrics.pop("runtime_error"))
+    for error in (
+        "runtime_error",
+        "runtime_error_job_removed",
+        "runtime_error_prior",
+        "runtime_error_prior_job_removed",
+    ):
+        assert math.isnan(noisy_metrics.pop(error))
+        assert math.isnan(exact_metrics.pop(error))
     assert noisy_metrics == exact_metrics  # the true work is unchanged
     told = {t.spec.id: t.spec.work_ref_s for t in noisy.scheduler.graph.tasks.values()}
     truth = {t.id: t.work_ref_s for t in tasks}
@@ -256,6 +262,8 @@ def test_estimate_error_changes_what_the_scheduler_is_told_not_the_work_that_run
     # waiting and shortest-first order compare estimates of different tasks, so it decides otherwise.
     noisy_greedy, exact_greedy = run(1.0, "hetero-greedy")[1], run(0.0, "hetero-greedy")[1]
     assert noisy_greedy.pop("runtime_error") > exact_greedy.pop("runtime_error")
+    for error in ("runtime_error_job_removed", "runtime_error_prior", "runtime_error_prior_job_removed"):
+        assert noisy_greedy.pop(error) > exact_greedy.pop(error)
     for estimates in ("runtime_bias", "runtime_bias_gangs"):  # of the estimates, not of what ran
         assert noisy_greedy.pop(estimates) != exact_greedy.pop(estimates)
     assert noisy_greedy == exact_greedy
