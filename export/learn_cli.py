@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="learn only from rows decided at or after this Unix time in ms (e.g. since a new encoder)",
     )
+    parser.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="judge by the prediction error alone, without replaying the validation window for JCT",
+    )
     parser.add_argument("--epochs", type=int, default=50, help="most passes over the training rows (50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fit and the bootstrap (0)")
     parser.add_argument("--model-version", default="", help="the candidate's version (default: hlb-learn-<UTC time>)")
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model_version=args.model_version,
         since_ms=args.since_ms,
+        replay=args.replay,
     )
     read = (lambda: read_rows_file(args.rows)) if args.rows is not None else (lambda: read_rows_kafka(settings))
     if not args.watch:

@@ -196,6 +196,7 @@ def _learn(settings: Settings, model: Path, out: Path, loop: LoopSettings, versi
         outcome["validated"] = document.get("validated")
         outcome["accepted"] = document.get("accepted")
         outcome["reasons"] = document.get("reasons")
+        outcome["jct_replay"] = document.get("jct_replay")
     return outcome
 
 
@@ -436,15 +437,22 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def report(document: Mapping[str, Any]) -> str:
     """The figures as the markdown table docs/learning.md shows: a row per seed, then the means."""
     lines = [
-        "| seed | learner (candidate / running / table, validation) | verdict | tasks to verdict | "
-        "cluster hours to verdict | error before | error after | JCT before (s) | JCT after (s) | "
-        "JCT change [95% interval] | random model | random model, shadow skipped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seed | learner (candidate / running / table, validation) | learner's replay: JCT change | verdict | "
+        "tasks to verdict | cluster hours to verdict | error before | error after | JCT before (s) | "
+        "JCT after (s) | JCT change [95% interval] | random model | random model, shadow skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in document["runs"]:
         errors = run.get("learn", {}).get("validated", {}) or {}
         said = errors.get("errors", {})
         learner = " / ".join(_fmt(said.get(k)) for k in ("candidate", "running", "table"))
+        replayed = run.get("learn", {}).get("jct_replay")
+        replay_change = replayed.get("candidate_vs_running") if isinstance(replayed, dict) else None
+        replay_text = (
+            f"{replay_change['mean']:+.1%} [{replay_change['low']:+.1%}, {replay_change['high']:+.1%}]"
+            if replay_change
+            else "-"
+        )
         candidate = run.get("candidate", {})
         windows = run.get("windows", {})
         before, after = windows.get("before", {}), windows.get("after", {})
@@ -452,7 +460,7 @@ def report(document: Mapping[str, Any]) -> str:
         change_text = f"{change['share']:+.1%} [{change['ci95'][0]:+.1%}, {change['ci95'][1]:+.1%}]" if change else "-"
         hours = candidate.get("first_data_to_verdict_virtual_s")
         lines.append(
-            f"| {run['seed']} | {learner} | {candidate.get('verdict', 'not published')} | "
+            f"| {run['seed']} | {learner} | {replay_text} | {candidate.get('verdict', 'not published')} | "
             f"{candidate.get('transition_tasks', '-')} | {_fmt(hours / 3600 if hours else None, 1)} | "
             f"{_fmt(_error(run, 'before', run.get('zero_version', '')))} | "
             f"{_fmt(_error(run, 'after', run.get('after_running', '')))} | "

@@ -61,6 +61,7 @@ class Lifecycle:
     """What the tasks topic says of one task: start times by placement sequence (0: a start that
     names none), and how it ended (event time, Unix ms)."""
 
+    submitted_ms: int = 0  # its first submission (0: none on the topic)
     started_ms: dict[int, int] = field(default_factory=dict)
     ended: str = ""  # finished, failed, cancelled; empty while it runs
     ended_ms: int = 0
@@ -78,12 +79,14 @@ def lifecycles(events: Iterable[ev.TaskEvent]) -> dict[tuple[str, str], Lifecycl
     out: dict[tuple[str, str], Lifecycle] = {}
     for event in events:
         kind = event.WhichOneof("payload")
-        if kind not in ("started", "finished", "failed", "cancelled", "lost"):
+        if kind not in ("submitted", "started", "finished", "failed", "cancelled", "lost"):
             continue
         payload = getattr(event, kind)
-        task_id = payload.task_id if kind != "cancelled" else payload.id
+        task_id = payload.id if kind in ("submitted", "cancelled") else payload.task_id
         life = out.setdefault((event.cell, task_id), Lifecycle())
-        if kind == "started":
+        if kind == "submitted":
+            life.submitted_ms = life.submitted_ms or event.event_time_ms
+        elif kind == "started":
             life.started_ms.setdefault(payload.placement_sequence, event.event_time_ms)
         elif kind == "lost":
             life.lost.add(payload.placement_sequence)
@@ -114,11 +117,12 @@ def join(
         if record.shape.consolidated and len({d.neighbourhood.host_id for d in record.candidates if d.chosen}) > 1:
             joined.unjoined["spread_as_one_host"] += 1  # its prior features are a one-host gang's, not its own
             continue
-        why, ran_s = _observed(record, lives.get((record.cell, record.task_id)), last_of[(record.cell, record.task_id)])
-        if ran_s is None:
+        life = lives.get((record.cell, record.task_id))
+        why, ran_s = _observed(record, life, last_of[(record.cell, record.task_id)])
+        if ran_s is None or life is None:
             joined.unjoined[why] += 1
             continue
-        joined.rows.append(_row(record, ran_s, column))
+        joined.rows.append(_row(record, ran_s, column, life.submitted_ms))
     return joined
 
 
@@ -140,7 +144,7 @@ def _observed(record: lrn.DecisionFeatures, life: Lifecycle | None, last: int) -
     return ("not_started", None) if ran_s <= 0 else ("", ran_s)
 
 
-def _row(record: lrn.DecisionFeatures, ran_s: float, column: int) -> dict[str, Any]:
+def _row(record: lrn.DecisionFeatures, ran_s: float, column: int, submitted_ms: int = 0) -> dict[str, Any]:
     chosen = sorted((d for d in record.candidates if d.chosen), key=lambda d: d.chosen)
     # The gang ends with its slowest member by the prior (as hlb train labels a simulated run).
     bounding = min(chosen, key=lambda d: d.prior_features[column])
@@ -156,6 +160,8 @@ def _row(record: lrn.DecisionFeatures, ran_s: float, column: int) -> dict[str, A
         "model_version": record.model_version,
         "feature_schema_version": record.feature_schema_version,
         "decided_at_ms": record.decided_at_ms,
+        # When the task was first submitted (Unix ms; None when the topic no longer holds it).
+        "submitted_ms": submitted_ms or None,
         "workload_class": shape.workload_class,
         "kind": ev.TaskKind.Name(shape.kind),
         "gang": shape.gang,

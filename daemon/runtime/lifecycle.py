@@ -16,7 +16,10 @@ tried in one cell, then promoted or rolled back (docs/learning.md, "The model li
    of them, not the first to finish: those are the short ones), it is **promoted** when their mean
    |error| is no higher than the last good model's over the last ``canary_tasks`` tasks that model
    decided before the switch, and their mean JCT (submit to finish) is not longer than that
-   model's by more than ``learning.jct_tolerance`` beyond doubt (95%, one-sided); else it is
+   model's by more than ``learning.jct_tolerance`` beyond doubt (95%, one-sided), the last good
+   model's JCT taken over the last ``canary_tasks`` arrivals before the switch once they have all
+   finished (those still running or queued at the switch included, as the candidate's long tasks
+   are); else it is
    **rolled back** (at once when its first ``canary_tasks`` tasks to finish, whenever they
    arrived, erred more than the last good model: the error tells a bad model before its window
    is over): the last good model runs again, or the
@@ -82,6 +85,7 @@ STEPS = (
 )
 KEPT_STEPS = 32  # steps GetClusterState lists
 AFTER_WINDOW_WAIT = 4  # windows of later tasks that finish before a canary is judged on fewer tasks
+RECENT_WINDOWS = 4  # windows of the running model's finished tasks kept for the JCT window at a switch
 RELOADED = "\0reloaded"  # applied_target after a reload: no version is installed, model.path's runs
 
 
@@ -119,6 +123,11 @@ class Models(Protocol):
         """The last ``Task.arrival`` given so far (:attr:`InfraGraph.arrivals`)."""
         ...
 
+    def live_between(self, first: int, last: int) -> set[str]:
+        """The ids of the tasks not yet ended (queued or placed) whose ``Task.arrival`` is in
+        (``first``, ``last``]."""
+        ...
+
     def run_prior(self, reason: str) -> None:
         """Decide with the profiles alone (zero correction) from now on."""
         ...
@@ -135,6 +144,13 @@ class Trial:
     passed_shadow: bool = False
     canary: list[Finished] = field(default_factory=list)
     baseline: list[Finished] = field(default_factory=list)  # the last good model's, before the switch
+    # The JCT window of the last good model: the last canary_tasks arrivals before the switch,
+    # counted as they finish, before or after it, so that its long tasks count as the candidate's
+    # do (the last tasks to finish before the switch are the short ones), and so do those still
+    # queued at the switch, whose wait its queue made (the candidate places them, and they are
+    # not in its window); ``jct_pending``: those not ended at the switch.
+    jct_window: list[Finished] = field(default_factory=list)
+    jct_pending: set[str] = field(default_factory=set)
     # The last Task.arrival before the switch: a task that waited in the queue under the last good
     # model carries that wait in its JCT, so the canary counts only tasks that arrived after it.
     first_arrival: int = -1
@@ -220,6 +236,7 @@ class ModelLifecycle:
         self.refused: set[str] = set()  # versions this daemon refused or rolled back: never tried again
         self.steps: deque[api.ModelStep] = deque(maxlen=KEPT_STEPS)
         self._baseline: deque[Finished] = deque(maxlen=self.canary_tasks)
+        self._recent: deque[Finished] = deque(maxlen=RECENT_WINDOWS * self.canary_tasks)
         self._inbox: deque[Finished] = deque()
         self._records: deque[RawEvent] = deque()
         self._guard = threading.Lock()  # one change at a time: step() and policy_reloaded()
@@ -254,6 +271,7 @@ class ModelLifecycle:
             self.applied_target = RELOADED
             self.running_stage, self.running_directory = "configured", None
             self._baseline.clear()
+            self._recent.clear()
             self._show()
         self.wake.set()
 
@@ -314,6 +332,7 @@ class ModelLifecycle:
             return
         self.running_directory, self.running_stage = directory, (stage if version is not None else "configured")
         self._baseline.clear()
+        self._recent.clear()
         self._step("installed" if stage != "pinned" else "pinned", running, f"the topic's {stage} version")
 
     def _bundle(self, version: str) -> Path:
@@ -365,6 +384,12 @@ class ModelLifecycle:
     def _count(self, task: Finished) -> None:
         trial = self.trial
         if trial is not None and trial.stage == "canary":
+            if task.task_id in trial.jct_pending:  # a task of the last good model's JCT window
+                trial.jct_pending.discard(task.task_id)
+                trial.jct_window.append(task)
+                if not trial.jct_pending and len(trial.canary) >= self.canary_tasks:
+                    self._judge_canary(trial)
+                return
             if task.decided_by == trial.version and "running" in task.errors and task.arrival > trial.first_arrival:
                 if task.arrival <= trial.first_arrival + self.canary_tasks:
                     trial.canary.append(task)
@@ -383,13 +408,14 @@ class ModelLifecycle:
                 # candidate's JCT would look better than it is. A window task that never finishes
                 # (cancelled, or decided without a prediction) is waited for until AFTER_WINDOW_WAIT
                 # windows of later tasks finished (a long task may outlast one).
-                if len(trial.canary) >= self.canary_tasks or (
+                if (len(trial.canary) >= self.canary_tasks and not trial.jct_pending) or (
                     trial.canary and trial.after_window >= AFTER_WINDOW_WAIT * self.canary_tasks
                 ):
                     self._judge_canary(trial)
             return
         if task.decided_by == self.models.running_version() and _error(task) is not None:
             self._baseline.append(task)
+            self._recent.append(task)
         # What runs now, on the same task: the running model, or the profiles while none serves.
         reference = task.errors.get("running", task.errors.get("profiles"))
         if trial is None or "candidate" not in task.errors or reference is None:
@@ -430,6 +456,11 @@ class ModelLifecycle:
         trial.first_arrival = self.models.arrivals()
         trial.stage = "canary"
         trial.baseline = list(self._baseline)
+        since = trial.first_arrival - self.canary_tasks
+        trial.jct_window = [
+            t for t in self._recent if t.decided_by == previous and since < t.arrival <= trial.first_arrival
+        ]
+        trial.jct_pending = self.models.live_between(since, trial.first_arrival)
         self.running_stage = "canary"
         self._show_canary(trial)
         self._step(
@@ -437,8 +468,10 @@ class ModelLifecycle:
         )
 
     def _show_canary(self, trial: Trial) -> None:
-        for model, tasks in (("candidate", trial.canary), ("last_good", trial.baseline)):
-            error, jct = _means(tasks)
+        windows = (("candidate", trial.canary, trial.canary), ("last_good", trial.baseline, trial.jct_window))
+        for model, errors, jcts in windows:
+            error, _ = _means(errors)
+            _, jct = _means(jcts)
             if error is not None:
                 self.metrics.canary_error.labels(model=model).set(error)
             if jct is not None:
@@ -459,15 +492,17 @@ class ModelLifecycle:
 
     def _judge_canary(self, trial: Trial) -> None:
         error, jct = _means(trial.canary)
-        good_error, good_jct = _means(trial.baseline)
+        good_error, _ = _means(trial.baseline)
+        _, good_jct = _means(trial.jct_window)
         said = (
             f"canary: mean |error| {_num(error)}, JCT {_s(jct)} on {len(trial.canary)} tasks; last good "
-            f"{_num(good_error)}, JCT {_s(good_jct)} on {len(trial.baseline)} tasks before the switch"
+            f"{_num(good_error)} on {len(trial.baseline)} tasks before the switch, JCT {_s(good_jct)} on "
+            f"{len(trial.jct_window)} of the last {self.canary_tasks} arrivals before it"
         )
         worse: list[str] = []
         if good_error is not None and error is not None and error > good_error:
             worse.append("its error is higher")
-        longer = _jct_excess(trial.canary, trial.baseline, self.tolerance)
+        longer = _jct_excess(trial.canary, trial.jct_window, self.tolerance)
         if longer is not None and longer > 0:
             worse.append(f"its JCT is more than {self.tolerance:.0%} longer (by {_s(longer)} at least, 95% one-sided)")
         if good_error is None:
@@ -482,6 +517,7 @@ class ModelLifecycle:
         self.running_directory, self.running_stage = trial.directory, "promoted"
         self.applied_target = trial.version  # the verdict coming back from the topic changes nothing
         self._baseline.clear()
+        self._recent.clear()
         self._step("promoted", trial.version, reason)
         if publish:
             self._publish(mp.ModelControl.PROMOTED, trial.version, reason)
@@ -506,6 +542,7 @@ class ModelLifecycle:
             self.running_directory, self.running_stage = None, "prior"
             self._step("prior", "", f"the profiles alone (zero correction): {exc}")
         self._baseline.clear()
+        self._recent.clear()
 
     def _end_trial(self, trial: Trial, step: str, reason: str, *, keep: bool = False) -> None:
         self.trial = None
@@ -661,6 +698,10 @@ class DaemonModels:
 
     def arrivals(self) -> int:
         return self.scheduler.graph.arrivals
+
+    def live_between(self, first: int, last: int) -> set[str]:
+        with self.lock:
+            return {task.spec.id for task in self.scheduler.graph.tasks.values() if first < task.arrival <= last}
 
     def run_prior(self, reason: str) -> None:
         scorer = model_scorer(self.scheduler.policy)

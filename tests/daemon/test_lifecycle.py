@@ -46,6 +46,7 @@ class TwinModels:
         self.broken: set[str] = set()  # versions (and "v0", model.path's) that do not load
         self.prior = False
         self.arrived = 0  # the last Task.arrival given (Feed numbers its tasks so)
+        self.live: dict[str, int] = {}  # tasks not yet ended (queued or placed): their Task.arrival
 
     @staticmethod
     def version_of(directory: Path | None) -> str:
@@ -77,6 +78,9 @@ class TwinModels:
 
     def arrivals(self) -> int:
         return self.arrived
+
+    def live_between(self, first: int, last: int) -> set[str]:
+        return {task for task, arrival in self.live.items() if first < arrival <= last}
 
 
 def publish_bundle(bus: MemoryBus, version: str, at_ms: int = 1, chunk: int = 7, *, skip_shadow: bool = False) -> None:
@@ -285,6 +289,38 @@ def test_a_shard_is_the_canary_only_once_it_knows_its_cell_is_the_canary_cell(tm
     feed.tasks(WINDOW, "v1", running=0.3, candidate=None)
     assert verdicts(bus) == {"v1": "promoted"}
     assert ModelCatalog.read(bus.read_all(TOPIC)).verdicts["v1"].by == "cell c1"
+
+
+def test_the_last_good_models_tasks_still_running_at_the_switch_count_in_its_jct(tmp_path: Path) -> None:
+    """The last tasks to finish before the switch are the last good model's short ones: its long
+    ones, among the same last arrivals, still run, and some wait in its queue. Its JCT waits for
+    them, as the candidate's does for its own long tasks; judged without them, a faster candidate
+    looked slower."""
+    bus = MemoryBus()
+    lifecycle, models = make(tmp_path, bus)
+    feed = Feed(lifecycle, bus)
+    feed.tasks(WINDOW, "v0", running=0.5, candidate=None, jct_s=100.0)
+    publish_bundle(bus, "v1")
+    feed.step()
+    feed.tasks(WINDOW - 1, "v0", running=0.5, candidate=0.3, jct_s=100.0)
+    # Three more arrivals: two that v0 placed on slow devices run on through the switch, one
+    # waits in the queue and is placed by v1 after it.
+    long_tasks = {f"long{k}": feed.arrived + 1 + k for k in range(3)}
+    feed.arrived += 3
+    models.live = dict(long_tasks)
+    feed.tasks(1, "v0", running=0.5, candidate=0.3, jct_s=100.0)  # the shadow's last: the switch
+    assert lifecycle.state().candidate_stage == "canary"
+    feed.tasks(WINDOW, "v1", running=0.3, candidate=None, jct_s=150.0)  # 50% longer than v0's short ones
+    assert verdicts(bus) == {}  # its window is over, the last good model's is not
+    for (task, arrival), (decided_by, jct_s) in zip(
+        long_tasks.items(), [("v0", 1000.0), ("v0", 1000.0), ("v1", 2000.0)], strict=True
+    ):
+        lifecycle.finished(Finished(task, decided_by, {"running": 0.5, "profiles": 0.8}, jct_s, arrival))
+        feed.step()
+    assert verdicts(bus) == {"v1": "promoted"}
+    reason = next(s.reason for s in lifecycle.state().steps if s.step == "promoted")
+    # The three late tasks and the shadow's last three: (2 * 1000 + 2000 + 3 * 100) / 6.
+    assert f"JCT 716.7 s on {WINDOW} of the last {WINDOW} arrivals before it" in reason
 
 
 def test_a_longer_jct_in_canary_rolls_back_even_with_a_lower_error(tmp_path: Path) -> None:

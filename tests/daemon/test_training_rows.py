@@ -75,7 +75,18 @@ def test_a_finished_run_gives_the_label_of_its_slowest_member_by_the_prior() -> 
     assert row["observed_run_s"] == 400.0
     assert row["observed_log_ratio"] == pytest.approx(math.log(prior_s / 400.0), abs=1e-6)
     assert row["kind"] == "TASK_KIND_TRAINING"
+    assert row["submitted_ms"] is None  # the topic held no submission
     assert not joined.unjoined
+
+
+def test_a_row_says_when_its_task_was_first_submitted() -> None:
+    def submitted(at_ms: int) -> ev.TaskEvent:
+        return ev.TaskEvent(cell="c", event_time_ms=at_ms, submitted=ev.TaskSpec(id="t"))
+
+    events = [submitted(4_000), submitted(6_000), started("t", 9_000, 7), finished("t", 19_000)]
+    (row,) = join([record(7, "t", [0.0])], [placement(7, "t")], events).rows
+    assert row["submitted_ms"] == 4_000  # a resubmission does not move it
+    assert lifecycles(events)[("c", "t")].submitted_ms == 4_000
 
 
 def test_records_without_a_finished_run_of_their_placement_are_counted_by_why() -> None:

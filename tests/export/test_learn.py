@@ -177,7 +177,11 @@ def test_the_card_says_what_the_candidate_was_trained_and_validated_on(accepted:
     assert card["seed"] == 1
     assert card["accepted"] is True
     assert card["reasons"] == []
-    assert "not estimated" in card["jct_off_policy"]
+    replayed = card["jct_replay"]
+    assert (replayed["tasks"], replayed["devices"], replayed["left_out"]) == (300, 40, {})
+    # The candidate knows which devices run slow; the running (zero-correction) model does not.
+    assert replayed["candidate_vs_running"]["high"] < 0
+    assert replayed["jct_mean_s"]["running"] == replayed["jct_mean_s"]["profiles"]
     assert card["export_parity_max_abs_diff"] <= learn.PARITY_TOLERANCE
     assert card["trained"]["best_epoch"] >= 1
 
@@ -248,11 +252,33 @@ def test_a_candidate_no_better_than_the_table_is_refused_though_it_beats_the_run
     zero_model: Path, tmp_path: Path
 ) -> None:
     # A per-model factor alone: the table's median per model fits it as well as anything can.
+    # (Without the replay: here every arm sends nearly every task to the one model all rank first.)
     rows = synthetic_rows(1500, HIDDEN, "model_factor", seed=3)
-    outcome = learn.learn(rows, zero_model, tmp_path / "candidate", learn.LearnConfig(seed=3))
+    outcome = learn.learn(rows, zero_model, tmp_path / "candidate", learn.LearnConfig(seed=3, replay=False))
     minus = outcome.card["validated"]["candidate_minus"]
     assert minus["running"]["high"] < 0  # far better than predicting the prior...
     assert minus["table"]["high"] >= 0  # ...but not than the table
     assert not outcome.accepted
     assert [reason.split(":")[0] for reason in outcome.card["reasons"]] == ["not better than the table estimator"]
     assert json.loads((tmp_path / "candidate" / "card.json").read_text())["accepted"] is False
+
+
+def test_a_candidate_the_replay_finds_slower_is_refused_however_well_it_predicts() -> None:
+    from hlb.export.replay import ReplayResult
+
+    def judged(mean: float, tasks: int = 100) -> learn.Validation:
+        result = learn.Validation(100, {}, {}, accepted=True)
+        change = {"mean": mean, "low": mean - 0.1, "high": mean + 0.1}
+        jct = {"candidate": 100.0 * (1 + mean), "running": 100.0}
+        learn.judge_replay(ReplayResult(tasks, 8, jct, change if tasks else {}, change), result)
+        return result
+
+    assert judged(-0.02).accepted  # faster, though not beyond doubt: the canary measures the rest
+    slower = judged(+0.02)
+    assert not slower.accepted
+    assert slower.reasons == [
+        "not faster than the running model in the replay of the validation window: mean JCT 102 s against "
+        "100 s (+2.0%, 95% interval -8.0 to +12.0%)"
+    ]
+    assert judged(0.0).reasons[0].startswith("not faster")
+    assert judged(-0.5, tasks=0).reasons == ["the replay had 0 tasks on 8 devices (no usable task)"]

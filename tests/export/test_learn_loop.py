@@ -47,9 +47,11 @@ def run_document(seed: int, change: float) -> dict[str, object]:
 def test_the_report_derives_its_summary_from_the_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     saved = tmp_path / "loop.json"
     runs = [run_document(0, -0.2), run_document(1, -0.3)]
+    runs[0]["learn"] = {"jct_replay": {"candidate_vs_running": {"mean": -0.25, "low": -0.4, "high": -0.1}}}
     saved.write_text(json.dumps({"summary": {"jct_change_mean": 9.0, "jct_change_ci95": [8, 10]}, "runs": runs}))
     assert main(["eval-learning", "--report", str(saved)]) == 0
     out = capsys.readouterr().out
-    assert "| 1 | - / - / - | promoted | 100 | 2.0 | 0.400 | 0.040 | 100 | 80 | -30.0% [-40.0%, -20.0%] |" in out
+    assert "| 0 | - / - / - | -25.0% [-40.0%, -10.0%] | promoted | 100 |" in out  # the learner's replay
+    assert "| 1 | - / - / - | - | promoted | 100 | 2.0 | 0.400 | 0.040 | 100 | 80 | -30.0% [-40.0%, -20.0%] |" in out
     # Student's t over the two seeds: -25% +- 12.706 * 0.05 = [-88.5%, +38.5%]; not the stored summary.
     assert "mean JCT change -25.0% [-88.5%, +38.5%]" in out
