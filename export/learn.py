@@ -60,7 +60,7 @@ from hlb.daemon.decide.gnn import features as feat
 from hlb.daemon.decide.gnn.inference import ModelError, check_metadata
 from hlb.export.model import HlbGnn, ModelConfig, Scorer
 from hlb.export.onnx_export import ENCODER_FILE, SCORER_FILE, ExportInfo, export_scorer
-from hlb.export.replay import HeadFn, ReplayResult, replay
+from hlb.export.replay import HeadFn, ReplayResult, bounding_model, replay
 from hlb.export.train import gaussian_nll
 
 CARD_FILE = "card.json"
@@ -246,13 +246,6 @@ def split(rows: Sequence[dict[str, Any]], config: LearnConfig) -> tuple[list[dic
     else:
         cut = len(rows) - math.ceil(config.validation_share * len(rows))
     return list(rows[:cut]), list(rows[cut:])
-
-
-def bounding_model(row: dict[str, Any]) -> str:
-    """The device model of the row's bounding device (the gang's slowest by the profiles)."""
-    ids, models = row.get("device_ids") or [], row.get("device_models") or []
-    bounding = row.get("bounding_device")
-    return str(models[ids.index(bounding)]) if bounding in ids and len(models) == len(ids) else ""
 
 
 class TableEstimator:

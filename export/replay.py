@@ -97,9 +97,9 @@ class Calibration:
             return {k: float(np.median(v)) for k, v in groups.items()}
 
         self.device_class = medians(validation, lambda r: (r["bounding_device"], r.get("workload_class", "")))
-        self.model_class = medians(validation, lambda r: (_model(r), r.get("workload_class", "")))
-        self.model = medians(validation, _model)
-        self.model_trained = medians(training, _model)
+        self.model_class = medians(validation, lambda r: (bounding_model(r), r.get("workload_class", "")))
+        self.model = medians(validation, bounding_model)
+        self.model_trained = medians(training, bounding_model)
 
     def log_ratio(self, device: str, model: str, workload_class: str) -> float:
         for table, key in (
@@ -114,7 +114,8 @@ class Calibration:
         return 0.0
 
 
-def _model(row: dict[str, Any]) -> str:
+def bounding_model(row: dict[str, Any]) -> str:
+    """The device model of the row's bounding device (the gang's slowest by the profiles)."""
     ids, models = row.get("device_ids") or [], row.get("device_models") or []
     bounding = row.get("bounding_device")
     return str(models[ids.index(bounding)]) if bounding in ids and len(models) == len(ids) else ""
@@ -140,7 +141,7 @@ def replay(
     for rows in (training, validation):
         window: dict[str, list[list[float]]] = defaultdict(list)
         for row in rows:
-            device, model = str(row["bounding_device"]), _model(row)
+            device, model = str(row["bounding_device"]), bounding_model(row)
             window[device].append(row["device_embedding"])
             model_of[device] = model
             priors[(model, _shape_key(row))] = row["prior_features"]

@@ -242,13 +242,11 @@ def runtime_bias(tasks: Sequence[TaskRecord], min_gang: int = 1) -> float:
     return float(np.median(ratios)) if ratios else math.nan
 
 
-def _median(values: Sequence[float]) -> float:
-    return float(np.median(values)) if values else math.nan
-
-
-def runtime_error(tasks: Sequence[TaskRecord], colocated: bool = False, job_removed: bool = False) -> float:
+def runtime_error(
+    tasks: Sequence[TaskRecord], colocated: bool = False, job_removed: bool = False, prior: bool = False
+) -> float:
     """The median of :func:`runtime_errors`; nan when there is none."""
-    errors = runtime_errors(tasks, colocated, job_removed)
+    errors = runtime_errors(tasks, colocated, job_removed, prior)
     return float(np.median(errors)) if errors else math.nan
 
 
@@ -427,8 +425,8 @@ def compute_metrics(result: SimResult, longest: int = 10) -> dict[str, float]:
         "runtime_error": runtime_error(result.tasks),
         "runtime_error_colocated": runtime_error(result.tasks, colocated=True),
         "runtime_error_job_removed": runtime_error(result.tasks, job_removed=True),
-        "runtime_error_prior": _median(runtime_errors(result.tasks, prior=True)),
-        "runtime_error_prior_job_removed": _median(runtime_errors(result.tasks, job_removed=True, prior=True)),
+        "runtime_error_prior": runtime_error(result.tasks, prior=True),
+        "runtime_error_prior_job_removed": runtime_error(result.tasks, job_removed=True, prior=True),
         "colocated_tasks": float(len(runtime_errors(result.tasks, colocated=True))),
         "runtime_bias": runtime_bias(result.tasks),
         "runtime_bias_gangs": runtime_bias(result.tasks, min_gang=LARGE_GANG),
