@@ -306,9 +306,11 @@ class RulesSettings(_Section):
     # could take now, counting the wait for the last of them (chosen on training seeds); 0: gangs
     # never wait.
     gang_wait_factor: float = Field(0.5, ge=0.0, le=1.0)
-    # Queue order within a priority: shortest estimated run time first (on
-    # the fastest device model the task may use, times its gang), or arrival order.
-    queue_order: Literal["shortest-first", "arrival"] = "shortest-first"
+    # Queue order within a priority: shortest estimated run time first (on the fastest device model
+    # the task may use, times its gang); whole-first, the same with whole-device work (gangs
+    # included) ahead of tasks that ask for a share of a device (as shortest-first where no task
+    # asks for one); or arrival order.
+    queue_order: Literal["whole-first", "shortest-first", "arrival"] = "whole-first"
     # Place an inference service that declares its request rate and request work (labels
     # request_rate_per_s, request_work_ref_ms) on the slowest devices whose estimated request
     # latency meets its latency_slo_ms, keeping faster ones for work whose finish depends on speed.

@@ -28,6 +28,7 @@ RULE_VARIANTS: dict[str, dict[str, Any]] = {
     "": {},
     "-no-wait": {"wait_for_faster": False},
     "-fifo": {"queue_order": "arrival"},
+    "-shortest-first": {"queue_order": "shortest-first"},
     "-no-wait-fifo": {"wait_for_faster": False, "queue_order": "arrival"},
     "-no-fit": {"fit_services": False},
     "-no-gang-wait": {"gang_wait_factor": 0.0},

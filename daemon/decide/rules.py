@@ -3,7 +3,8 @@
 Each is a small plugin at one extension point of :mod:`hlb.daemon.decide.framework`, built on the
 estimates of :mod:`hlb.daemon.decide.waiting` (which says what each rule does and why):
 
-- :class:`ShortestFirst` (queue order): shortest estimated run time first within a priority;
+- :class:`ShortestFirst` (queue order): shortest estimated run time first within a priority
+  (by default whole-device work before shares);
 - :class:`ServiceFit` (filter): a service that declares its load goes to the slowest devices that
   meet its latency SLO (a share of a device: by its share's speed);
 - :class:`FragmentationScore` (score, after the scorer): a task that asks for a share goes, among
@@ -48,16 +49,18 @@ from hlb.v1 import events_pb2 as ev
 
 
 class ShortestFirst:
-    """Queue order: :meth:`RunTimes.ranks` (shortest estimated run time times the gang first)."""
+    """Queue order: :meth:`RunTimes.ranks` (shortest estimated run time times the gang first; with
+    ``whole_first``, whole-device work before shares, shortest first within each)."""
 
-    name = "shortest-first"
     per_task = True  # a task's run time estimate is its own
 
-    def __init__(self, profiles: DeviceProfiles) -> None:
+    def __init__(self, profiles: DeviceProfiles, whole_first: bool = False) -> None:
         self.runtimes = RunTimes(profiles)
+        self.whole_first = whole_first
+        self.name = "whole-first" if whole_first else "shortest-first"
 
     def rank(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
-        return self.runtimes.ranks(graph, tasks) if tasks else None
+        return self.runtimes.ranks(graph, tasks, self.whole_first) if tasks else None
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ def rule_plugins(
 ) -> tuple[QueueOrder | None, tuple[Filter, ...], tuple[ScorePlugin, ...], tuple[Permit, ...]]:
     """The queue order, filters, score plugins and permits ``settings`` turn on. Without
     ``wait_for_faster`` no task waits, gangs and services included."""
-    queue_order = ShortestFirst(profiles) if settings.queue_order == "shortest-first" else None
+    order = settings.queue_order
+    queue_order = ShortestFirst(profiles, whole_first=order == "whole-first") if order != "arrival" else None
     filters: list[Filter] = [ServiceFit(profiles)] if settings.fit_services else []
     scores: list[ScorePlugin] = []
     if settings.fragmentation_fit:

@@ -21,7 +21,11 @@ training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` s
 - **Queue order** (``queue_order``): :meth:`RunTimes.ranks` ranks a task by its estimated run
   time on the fastest device model it may use (on its share, for a share), times its gang
   (shortest first), with a service
-  (latency SLO) and a task without a run-time estimate ahead of estimated batch work.
+  (latency SLO) and a task without a run-time estimate ahead of estimated batch work. With
+  ``whole-first`` (the default) whole-device work comes before work that asks for a share,
+  shortest first within each: freed devices go to whole-device work first, and shares take the
+  pieces it cannot use (at saturation fewer GPUs stay free while requests wait: docs/evaluation.md,
+  "Shared and fractional devices"). Without shares the order is shortest-first's.
 - **Services where they meet their SLO** (``fit_services``): a service that declares its
   request rate and request work (:data:`hlb.daemon.state.task.SERVICE_LOAD_LABELS`) lives as long on any
   device, so speed only matters to it up to its SLO. :func:`slo_fit` keeps, of the devices it could
@@ -115,13 +119,15 @@ class RunTimes:
             fastest = self._fastest[key] = float(table.min())
         return fastest
 
-    def ranks(self, graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64]:
+    def ranks(self, graph: InfraGraph, tasks: Sequence[Task], whole_first: bool = False) -> NDArray[np.float64]:
         """Shortest first, higher first: minus the fastest run time times the gang; 0 for a service
         and for a task without a run-time estimate (``work_ref_s`` 0), which are never put behind
         estimated work: the order cannot know where their work belongs. A task that asks for a
         share of a device runs at that share: its run time is the whole device's over its share.
-        [T] -> [T]."""
-        return np.fromiter(
+
+        ``whole_first``: estimated work that asks for a share comes after all estimated
+        whole-device work, shortest first within each (:func:`whole_first_ranks`). [T] -> [T]."""
+        ranks = np.fromiter(
             (
                 0.0
                 if t.spec.latency_slo_ms > 0 or t.spec.work_ref_s <= 0
@@ -131,6 +137,20 @@ class RunTimes:
             dtype=np.float64,
             count=len(tasks),
         )
+        if not whole_first:
+            return ranks
+        shares = np.fromiter((t.spec.device_share_milli > 0 for t in tasks), dtype=np.bool_, count=len(tasks))
+        return whole_first_ranks(ranks, shares)
+
+
+def whole_first_ranks(ranks: NDArray[np.float64], shares: NDArray[np.bool_]) -> NDArray[np.float64]:
+    """Shortest-first ``ranks`` (0, or minus a run time) reordered so that every ranked task that
+    asks for a share (``shares``) comes after every ranked whole-device one, the order within
+    each kept: a run time ``x`` maps to ``-x / (1 + x)`` in (-1, 0], one of a share to that minus
+    1, in (-2, -1]. Unranked tasks (0) stay first. Run times above about 10^7 s may tie. [T] -> [T]."""
+    x = -ranks
+    out: NDArray[np.float64] = -x / (1.0 + x) - np.where(shares & (x > 0), 1.0, 0.0)
+    return out
 
 
 def _share_stretch(spec: ev.TaskSpec) -> float:

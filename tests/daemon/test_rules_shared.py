@@ -2,7 +2,7 @@
 ``wait_on_shared``, and ``fit_services`` and ``queue_order`` for a task that asks for a share): no
 wait that leaves a shareable device free, shares placed where fragmentation grows least among the
 devices ranked within the slack of the best, services fitted by their share's speed, shares
-ordered by their run time on their share."""
+ordered by their run time on their share, after whole-device work (``whole-first``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hlb.daemon.decide.framework import PermitRequest, PluginPolicy, Wait
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.rules import FragmentationScore, ShortestFirst, least_growth_within
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.decide.waiting import SHARED_HEADROOM
+from hlb.daemon.decide.waiting import SHARED_HEADROOM, whole_first_ranks
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
@@ -251,3 +251,49 @@ def test_shortest_first_counts_a_share_at_its_share_of_the_device() -> None:
     assert ranks is not None
     assert ranks[0] > ranks[1]  # the whole task first
     assert ranks[1] == pytest.approx(4.0 * runtime_s(FAST, 1000.0) * -1.0)
+
+
+def test_whole_first_puts_whole_device_work_before_shares_and_keeps_each_shortest_first() -> None:
+    graph = InfraGraph()
+    device = ev.Device(id=FAST, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=FAST, memory_gb=32, sharing=MPS)
+    graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+
+    def spec(task_id: str, work_s: float, share: int = 0, slo_ms: float = 0.0) -> ev.TaskSpec:
+        return ev.TaskSpec(
+            id=task_id,
+            workload_class="resnet50",
+            work_ref_s=work_s,
+            memory_per_device_gb=4,
+            device_share_milli=share,
+            latency_slo_ms=slo_ms,
+        )
+
+    specs = [
+        spec("long-whole", 9000.0),
+        spec("short-share", 100.0, share=500),  # 200 s on its share: shorter than every whole task
+        spec("short-whole", 1800.0),
+        spec("long-share", 3000.0, share=500),
+        spec("service-share", 100.0, share=500, slo_ms=50.0),
+    ]
+    tasks = [Task(s, "c", i) for i, s in enumerate(specs)]
+    for whole_first, expected in (
+        (True, ["service-share", "short-whole", "long-whole", "short-share", "long-share"]),
+        (False, ["service-share", "short-share", "short-whole", "long-share", "long-whole"]),
+    ):
+        ranks = ShortestFirst(default_profiles(), whole_first=whole_first).rank(graph, tasks)
+        assert ranks is not None
+        order = sorted(range(len(tasks)), key=lambda i: (-ranks[i], i))
+        assert [specs[i].id for i in order] == expected
+
+
+def test_whole_first_orders_as_shortest_first_where_no_task_asks_for_a_share() -> None:
+    rng = np.random.default_rng(7)
+    ranks = np.where(rng.random(200) < 0.2, 0.0, -rng.lognormal(8.0, 2.5, 200))  # a fifth unranked
+    shares = np.zeros(200, dtype=np.bool_)
+    whole_first = whole_first_ranks(ranks, shares)
+    assert np.array_equal(np.argsort(-whole_first, kind="stable"), np.argsort(-ranks, kind="stable"))
+    assert np.all((whole_first > -1.0) & (whole_first <= 0.0))
+    # The same run times asked as shares: all after, in the same order among themselves.
+    mixed = whole_first_ranks(np.concatenate([ranks, ranks]), np.repeat([False, True], 200))
+    assert np.max(mixed[200:][ranks < 0]) < np.min(mixed[:200])
+    assert np.array_equal(np.argsort(-mixed[200:], kind="stable"), np.argsort(-ranks, kind="stable"))

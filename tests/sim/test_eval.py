@@ -184,12 +184,13 @@ def test_a_trace_window_is_replayed_at_a_load_with_its_definition_and_the_seeds_
 @pytest.mark.parametrize(
     ("name", "wait", "order", "fit", "gang_factor"),
     [
-        ("gnn", True, "shortest-first", True, 0.5),
-        ("gnn-no-wait", False, "shortest-first", True, 0.5),
+        ("gnn", True, "whole-first", True, 0.5),
+        ("gnn-no-wait", False, "whole-first", True, 0.5),
         ("gnn-fifo", True, "arrival", True, 0.5),
+        ("gnn-shortest-first", True, "shortest-first", True, 0.5),
         ("gnn-no-wait-fifo", False, "arrival", True, 0.5),
-        ("gnn-no-fit", True, "shortest-first", False, 0.5),
-        ("gnn-no-gang-wait", True, "shortest-first", True, 0.0),
+        ("gnn-no-fit", True, "whole-first", False, 0.5),
+        ("gnn-no-gang-wait", True, "whole-first", True, 0.0),
         ("gnn-no-rules", False, "arrival", False, 0.0),
     ],
 )
@@ -204,7 +205,7 @@ def test_the_gnn_variants_run_the_shipped_model_with_their_settings(
     assert isinstance(policy.scorer, GnnScorer)
     assert policy.scorer.settings.refresh.min_changed_rows == 256
     assert policy.scorer.mode == "sync"
-    assert (policy.queue_order is not None) == (order == "shortest-first")
+    assert (policy.queue_order.name if policy.queue_order is not None else "arrival") == order
     assert [f.name for f in policy.filters] == (["service-fit"] if fit else [])
     assert [s.name for s in policy.scores] == ["fragmentation"]
     permits = ["gang-wait"] if wait and gang_factor > 0 else []
