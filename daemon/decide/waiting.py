@@ -147,9 +147,12 @@ def whole_first_ranks(ranks: NDArray[np.float64], shares: NDArray[np.bool_]) -> 
     """Shortest-first ``ranks`` (0, or minus a run time) reordered so that every ranked task that
     asks for a share (``shares``) comes after every ranked whole-device one, the order within
     each kept: a run time ``x`` maps to ``-x / (1 + x)`` in (-1, 0], one of a share to that minus
-    1, in (-2, -1]. Unranked tasks (0) stay first. Run times above about 10^7 s may tie. [T] -> [T]."""
+    1, in (-2, -1] (an infinite one to -1 and -2: last of its kind). Unranked tasks (0) stay first.
+    Run times above about 10^7 s may tie. [T] -> [T]."""
     x = -ranks
-    out: NDArray[np.float64] = -x / (1.0 + x) - np.where(shares & (x > 0), 1.0, 0.0)
+    with np.errstate(invalid="ignore"):
+        scaled = np.where(np.isposinf(x), 1.0, x / (1.0 + x))
+    out: NDArray[np.float64] = -scaled - np.where(shares & (x > 0), 1.0, 0.0)
     return out
 
 

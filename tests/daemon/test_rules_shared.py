@@ -297,3 +297,11 @@ def test_whole_first_orders_as_shortest_first_where_no_task_asks_for_a_share() -
     mixed = whole_first_ranks(np.concatenate([ranks, ranks]), np.repeat([False, True], 200))
     assert np.max(mixed[200:][ranks < 0]) < np.min(mixed[:200])
     assert np.array_equal(np.argsort(-mixed[200:], kind="stable"), np.argsort(-ranks, kind="stable"))
+
+
+def test_whole_first_puts_an_endless_estimate_last_of_its_kind_never_nan() -> None:
+    ranks = np.array([-np.inf, -10.0, 0.0, -np.inf, -5.0])
+    shares = np.array([False, False, False, True, True])
+    out = whole_first_ranks(ranks, shares)
+    assert not np.isnan(out).any()
+    assert list(np.argsort(-out, kind="stable")) == [2, 1, 0, 4, 3]
