@@ -95,3 +95,18 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         time.sleep(poll_s)
+
+
+def has_placement(stub: Any, task_id: str) -> bool:
+    """Whether the daemon behind ``stub`` has placed ``task_id``; False while it does not know the
+    task yet (``NOT_FOUND``: its submission not ingested), any other refusal raised."""
+    import grpc
+
+    from hlb.v1 import scheduler_pb2 as api
+
+    try:
+        return bool(stub.GetPlacement(api.GetPlacementRequest(task_id=task_id), timeout=5).HasField("placement"))
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.NOT_FOUND:
+            return False
+        raise

@@ -19,7 +19,7 @@ from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import BackgroundDaemon, has_placement, memory_settings
 from tests.daemon.background import wait_until as _wait
 from tests.daemon.journal_layout import record_starts
 
@@ -220,7 +220,7 @@ def test_a_flipped_bit_in_one_journal_record_loses_that_record_only_and_no_seque
         ]
         # The damaged task's submission came back: it is placed again, numbered past everything seen.
         placed = api.GetPlacementRequest(task_id=damaged)
-        _wait(lambda: stub.GetPlacement(placed, timeout=5).HasField("placement"), "the damaged task placed again")
+        _wait(lambda: has_placement(stub, damaged), "the damaged task placed again")
         again = stub.GetPlacement(placed, timeout=5).placement
         assert again.sequence > 6
         later = stub.Place(api.PlaceRequest(task=ev.TaskSpec(id="later", memory_per_device_gb=1.0)), timeout=5)

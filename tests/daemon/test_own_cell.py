@@ -17,7 +17,7 @@ from hlb.sim.agent import inventory_events
 from hlb.v1 import events_pb2 as ev
 from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from tests.daemon.background import BackgroundDaemon, memory_settings
+from tests.daemon.background import BackgroundDaemon, has_placement, memory_settings
 from tests.daemon.background import wait_until as wait_for
 
 INVENTORY = inventory_events("default")
@@ -88,10 +88,7 @@ def test_another_cells_task_is_not_scheduled_here(served: Served) -> None:
     # The own cell's task, by name or by default, is taken.
     mine = ev.TaskEvent(cell="default", submitted=ev.TaskSpec(id="mine", memory_per_device_gb=1))
     served.bus.publish(served.topics.tasks, b"default", mine.SerializeToString())
-    wait_for(
-        lambda: served.stub.GetPlacement(api.GetPlacementRequest(task_id="mine"), timeout=5).HasField("placement"),
-        "mine placed",
-    )
+    wait_for(lambda: has_placement(served.stub, "mine"), "mine placed")  # unknown until ingested
 
 
 @pytest.mark.parametrize(
