@@ -700,8 +700,9 @@ class DaemonModels:
         return self.scheduler.graph.arrivals
 
     def live_between(self, first: int, last: int) -> set[str]:
-        with self.lock:
-            return {task.spec.id for task in self.scheduler.graph.tasks.values() if first < task.arrival <= last}
+        with self.lock:  # the graph keeps ended tasks for a while (scheduler.keep_ended_s): not live
+            tasks = self.scheduler.graph.tasks.values()
+            return {t.spec.id for t in tasks if first < t.arrival <= last and not t.state.is_final}
 
     def run_prior(self, reason: str) -> None:
         scorer = model_scorer(self.scheduler.policy)

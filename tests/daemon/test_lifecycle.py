@@ -6,6 +6,7 @@ bus, a clock of the test's and a twin of the daemon's models (``Models``)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from hlb.daemon.config import Settings
 from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.decide.scorers import LeastLoaded
 from hlb.daemon.errors import BundleError
-from hlb.daemon.runtime.lifecycle import Finished, LifecycleMetrics, ModelLifecycle
+from hlb.daemon.runtime.lifecycle import DaemonModels, Finished, LifecycleMetrics, ModelLifecycle
 from hlb.daemon.runtime.models import (
     ModelCatalog,
     bundle_records,
@@ -583,3 +584,18 @@ def test_outside_the_canary_cell_a_newer_bundle_replaces_the_one_shadowed_but_no
     assert (outside.state().candidate_version, outside_models.candidate) == ("v2", "v2")
     assert ("superseded", "v1") in steps(outside)
     assert (inside.state().candidate_version, inside_models.candidate) == ("v1", "v1")
+
+
+def test_the_daemons_live_tasks_leave_out_those_that_ended() -> None:
+    scheduler = Scheduler(cluster(8), LeastLoaded(), PlacementLedger(), "c", clock=Clock())
+    models = DaemonModels(Settings(), scheduler, threading.RLock(), lambda model, error: None)
+    for task_id in ("done", "running", "queued"):
+        spec = ev.TaskSpec(id=task_id, work_ref_s=60.0, memory_per_device_gb=1.0)
+        if task_id == "queued":
+            scheduler.apply_task_event(ev.TaskEvent(cell="c", submitted=spec))
+        else:
+            assert scheduler.place(spec).placement is not None
+    scheduler.apply_task_event(ev.TaskEvent(cell="c", event_time_ms=1, finished=ev.TaskFinished(task_id="done")))
+    assert "done" in scheduler.graph.tasks  # ended, and still in the graph
+    assert models.live_between(-1, models.arrivals()) == {"running", "queued"}
+    assert models.live_between(models.arrivals(), models.arrivals() + 10) == set()
