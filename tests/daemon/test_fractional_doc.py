@@ -12,9 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from hlb.v1 import scheduler_pb2 as api
 from hlb.v1 import scheduler_pb2_grpc as api_grpc
-from tests.daemon.background import BackgroundDaemon, memory_settings, wait_until
+from tests.daemon.background import BackgroundDaemon, has_placement, memory_settings, wait_until
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "fractional.md"
 
@@ -33,13 +32,7 @@ def test_the_examples_place_shares_and_explain_them_as_the_page_says(tmp_path: P
             running.bus.publish(topic, b"default", line.encode())
         stub = api_grpc.SchedulerStub(channel)
 
-        def placed(task_id: str) -> bool:
-            try:
-                return stub.GetPlacement(api.GetPlacementRequest(task_id=task_id), timeout=5).HasField("placement")
-            except grpc.RpcError:
-                return False
-
-        wait_until(lambda: placed("svc-1") and placed("gang-1"), "the example tasks placed")
+        wait_until(lambda: has_placement(stub, "svc-1") and has_placement(stub, "gang-1"), "the example tasks placed")
         assert running.bus.read_all(topics.dlq) == []
         outputs = []
         for command in blocks("sh")[0].splitlines():
