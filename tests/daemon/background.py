@@ -11,10 +11,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
+
 from hlb.daemon.bus.seam import MemoryBus
 from hlb.daemon.config import Settings, load_settings
 from hlb.daemon.runtime.daemon import Daemon
 from hlb.sim.kafka_local import free_port
+from hlb.v1 import scheduler_pb2 as api
 
 T = TypeVar("T")
 
@@ -100,10 +103,6 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0
 def has_placement(stub: Any, task_id: str) -> bool:
     """Whether the daemon behind ``stub`` has placed ``task_id``; False while it does not know the
     task yet (``NOT_FOUND``: its submission not ingested), any other refusal raised."""
-    import grpc
-
-    from hlb.v1 import scheduler_pb2 as api
-
     try:
         return bool(stub.GetPlacement(api.GetPlacementRequest(task_id=task_id), timeout=5).HasField("placement"))
     except grpc.RpcError as error:
