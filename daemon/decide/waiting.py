@@ -348,16 +348,22 @@ def service_wait(
 
 def slo_fit(spec: ev.TaskSpec, graph: InfraGraph, feasible: Rows, profiles: DeviceProfiles) -> Rows:
     """The rows of ``feasible`` a one-device service with a declared load should choose among: those
-    of the slowest speed whose estimated request latency meets its SLO; all of ``feasible`` when
-    none does, for a gang, or for a task that declares no load. A service that asks for a share is
-    fitted by its share's speed on each device (:func:`service_speed`), not the whole device's."""
+    of the slowest speed whose estimated request latency meets its SLO; all of ``feasible`` for a
+    gang or a task that declares no load. A service that asks for a share is fitted by its share's
+    speed on each device (:func:`service_speed`), not the whole device's. When no row meets the SLO,
+    all of ``feasible`` for a whole-device service (its scorer puts the fastest first) and the rows
+    of the fastest share for one that asks for a share: the fragmentation score, which orders
+    shares, reads no speed, and would send it to whatever share fragments least, however slow."""
     load = declared_load(spec)
     if load is None or spec.num_devices > 1 or not len(feasible):
         return feasible
     speed = service_speed(spec, graph, feasible, profiles)
     meets = _latency_ms(load, speed) <= spec.latency_slo_ms
     if not meets.any():
-        return feasible
+        if not spec.device_share_milli:
+            return feasible
+        fastest: Rows = feasible[speed >= speed.max() * (1.0 - 1e-9)]
+        return fastest
     slowest = speed[meets].min()
     fitted: Rows = feasible[meets & (speed <= slowest * (1.0 + 1e-9))]
     return fitted

@@ -14,7 +14,7 @@ from hlb.daemon.decide.framework import PermitRequest, PluginPolicy, Wait
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.rules import FragmentationScore, ShortestFirst, least_growth_within
 from hlb.daemon.decide.scheduler import Scheduler
-from hlb.daemon.decide.waiting import SHARED_HEADROOM, whole_first_ranks
+from hlb.daemon.decide.waiting import SHARED_HEADROOM, slo_fit, whole_first_ranks
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
 from hlb.daemon.state.profiles import default_profiles
@@ -305,3 +305,45 @@ def test_whole_first_puts_an_endless_estimate_last_of_its_kind_never_nan() -> No
     out = whole_first_ranks(ranks, shares)
     assert not np.isnan(out).any()
     assert list(np.argsort(-out, kind="stable")) == [2, 1, 0, 4, 3]
+
+
+@pytest.mark.parametrize(("service", "device"), [(False, SLOW), (True, FAST)])
+def test_a_share_service_no_device_fits_takes_the_fastest_share_not_the_least_fragmenting(
+    service: bool, device: str
+) -> None:
+    # 300 of the slow device's 1,000 milli-devices are taken: 700 more there fill it, where
+    # fragmentation grows least (on the fast device they would leave 300 that no 700 fits). A share
+    # without a declared load goes there; a service whose SLO no share meets by its estimate takes
+    # the fastest share instead (the fit's fallback), not the least fragmenting.
+    clock = Clock()
+    scheduler = make_scheduler(clock, shareable=(FAST, SLOW))
+    submit(scheduler, "held", 36_000.0, device_share_milli=300, allowed_models=[SLOW])
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["held"]
+    fields: dict[str, object] = {"device_share_milli": 700}
+    if service:
+        labels = {"request_rate_per_s": repr(RATE_PER_S), "request_work_ref_ms": repr(REQUEST_MS)}
+        slo = 0.5 * latency_ms(FAST, 0.7 * SHARED_HEADROOM)
+        fields |= {"latency_slo_ms": slo, "kind": ev.TASK_KIND_INFERENCE, "labels": labels}
+    submit(scheduler, "next", RATE_PER_S * REQUEST_MS / 1000.0 * 7200.0, **fields)
+    assert [p.task_id for p in scheduler.schedule_pending()] == ["next"]
+    assert device_of(scheduler, "next") == device
+
+
+def test_a_whole_device_service_no_device_fits_keeps_every_device_for_its_scorer() -> None:
+    graph = InfraGraph()
+    for model in (FAST, SLOW):
+        device = ev.Device(id=model, host_id="h0", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=32)
+        graph.apply_telemetry(ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=device))
+    labels = {"request_rate_per_s": repr(RATE_PER_S), "request_work_ref_ms": repr(REQUEST_MS)}
+    spec = ev.TaskSpec(
+        id="svc",
+        workload_class="resnet50",
+        memory_per_device_gb=4,
+        latency_slo_ms=0.5 * latency_ms(FAST, 1.0),
+        kind=ev.TASK_KIND_INFERENCE,
+        labels=labels,
+    )
+    rows = np.array([0, 1])
+    assert slo_fit(spec, graph, rows, default_profiles()).tolist() == [0, 1]
+    spec.device_share_milli = 500
+    assert [graph.devices.ids[r] for r in slo_fit(spec, graph, rows, default_profiles())] == [FAST]
