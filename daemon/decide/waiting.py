@@ -33,7 +33,9 @@ training optimizes is what the daemon runs. Each rule is a ``scheduler.rules`` s
   faster ones to work whose finish depends on speed. When none of the free devices meets it but a
   busy one would, :func:`service_wait` has the service wait for the one expected free soonest
   (with waiting on); when no device would, it takes a free one as any task does, the fastest first.
-  A service that asks for a share of a device is fitted by its share's speed (:func:`service_speed`).
+  A service that asks for a share of a device is fitted by its share's speed (:func:`service_speed`),
+  and when no share meets its SLO it keeps the fastest shares, among which fragmentation chooses
+  (the fragmentation score reads no speed).
 - **Shared devices** (``wait_on_shared``, off): a task does not wait for a busy device when it
   could take a shareable device or a partition now
   (:func:`hlb.daemon.decide.framework.declines_shared`, run by the framework); at saturation the
