@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cells": ("hlb.daemon.cells.plan", "which partition each cell lands on with several instances (cells plan)"),
     "bench": ("hlb.bench.cli", "benchmarks that print JSON (latency, ...)"),
     "eval": ("hlb.sim.eval", "run placement policies on simulated workloads and seeds; results table and plots"),
+    "eval-packing": (
+        "hlb.sim.packing",
+        "the GPUs each policy leaves unallocated when requests only arrive (the FGD paper's protocol)",
+    ),
     "train": ("hlb.export.train_cli", "train the GNN to predict run times in the simulator (needs the export extra)"),
     "export": ("hlb.export.cli", "write the GNN's encoder and scorer ONNX files (needs the export extra)"),
     "eval-learning": (

@@ -86,7 +86,7 @@ class RunSpec:
 
 
 @lru_cache(maxsize=4)
-def _inventory(cluster: str, sample_devices: int = 0, sample_seed: int = 0) -> Inventory:
+def cluster_inventory(cluster: str, sample_devices: int = 0, sample_seed: int = 0) -> Inventory:
     inventory = build_cluster(cluster, shipped_catalogue())
     return sample_inventory(inventory, sample_devices, sample_seed) if sample_devices else inventory
 
@@ -125,7 +125,7 @@ def replay_tasks(spec: RunSpec, capacity: float) -> tuple[list[Task], dict[str, 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """Simulate one run; returns its metrics, JCTs (s) and a timeline (for plots)."""
-    inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+    inventory = cluster_inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
     catalogue = inventory.catalogue(shipped_catalogue())
     if spec.workload in WORKLOADS:
         tasks = build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, spec.load)
@@ -158,7 +158,7 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def _seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
     """``10`` (seeds 0..9), ``3-12`` or ``1,5,9``."""
     if "," in text:
         return [int(x) for x in text.split(",") if x]
@@ -501,7 +501,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
 def _cluster_document(spec: RunSpec) -> dict[str, Any]:
     """What results.json says of the cluster: its devices per model, which are modelled (and which of
     those from the inventory's nameplates), and how it was sampled."""
-    inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+    inventory = cluster_inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
     catalogue = inventory.catalogue(shipped_catalogue())
     modelled = sorted({d.model for d in inventory.devices if catalogue.profile(d.model).modelled})
     # Physical devices: a MIG partition is counted with its parent, not as a device of its own.
@@ -518,7 +518,7 @@ def _cluster_document(spec: RunSpec) -> dict[str, Any]:
         cluster["sample"] = {
             "devices_asked": spec.sample_devices,
             "seed": spec.sample_seed,
-            "of_devices": _inventory(spec.cluster).device_count(),
+            "of_devices": cluster_inventory(spec.cluster).device_count(),
             "rule": "whole hosts drawn per kind of host (models and counts), each kind keeping its share",
         }
     return cluster | {
@@ -553,7 +553,7 @@ def _replays(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
     for spec in specs:
         if spec.workload in WORKLOADS or (spec.workload, spec.load) in seen:
             continue
-        inventory = _inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
+        inventory = cluster_inventory(spec.cluster, spec.sample_devices, spec.sample_seed)
         capacity = v100_equivalents(inventory.catalogue(shipped_catalogue()), inventory)
         seen[(spec.workload, spec.load)] = replay_tasks(spec, capacity)[1]
     return list(seen.values())
@@ -687,7 +687,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     sample_seed = args.sample_seed or 0
     if args.sample_devices is not None and args.sample_devices < 1:
         raise ValueError("--sample-devices needs at least 1")
-    _inventory(cluster, sample_devices, sample_seed)  # fail early, with the loader's message
+    cluster_inventory(cluster, sample_devices, sample_seed)  # fail early, with the loader's message
     loads = _floats(args.load) if args.load is not None else []
     if args.load is not None and (not loads or min(loads) <= 0):
         raise ValueError("--load needs loads > 0")
@@ -705,7 +705,7 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     no_graph = str(args.model_no_graph) if args.model_no_graph else None
     if NO_GRAPH in policies:
         check_gnn_model(no_graph or str(NO_GRAPH_MODEL_DIR))
-    seeds = _seeds(args.seeds)
+    seeds = parse_seeds(args.seeds)
     lookahead = _lookahead(args)
     refresh_rows = 1 if args.refresh_rows is None else args.refresh_rows
     if refresh_rows < 1:

@@ -221,7 +221,9 @@ def paired_markdown(comparisons: Sequence[dict[str, Any]]) -> str:
             cells = [_percent(change[k]) for k in PAIRED_RATIOS]
             for key in differences:
                 stat = change.get(key, {"mean": math.nan, "ci95": math.nan})
-                cells.append("n/a" if math.isnan(stat["mean"]) else _interval(stat["mean"], stat["ci95"], "{:+.3f}"))
+                cells.append(
+                    "n/a" if math.isnan(stat["mean"]) else interval_text(stat["mean"], stat["ci95"], "{:+.3f}")
+                )
             gap, closed = row.get("oracle_gap"), row.get("gap_closed")
             cells.append("" if gap is None else f"{100.0 * gap:.1f}%")
             cells.append("" if closed is None or math.isnan(closed) else f"{100.0 * closed:.0f}%")
@@ -263,7 +265,7 @@ def against_fgd_markdown(runs: Sequence[dict[str, Any]]) -> str:
             cells = []
             for key in FGD_DIFFERENCES:
                 mean, half = seed_differences(by, policy, "fgd", key, seeds)
-                cells.append("n/a" if math.isnan(mean) else _interval(mean, half, "{:+.3f}"))
+                cells.append("n/a" if math.isnan(mean) else interval_text(mean, half, "{:+.3f}"))
             ratio = confidence_interval(
                 [by[(policy, s)]["jct_mean_s"] / by[("fgd", s)]["jct_mean_s"] - 1 for s in seeds]
             )
@@ -274,10 +276,10 @@ def against_fgd_markdown(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def _percent(stat: dict[str, float]) -> str:
-    return _interval(100.0 * stat["mean"], 100.0 * stat["ci95"], "{:+.1f}", "%")
+    return interval_text(100.0 * stat["mean"], 100.0 * stat["ci95"], "{:+.1f}", "%")
 
 
-def _interval(mean: float, half: float, form: str, unit: str = "") -> str:
+def interval_text(mean: float, half: float, form: str, unit: str = "") -> str:
     """``mean [low, high]`` (the 95% interval), or the mean alone when the interval is undefined."""
     if math.isnan(half):
         return form.format(mean) + unit
