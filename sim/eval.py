@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hlb.daemon.decide.framework import ObjectiveWeights
 from hlb.daemon.state.profiles import PROFILE_KINDS
@@ -52,6 +52,8 @@ from hlb.sim.telemetry import TelemetryConfig
 from hlb.sim.topology import Inventory, sample_inventory
 from hlb.sim.traces import read_trace
 from hlb.sim.workloads import Task
+
+Spec = TypeVar("Spec")  # one run's inputs (run_all)
 
 DEFAULT_CLUSTER = "mixed:64"
 DEFAULT_WORKLOAD = "gavel"
@@ -152,6 +154,39 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         "jct_s": [j.jct_s for j in job_outcomes(result) if j.finished],
         "timeline": {"t_s": timeline.t_s, "utilization": timeline.utilization, "power_w": timeline.power_w},
     }
+
+
+def has_eval_extra(command: str) -> bool:
+    """Whether the ``eval`` extra (scipy, matplotlib) is installed; says so on stderr when not."""
+    try:
+        import matplotlib  # noqa: F401
+        import scipy  # noqa: F401
+    except ImportError:
+        print(f"hlb {command}: needs the 'eval' extra: pip install 'hlb[eval]'", file=sys.stderr)
+        return False
+    return True
+
+
+def run_all(
+    run: Callable[[Spec], dict[str, Any]],
+    specs: Sequence[Spec],
+    workers: int,
+    ended: Callable[[int, dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """``run`` of every spec, over a pool of ``workers`` processes (1: in this process), telling
+    ``ended`` (how many have ended, the result) as each ends; the results in ``specs``' order."""
+    done: dict[int, dict[str, Any]] = {}
+    if workers > 1 and len(specs) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(run, spec): i for i, spec in enumerate(specs)}
+            for future in as_completed(futures):  # each as its run ends, not in the order submitted
+                done[futures[future]] = future.result()
+                ended(len(done), done[futures[future]])
+    else:
+        for i, spec in enumerate(specs):
+            done[i] = run(spec)
+            ended(len(done), done[i])
+    return [done[i] for i in range(len(specs))]
 
 
 def _floats(text: str) -> list[float]:
@@ -447,11 +482,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     except ValueError as exc:
         print(f"hlb eval: {exc}", file=sys.stderr)
         return 2
-    try:
-        import matplotlib  # noqa: F401
-        import scipy  # noqa: F401
-    except ImportError:
-        print("hlb eval: needs the 'eval' extra: pip install 'hlb[eval]'", file=sys.stderr)
+    if not has_eval_extra("eval"):
         return 2
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     for about in replays:
@@ -459,18 +490,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     if replays:
         say(seed_effect(specs[0].config, [s.policy for s in specs]))
     started = time.perf_counter()
-    done: dict[int, dict[str, Any]] = {}
-    if args.workers > 1 and len(specs) > 1:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            futures = {pool.submit(run_one, spec): i for i, spec in enumerate(specs)}
-            for future in as_completed(futures):  # each line as its run ends, not in the order submitted
-                done[futures[future]] = future.result()
-                say(_progress_line(len(done), len(specs), done[futures[future]], started))
-    else:
-        for i, spec in enumerate(specs):
-            done[i] = run_one(spec)
-            say(_progress_line(len(done), len(specs), done[i], started))
-    runs = [done[i] for i in range(len(specs))]
+    runs = run_all(
+        run_one, specs, args.workers, lambda done, result: say(_progress_line(done, len(specs), result, started))
+    )
     summary = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     first = specs[0]

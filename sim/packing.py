@@ -36,14 +36,13 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hlb.sim.catalogue import shipped_catalogue
-from hlb.sim.eval import cluster_inventory, parse_seeds
+from hlb.sim.eval import cluster_inventory, has_eval_extra, parse_seeds, run_all
 from hlb.sim.hidden import HIDDEN_DEFAULTS
 from hlb.sim.policies import EXPECTED, GNN_VARIANTS, NO_GRAPH, NO_GRAPH_MODEL_DIR, check_gnn_model, make_sim_policy
 from hlb.sim.report import confidence_interval, interval_text, seed_differences
@@ -347,29 +346,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     except ValueError as exc:
         print(f"hlb eval-packing: {exc}", file=sys.stderr)
         return 2
-    try:
-        import matplotlib  # noqa: F401
-        import scipy  # noqa: F401
-    except ImportError:
-        print("hlb eval-packing: needs the 'eval' extra: pip install 'hlb[eval]'", file=sys.stderr)
+    if not has_eval_extra("eval-packing"):
         return 2
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     started = time.perf_counter()
-    done: dict[int, dict[str, Any]] = {}
-
-    def ended(index: int, result: dict[str, Any]) -> None:
-        done[index] = result
-        say(f"{len(done)}/{len(specs)} {result['policy']} seed {result['seed']} ({result['wall_s']:.1f} s)")
-
-    if args.workers > 1 and len(specs) > 1:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            futures = {pool.submit(run_one, spec): i for i, spec in enumerate(specs)}
-            for future in as_completed(futures):  # each line as its run ends
-                ended(futures[future], future.result())
-    else:
-        for i, spec in enumerate(specs):
-            ended(i, run_one(spec))
-    runs = [done[i] for i in range(len(specs))]
+    runs = run_all(
+        run_one,
+        specs,
+        args.workers,
+        lambda done, r: say(f"{done}/{len(specs)} {r['policy']} seed {r['seed']} ({r['wall_s']:.1f} s)"),
+    )
     summary = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     first = specs[0]
