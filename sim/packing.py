@@ -45,7 +45,7 @@ from hlb.sim.catalogue import shipped_catalogue
 from hlb.sim.eval import cluster_inventory, has_eval_extra, parse_seeds, run_all
 from hlb.sim.hidden import HIDDEN_DEFAULTS
 from hlb.sim.policies import EXPECTED, GNN_VARIANTS, NO_GRAPH, NO_GRAPH_MODEL_DIR, check_gnn_model, make_sim_policy
-from hlb.sim.report import confidence_interval, interval_text, seed_differences
+from hlb.sim.report import confidence_interval, interval_text, seed_differences, strict_json
 from hlb.sim.scenarios import CLUSTER_HELP, WORKLOADS, build_workload
 from hlb.sim.simulator import SimConfig, Simulation
 from hlb.sim.workloads import Task
@@ -372,13 +372,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         "summary": summary,
         "runs": runs,
     }
-    (args.out / "results.json").write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+    (args.out / "results.json").write_text(json.dumps(strict_json(document), indent=1, allow_nan=False) + "\n")
     table = markdown(runs, summary)
     note = (
         f"Cluster `{first.cluster}`, workload `{first.workload}`: its requests arrive one a second and none "
-        f"ends, until they ask for {first.upto:g} of the GPUs. Unallocated: the share of the GPUs (GPU-equivalents) "
-        "no task holds once the arrived requests first reach the share named. Mean ± 95% confidence interval "
-        "(Student's t) over seeds.\n\n"
+        f"ends, until they ask for {100 * first.upto:g}% of the GPUs. Unallocated: the share of the GPUs "
+        "(GPU-equivalents) no task holds once the arrived requests first reach the share named. Mean ± 95% "
+        "confidence interval (Student's t) over seeds.\n\n"
     )
     (args.out / "results.md").write_text("# hlb eval-packing results\n\n" + note + table)
     plot = write_plot(args.out, runs, first.upto)

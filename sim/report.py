@@ -374,7 +374,7 @@ def write_tables(out: Path, document: dict[str, Any]) -> str:
     ``results.md`` into ``out``; returns the Markdown tables."""
     runs = document["runs"]
     document = document | {"paired": paired(runs)}
-    (out / "results.json").write_text(json.dumps(_plain(document), indent=1, allow_nan=False) + "\n")
+    (out / "results.json").write_text(json.dumps(strict_json(document), indent=1, allow_nan=False) + "\n")
     table = table_markdown(document["summary"])
     robust = [m for m in ROBUST_TABLE_METRICS if all(m in row["metrics"] for row in document["summary"])]
     if robust:
@@ -491,14 +491,14 @@ def rewrite_tables(out: Path) -> str:
     return write_tables(out, document)
 
 
-def _plain(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
     """``value`` as strict JSON: nan -> null, infinities -> "inf" / "-inf"."""
     if isinstance(value, float):
         if math.isnan(value):
             return None
         return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [strict_json(v) for v in value]
     return value

@@ -113,3 +113,12 @@ def test_bad_arguments_are_clear_errors(
     assert main(["eval-packing", *flags, "--seeds", "1", "--out", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_one_seed_has_no_interval_and_still_writes_strict_json(tmp_path: Path) -> None:
+    out = tmp_path / "one"
+    flags = ["--cluster", "shared:16", "--jobs", "64", "--seeds", "1", "--policies", "fgd"]
+    assert main(["eval-packing", *flags, "--workers", "1", "--out", str(out)]) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["summary"]["fgd"]["unallocated_at_1"]["ci95"] is None  # nan, written as null
+    assert "| fgd | 1 |" in (out / "results.md").read_text()
