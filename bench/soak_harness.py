@@ -358,9 +358,11 @@ class Soak:
 class DiskPhase:
     """The full disk: fill the state volume; keep it full until ``full_s`` after the daemon says
     NOT_SERVING (``NOTICE_S`` at most for that); free it; wait for SERVING, at most
-    ``RECOVERY_S``. Until NOT_SERVING, a PlaceBatch every half second pushes decisions at the
-    journal: it writes small records into the page it holds already, so it is the file's growth
-    that meets the full disk."""
+    ``RECOVERY_S``. While the disk is full, a PlaceBatch every half second: until NOT_SERVING it
+    pushes decisions at the journal (which writes small records into the page it holds already,
+    so it is the file's growth that meets the full disk); after, it is what the refusal answers,
+    whenever the daemon noticed (on a loaded machine that can be after the rest of the traffic
+    stopped)."""
 
     NOTICE_S = 60.0
     RECOVERY_S = 60.0
@@ -394,7 +396,7 @@ class DiskPhase:
         elif self.state == "full":
             if "not_serving_after_s" not in facts and health == "NOT_SERVING":
                 facts["not_serving_after_s"] = round(t - facts["at_s"], 2)
-            if "not_serving_after_s" not in facts and t >= self._next_push:
+            if t >= self._next_push:
                 self._next_push = t + 0.5
                 self.soak.traffic.place_batch(max(8, min(32, self.soak.options.max_pending // 4)))
             full_for = t - facts["at_s"]
