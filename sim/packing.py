@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from hlb.daemon.state.profiles import PROFILE_KINDS
 from hlb.sim.catalogue import shipped_catalogue
 from hlb.sim.eval import cluster_inventory, has_eval_extra, parse_seeds, run_all
 from hlb.sim.hidden import HIDDEN_DEFAULTS
@@ -288,7 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profiles",
-        choices=("exact", "coarse", "nameplate"),
+        choices=PROFILE_KINDS,
         default="nameplate",
         help="what the policies are told of device speeds, as in hlb eval (default: %(default)s)",
     )
