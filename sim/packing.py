@@ -117,7 +117,7 @@ def run_one(spec: PackingSpec) -> dict[str, Any]:
     """One run: the metrics and the curve (arrived share, unallocated share after each arrival)."""
     inventory = cluster_inventory(spec.cluster)
     catalogue = inventory.catalogue(shipped_catalogue())
-    capacity = float(sum(1 for d in inventory.devices if not d.parent_id))
+    capacity = float(inventory.physical_device_count())
     tasks = inflated(
         build_workload(spec.workload, spec.seed, spec.jobs, catalogue, inventory, 1.0), capacity, spec.upto
     )
@@ -305,9 +305,9 @@ def _specs(args: argparse.Namespace) -> list[PackingSpec]:
     if not (math.isfinite(args.upto) and 0.5 <= args.upto <= 2.0):
         raise ValueError(f"--upto needs a share of the GPUs from 0.5 to 2, got {args.upto}")
     inventory = cluster_inventory(args.cluster)
-    if not any(d.sharing or d.parent_id for d in inventory.devices):
+    if not inventory.shares_devices:
         raise ValueError(f"cluster {args.cluster}: no shared or partitioned device (try shared:64)")
-    capacity = sum(1 for d in inventory.devices if not d.parent_id)
+    capacity = inventory.physical_device_count()
     jobs = 4 * capacity if args.jobs is None else args.jobs
     if jobs < 1:
         raise ValueError("--jobs needs at least 1")

@@ -220,7 +220,7 @@ class Simulation:
         self.timeline = Timeline()
         # With shared devices: capacity held, free and fragmented over time, against the mix of the
         # workload's own requests (share, memory rounded up to 1 GB, as the fgd policy counts them).
-        shared = any(d.sharing or d.parent_id for d in inventory.devices)
+        shared = inventory.shares_devices
         self.shares = ShareTimeline() if shared and tasks else None
         self._request_mix = (
             RequestMix.of((t.device_share_milli, float(math.ceil(t.memory_per_device_gb))) for t in tasks)
@@ -287,7 +287,7 @@ class Simulation:
             failures=self._failures,
             modelled_devices=sum(1 for m in devices.models if self.catalogue.profile(m).modelled),
             device_models=dict(Counter(devices.models)),
-            physical_devices=sum(1 for d in self.inventory.devices if not d.parent_id),
+            physical_devices=self.inventory.physical_device_count(),
             shares=copy.deepcopy(self.shares),
         )
 

@@ -200,6 +200,15 @@ class Inventory:
     def device_count(self, model: str | None = None) -> int:
         return sum(1 for d in self.devices if model is None or d.model == model)
 
+    def physical_device_count(self) -> int:
+        """Devices counted once each: a MIG partition is part of its parent, not a device of its own."""
+        return sum(1 for d in self.devices if not d.parent_id)
+
+    @property
+    def shares_devices(self) -> bool:
+        """Whether some device is shareable (MPS, time slicing) or partitioned (MIG)."""
+        return any(d.sharing or d.parent_id for d in self.devices)
+
     def to_events(
         self, cell: str, event_time_ms: int = 0, source: str = "hlb.sim.topology"
     ) -> list[events_pb2.TelemetryEvent]:
