@@ -2,7 +2,9 @@
 
 The load generator publishes metrics batches (one per cluster, every device) and task submissions at
 a steady rate the daemon keeps up with, then at ten times that rate while the daemon's consumer
-stalls for a few seconds (SIGSTOP), then stops. Meanwhile the test samples the serve process's
+stalls for a few seconds (SIGSTOP), then stops. The steady phase stalls the consumer too, briefly,
+so that its peak (the reference) already includes a full prefetch queue and full batches: what the
+burst adds must then be what a long backlog adds. Meanwhile the test samples the serve process's
 resident memory from /proc and, from the burst on, its lag: events published so far minus events
 applied (``hlb_events_applied`` on /metrics). The burst must build a real backlog (the test fails
 if the daemon never fell behind, as it would then prove nothing), memory during burst and drain
@@ -47,6 +49,9 @@ STEADY_S = 3.0
 BURST_S = 12.0 if LONG else 6.0
 PREFETCH_KB = 8192  # the consumer's prefetch limit (queued.max.messages.kbytes)
 STALL_S = 3.0  # the consumer stops this long at the burst's start (less than its session timeout)
+# ... and this long at the steady phase's start: 1,200 events, more than a batch (1,000) and about
+# the prefetch limit, so the reference peak includes a full batch's working set.
+STEADY_STALL_S = 2.0
 MARGIN_BYTES = 24 * 1024 * 1024  # allocator slack: Python frees to its arenas, not to the system
 
 
@@ -147,6 +152,14 @@ class Run:
     burst_rate: float
 
 
+def stall(daemon: Daemon, seconds: float) -> threading.Timer:
+    """Stop the daemon (SIGSTOP) for ``seconds``; join the returned timer to know it runs again."""
+    daemon.process.send_signal(signal.SIGSTOP)
+    resume = threading.Timer(seconds, daemon.process.send_signal, args=(signal.SIGCONT,))
+    resume.start()
+    return resume
+
+
 def steady_then_burst(
     load: Load,
     payload: bytes,
@@ -157,15 +170,21 @@ def steady_then_burst(
 ) -> Run:
     progress = lag.published
     steady_start = time.monotonic()
+    resume = stall(daemon, STEADY_STALL_S)
     steady = publish_paced(load, payload, STEADY_PER_S, STEADY_S, steady_tasks, progress)
     steady_rate = steady / (time.monotonic() - steady_start)
     load.flush()
+    resume.join()
+    wait_until(
+        lambda: daemon.dump()["ingest"]["applied"] == progress.count,
+        60,
+        "the daemon to catch up with the steady phase",
+        step_s=0.1,
+    )
     burst_start = time.monotonic()
     # The consumer stalls (a slow disk, a long pause) as the burst begins: the backlog builds
     # however fast ingest is, and it must stay on the broker, not in the daemon's memory.
-    daemon.process.send_signal(signal.SIGSTOP)
-    resume = threading.Timer(STALL_S, daemon.process.send_signal, args=(signal.SIGCONT,))
-    resume.start()
+    resume = stall(daemon, STALL_S)
     lag.start()  # the daemon may catch up before the burst ends: the lag is watched while it builds
     burst = publish_paced(load, payload, STEADY_PER_S * 10, BURST_S, burst_tasks, progress)
     burst_rate = burst / (time.monotonic() - burst_start)
