@@ -3,7 +3,9 @@
 For each ``--devices`` size, a graph built as ``hlb bench graph`` builds it (hosts of 8 devices,
 every device reporting metrics), with a fifth of the devices running a task: the time of one
 embedding refresh (the encoder's inputs read from the graph, the encoder run, the new cache),
-``--repeats`` times after a changed metric each, as the daemon's refresh thread does it. Then, in a
+``--repeats`` times after a changed metric each, as the daemon's refresh thread does it; with
+``--pending``, at each size once per queue length given, that many tasks queued besides (pending,
+never placed), with the tasks the encoder read and the bytes of its inputs. Then, in a
 fresh process, the resident memory of a daemon (``hlb.daemon.main`` imported) holding a graph of
 ``--rss-devices`` devices with the GNN loaded and its embeddings built (docs/design.md §7: 100,000
 devices in under 1 GB), and the pause of a full garbage collection there.
@@ -39,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int, nargs="+", default=[1000, 10_000, 100_000], help="graph sizes (default: %(default)s)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="refreshes timed per size (default: %(default)s)")
+    parser.add_argument(
+        "--pending", type=int, nargs="+", default=[0], help="tasks queued besides, per size (default: %(default)s)"
+    )
     parser.add_argument("--rss-devices", type=int, default=100_000, help="devices for the RSS figure; 0: skip")
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: shipped, else random)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: 1)")
@@ -50,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child-ended", type=float, nargs=2, default=None, help=argparse.SUPPRESS)
 
 
-def build_graph(devices: int) -> Any:
-    """``hlb bench graph``'s inventory, metrics for every device, and a fifth of them running a task."""
+def build_graph(devices: int, pending: int = 0) -> Any:
+    """``hlb bench graph``'s inventory, metrics for every device, a fifth of them running a task,
+    and ``pending`` tasks queued (pending, never placed)."""
     from hlb.bench.ingest import _inventory
     from hlb.daemon.state.graph import InfraGraph
     from hlb.v1 import events_pb2 as ev
@@ -75,6 +81,8 @@ def build_graph(devices: int) -> Any:
     for i, row in enumerate(rows[::RUNNING_SHARE]):
         task = graph.add_task(ev.TaskSpec(id=f"run{i}", memory_per_device_gb=4.0, work_ref_s=3600.0), "bench")
         graph.bind(task, [int(row)])
+    for i in range(pending):
+        graph.add_task(ev.TaskSpec(id=f"queued{i}", memory_per_device_gb=4.0, work_ref_s=60.0 * (1 + i % 97)), "bench")
     return graph
 
 
@@ -91,12 +99,12 @@ def _policy(model: Path, threads: int) -> Any:
     return GnnScorer(settings, mode="sync")
 
 
-def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict[str, Any]:
+def refresh_times(devices: int, model: Path, threads: int, repeats: int, pending: int = 0) -> dict[str, Any]:
     from hlb.daemon.decide.gnn import features as feat
     from hlb.v1 import events_pb2 as ev
 
     start = time.perf_counter()
-    graph = build_graph(devices)
+    graph = build_graph(devices, pending)
     build_s = time.perf_counter() - start
     policy = _policy(model, threads)
     start = time.perf_counter()
@@ -107,6 +115,9 @@ def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict
     row = graph.devices.live_rows()[:1]
     every = graph.devices.live_rows()
     refresh_ms, inputs_ms, shape_ms = [], [], []
+    inputs = feat.encoder_inputs(graph)
+    arrays: list[np.ndarray] = [inputs.device_x, inputs.host_x, inputs.switch_x, inputs.task_x]
+    arrays += [a for lists in inputs.lists.values() for a in (lists.index, lists.mask)]
     for i in range(repeats):
         graph.apply_metrics_arrays(
             row, np.array([i % 2 * 0.5]), np.zeros(1), np.zeros(1), np.zeros(1), np.ones(1, dtype=np.int64), ["d0"]
@@ -126,6 +137,9 @@ def refresh_times(devices: int, model: Path, threads: int, repeats: int) -> dict
         "devices": len(graph.devices),
         "hosts": len(graph.hosts),
         "tasks": len(graph.tasks),
+        "pending": pending,
+        "encoded_tasks": len(inputs.task_ids),
+        "inputs_mb": round(sum(a.nbytes for a in arrays) / 2**20, 1),
         "graph_build_s": round(build_s, 2),
         "model_load_and_warm_up_s": round(load_s, 3),
         "refresh_ms": {"p50": round(float(np.median(refresh_ms)), 1), "max": round(max(refresh_ms), 1)},
@@ -224,15 +238,26 @@ def run(args: argparse.Namespace) -> int:
     if args.child_ended is not None:
         print(json.dumps(child_ended(int(args.child_ended[0]), args.child_ended[1])))
         return 0
-    if args.repeats < 1 or min(args.devices) < 1 or args.rss_devices < 0 or args.ended_tasks < 0:
+    if (
+        args.repeats < 1
+        or min(args.devices) < 1
+        or min(args.pending) < 0
+        or args.rss_devices < 0
+        or args.ended_tasks < 0
+    ):
         print(
-            "hlb bench scale: --devices and --repeats must be at least 1, --rss-devices and --ended-tasks at least 0",
+            "hlb bench scale: --devices and --repeats must be at least 1, --pending, --rss-devices and "
+            "--ended-tasks at least 0",
             file=sys.stderr,
         )
         return 2
     try:
         with logs_to_stderr(), model_folder(args.model) as (folder, what):
-            sizes = [refresh_times(n, folder, args.threads, args.repeats) for n in args.devices]
+            sizes = [
+                refresh_times(n, folder, args.threads, args.repeats, pending)
+                for n in args.devices
+                for pending in args.pending
+            ]
             rss = _measure_rss(args.rss_devices, folder, args.threads) if args.rss_devices else None
     except MissingExportExtraError as error:
         print(f"hlb bench scale: {error}", file=sys.stderr)
@@ -252,10 +277,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"model: {what}")
-    print(f"{'devices':>8} {'refresh p50 ms':>15} {'max ms':>8} {'inputs p50 ms':>14}")
+    print(f"{'devices':>8} {'pending':>9} {'refresh p50 ms':>15} {'max ms':>8} {'inputs p50 ms':>14} {'inputs MB':>10}")
     for size in sizes:
-        r = size["refresh_ms"]
-        print(f"{size['devices']:>8} {r['p50']:>15} {r['max']:>8} {size['of_which_inputs_ms']['p50']:>14}")
+        r, inputs_ms = size["refresh_ms"], size["of_which_inputs_ms"]["p50"]
+        print(
+            f"{size['devices']:>8} {size['pending']:>9} {r['p50']:>15} {r['max']:>8} {inputs_ms:>14} "
+            f"{size['inputs_mb']:>10}"
+        )
     if rss is not None:
         rss_mb, peak_mb = rss["rss_mb"], rss["peak_rss_mb"]
         print(f"daemon RSS with {rss['devices']} devices and the GNN: {rss_mb} MB (peak {peak_mb} MB)")

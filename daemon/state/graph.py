@@ -97,14 +97,17 @@ class InfraGraph:
         (with shared devices it starts at once on a share instead)."""
         return self.max_tasks_per_device == 1
 
-    def tables_copy(self) -> InfraGraph:
+    def tables_copy(self, task_rows: Rows | None = None) -> InfraGraph:
         """A graph to read while this one changes (the GNN's encoder inputs, built outside the
         daemon's lock): its tables are copies, everything else is shared, ``tasks`` included,
         which it must only look up in (a task's spec never changes, nor its devices once bound).
-        Copying is a few memory copies, not a pass over the rows. Not for changing."""
+        ``task_rows``: the task table's copy holds these live rows only, renumbered from 0 (what
+        the encoder reads of a long queue), so that a copy does not grow with the queue. Not for
+        changing."""
         twin = copy.copy(self)
         twin.devices, twin.hosts, twin.switches = self.devices.copy(), self.hosts.copy(), self.switches.copy()
-        twin.links, twin.task_table = self.links.copy(), self.task_table.copy()
+        tasks = self.task_table
+        twin.links, twin.task_table = self.links.copy(), tasks.copy() if task_rows is None else tasks.subset(task_rows)
         return twin
 
     # -- lookups ---------------------------------------------------------------------------

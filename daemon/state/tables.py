@@ -96,6 +96,18 @@ class Table:
             setattr(twin, name, getattr(self, name).copy())
         return twin
 
+    def subset(self, rows: Rows) -> Self:
+        """An independent, compact copy of the live ``rows`` only: row ``i`` of the copy is
+        ``rows[i]`` here, with its id and columns; no free row."""
+        twin = copy.copy(self)
+        twin.ids = [self.ids[r] for r in rows.tolist()]
+        twin.index = {entity_id: i for i, entity_id in enumerate(twin.ids) if entity_id is not None}
+        twin._free = []
+        twin.alive = self.alive[rows]
+        for name in self.COLUMNS:
+            setattr(twin, name, getattr(self, name)[rows])
+        return twin
+
     def nbytes(self) -> int:
         """Bytes held by the numpy columns (not the id strings)."""
         arrays = [self.alive, *(getattr(self, name) for name in self.COLUMNS)]

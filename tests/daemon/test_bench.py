@@ -18,6 +18,7 @@ from hlb.bench.cli import machine
 from hlb.bench.latency import add_arguments, synthetic_devices
 from hlb.cli import main
 from hlb.daemon import config
+from hlb.daemon.decide.gnn.features import PENDING_ENCODED_MAX
 from hlb.daemon.decide.presets import PRESETS
 
 
@@ -142,6 +143,21 @@ def test_scale_prints_refresh_times_and_the_daemon_rss(capsys: pytest.CaptureFix
     assert rss["devices"] == 64
     assert 0 < rss["after_imports_mb"] < rss["rss_mb"] <= rss["peak_rss_mb"]
     assert result["met"] == {}  # the target is for 100,000 devices
+
+
+def test_scale_with_a_long_queue_encodes_the_running_tasks_and_a_bounded_sample(
+    capsys: pytest.CaptureFixture[str], gnn_model_dir: Path
+) -> None:
+    args = ["--devices", "40", "--pending", "0", "3000", "--repeats", "1", "--rss-devices", "0"]
+    assert main(["bench", "scale", *args, "--model", str(gnn_model_dir), "--json"]) == 0
+    empty, long = json.loads(capsys.readouterr().out)["sizes"]
+    assert (empty["pending"], long["pending"]) == (0, 3000)
+    assert empty["encoded_tasks"] == empty["tasks"] == 8  # a fifth of the devices run a task
+    assert long["tasks"] == 3008
+    assert long["encoded_tasks"] == 8 + PENDING_ENCODED_MAX
+    assert long["inputs_mb"] > empty["inputs_mb"]
+    assert main(["bench", "scale", "--devices", "40", "--pending", "-1", "--rss-devices", "0"]) == 2
+    assert "--pending" in capsys.readouterr().err
 
 
 def test_an_unknown_policy_is_refused_naming_every_one(capsys: pytest.CaptureFixture[str]) -> None:

@@ -333,3 +333,60 @@ def test_each_host_counts_the_spread_gangs_holding_a_device_on_it() -> None:
     assert counts() == {"h0": 2.0, "h1": 2.0, "h2": 0.0}
     graph.release(graph.tasks["a"], TaskState.FINISHED)
     assert counts() == {"h0": 1.0, "h1": 1.0, "h2": 0.0}
+
+
+def test_a_long_queue_is_read_as_an_evenly_spaced_sample_and_every_placed_task_whole() -> None:
+    graph = small_graph()
+    d = graph.devices.index
+    for i in range(3):
+        submit(graph, f"run{i}")
+        graph.bind(graph.tasks[f"run{i}"], [d["d0"]])
+    for i in range(20):  # every pending task depends on a running one, one on another pending one
+        submit(graph, f"q{i}", deps=(("run0", 1.0),) if i != 7 else (("q6", 1.0),))
+    whole = feat.encoder_inputs(graph, max_pending=20)
+    assert len(whole.task_ids) == 23
+    capped = feat.encoder_inputs(graph, max_pending=5)
+    pending = [t for t in capped.task_ids if t.startswith("q")]
+    assert sorted(t for t in capped.task_ids if t.startswith("run")) == ["run0", "run1", "run2"]
+    assert pending == ["q0", "q4", "q9", "q14", "q19"]  # evenly spaced, first and last included
+    assert capped.task_x.shape == (8, len(feat.TASK_FEATURES))
+    run0 = capped.task_ids.index("run0")
+    for task_id in pending:  # the dependencies among what is read stay edges
+        assert real_neighbours(capped.lists["task_parent"], capped.task_ids.index(task_id)) == [run0]
+    assert real_neighbours(capped.lists["task_child"], run0) == [capped.task_ids.index(t) for t in pending]
+    none = feat.encoder_inputs(graph, max_pending=0)
+    assert none.task_ids == ["run0", "run1", "run2"]
+
+
+def test_a_child_read_without_its_pending_parent_gets_no_edge() -> None:
+    graph = small_graph()
+    for i in range(10):
+        submit(graph, f"q{i}", deps=(("q4", 1.0),) if i == 9 else (("q0", 1.0),) if i == 8 else ())
+    capped = feat.encoder_inputs(graph, max_pending=2)  # q0 and q9; q9's parent q4 is not read
+    assert capped.task_ids == ["q0", "q9"]
+    assert real_neighbours(capped.lists["task_parent"], 1) == []
+    assert (capped.lists["task_parent"].index >= 0).all()
+    assert (capped.lists["task_child"].index >= 0).all()
+    assert real_neighbours(feat.encoder_inputs(graph).lists["task_parent"], 9) == [4]
+
+
+def test_inputs_from_a_copy_of_the_read_task_rows_equal_those_from_the_graph() -> None:
+    graph = small_graph()
+    d = graph.devices.index
+    submit(graph, "gang", gang=2)
+    graph.bind(graph.tasks["gang"], [d["d0"], d["d2"]])
+    submit(graph, "one")
+    graph.bind(graph.tasks["one"], [d["d3"]])
+    for i in range(30):
+        submit(graph, f"q{i}", deps=(("gang", 2.0),) if i % 3 == 0 else (("q3", 1.0),) if i % 3 == 1 else ())
+    graph.release(graph.tasks["q12"], TaskState.CANCELLED)  # a freed row among the pending ones
+    for cap in (4, 1024):
+        direct = feat.encoder_inputs(graph, 5_000, max_pending=cap)
+        copied = feat.encoder_inputs(graph.tables_copy(feat.encoded_task_rows(graph.task_table, cap)), 5_000)
+        assert copied.task_ids == direct.task_ids
+        assert list(copied.task_rows) == list(range(len(direct.task_ids)))  # renumbered from 0
+        for name in ("device_x", "host_x", "switch_x", "task_x", "device_rows", "host_rows", "switch_rows"):
+            np.testing.assert_array_equal(getattr(copied, name), getattr(direct, name))
+        for name, lists in direct.lists.items():
+            np.testing.assert_array_equal(copied.lists[name].index, lists.index)
+            np.testing.assert_array_equal(copied.lists[name].mask, lists.mask)

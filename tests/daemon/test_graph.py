@@ -151,6 +151,24 @@ def test_a_tables_copy_keeps_the_moment_it_was_taken() -> None:
     assert copy.tasks is graph.tasks  # shared, for lookups only
 
 
+def test_a_tables_copy_of_some_task_rows_holds_those_alone_renumbered() -> None:
+    graph = InfraGraph()
+    graph.apply_telemetry(upsert("d0", "h0"))
+    tasks = [graph.add_task(ev.TaskSpec(id=f"t{i}", memory_per_device_gb=i), "c") for i in range(5)]
+    graph.bind(tasks[3], [0])
+    graph.release(tasks[1], TaskState.CANCELLED)
+    copy = graph.tables_copy(np.array([tasks[0].row, tasks[3].row, tasks[4].row], dtype=np.int64))
+    graph.release(tasks[3], TaskState.FINISHED)
+    table = copy.task_table
+    assert table.ids == ["t0", "t3", "t4"]
+    assert table.index == {"t0": 0, "t3": 1, "t4": 2}
+    assert list(table.live_rows()) == [0, 1, 2]
+    assert list(table.state) == [TaskState.PENDING, TaskState.PLACED, TaskState.PENDING]
+    assert list(table.held_device) == [-1, 0, -1]
+    assert table.capacity == 3
+    assert copy.devices.reserved_gb[0] == 3.0  # the devices whole, as they were
+
+
 def test_finished_tasks_leave_the_task_table_and_free_their_devices() -> None:
     graph = InfraGraph()
     graph.apply_telemetry(upsert("d0", "h0"))

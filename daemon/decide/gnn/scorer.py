@@ -582,7 +582,7 @@ class GnnScorer(Policy):
         tables, from which its inputs are built once the lock is released, the time (Unix ms) and
         the marks that date the cache."""
         marks = (graph.version, graph.changes, graph.devices.capacity, tuple(graph.devices.ids))
-        return graph.tables_copy(), int(self.clock_ms()), marks
+        return graph.tables_copy(feat.encoded_task_rows(graph.task_table)), int(self.clock_ms()), marks
 
     def _warm_up_scorer(self, cache: EmbeddingCache, graph: InfraGraph) -> None:
         """One head run on real cached devices (zero embeddings when the graph has none)."""
