@@ -5,7 +5,9 @@ every device reporting metrics), with a fifth of the devices running a task: the
 embedding refresh (the encoder's inputs read from the graph, the encoder run, the new cache),
 ``--repeats`` times after a changed metric each, as the daemon's refresh thread does it; with
 ``--pending``, at each size once per queue length given, that many tasks queued besides (pending,
-never placed), with the tasks the encoder read and the bytes of its inputs. Then, in a
+never placed), with the tasks the encoder read and the bytes of its inputs; with
+``--one-device-tasks``, that many tasks more on one device (small shares, as a tenant may ask for),
+which widen the padded device-to-task list. Then, in a
 fresh process, the resident memory of a daemon (``hlb.daemon.main`` imported) holding a graph of
 ``--rss-devices`` devices with the GNN loaded and its embeddings built (docs/design.md §7: 100,000
 devices in under 1 GB), and the pause of a full garbage collection there.
@@ -44,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pending", type=int, nargs="+", default=[0], help="tasks queued besides, per size (default: %(default)s)"
     )
+    parser.add_argument(
+        "--one-device-tasks", type=int, default=0, help="tasks more running on one device (default: %(default)s)"
+    )
     parser.add_argument("--rss-devices", type=int, default=100_000, help="devices for the RSS figure; 0: skip")
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: shipped, else random)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: 1)")
@@ -55,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child-ended", type=float, nargs=2, default=None, help=argparse.SUPPRESS)
 
 
-def build_graph(devices: int, pending: int = 0) -> Any:
+def build_graph(devices: int, pending: int = 0, one_device_tasks: int = 0) -> Any:
     """``hlb bench graph``'s inventory, metrics for every device, a fifth of them running a task,
-    and ``pending`` tasks queued (pending, never placed)."""
+    ``pending`` tasks queued (pending, never placed) and ``one_device_tasks`` more running on the
+    second device."""
     from hlb.bench.ingest import _inventory
     from hlb.daemon.state.graph import InfraGraph
     from hlb.v1 import events_pb2 as ev
@@ -81,6 +87,10 @@ def build_graph(devices: int, pending: int = 0) -> Any:
     for i, row in enumerate(rows[::RUNNING_SHARE]):
         task = graph.add_task(ev.TaskSpec(id=f"run{i}", memory_per_device_gb=4.0, work_ref_s=3600.0), "bench")
         graph.bind(task, [int(row)])
+    crowded = [int(rows[min(1, n - 1)])]
+    for i in range(one_device_tasks):
+        task = graph.add_task(ev.TaskSpec(id=f"small{i}", memory_per_device_gb=0.01, work_ref_s=60.0), "bench")
+        graph.bind(task, crowded)
     for i in range(pending):
         graph.add_task(ev.TaskSpec(id=f"queued{i}", memory_per_device_gb=4.0, work_ref_s=60.0 * (1 + i % 97)), "bench")
     return graph
@@ -99,12 +109,14 @@ def _policy(model: Path, threads: int) -> Any:
     return GnnScorer(settings, mode="sync")
 
 
-def refresh_times(devices: int, model: Path, threads: int, repeats: int, pending: int = 0) -> dict[str, Any]:
+def refresh_times(
+    devices: int, model: Path, threads: int, repeats: int, pending: int = 0, one_device_tasks: int = 0
+) -> dict[str, Any]:
     from hlb.daemon.decide.gnn import features as feat
     from hlb.v1 import events_pb2 as ev
 
     start = time.perf_counter()
-    graph = build_graph(devices, pending)
+    graph = build_graph(devices, pending, one_device_tasks)
     build_s = time.perf_counter() - start
     policy = _policy(model, threads)
     start = time.perf_counter()
@@ -138,7 +150,9 @@ def refresh_times(devices: int, model: Path, threads: int, repeats: int, pending
         "hosts": len(graph.hosts),
         "tasks": len(graph.tasks),
         "pending": pending,
+        "one_device_tasks": one_device_tasks,
         "encoded_tasks": len(inputs.task_ids),
+        "widest_list": max(lists.index.shape[1] for lists in inputs.lists.values()),
         "inputs_mb": round(sum(a.nbytes for a in arrays) / 2**20, 1),
         "graph_build_s": round(build_s, 2),
         "model_load_and_warm_up_s": round(load_s, 3),
@@ -254,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with logs_to_stderr(), model_folder(args.model) as (folder, what):
             sizes = [
-                refresh_times(n, folder, args.threads, args.repeats, pending)
+                refresh_times(n, folder, args.threads, args.repeats, pending, args.one_device_tasks)
                 for n in args.devices
                 for pending in args.pending
             ]
@@ -277,12 +291,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"model: {what}")
-    print(f"{'devices':>8} {'pending':>9} {'refresh p50 ms':>15} {'max ms':>8} {'inputs p50 ms':>14} {'inputs MB':>10}")
+    heads = ("devices", 8), ("pending", 9), ("refresh p50 ms", 15), ("max ms", 8), ("inputs p50 ms", 14)
+    print(" ".join(f"{name:>{width}}" for name, width in (*heads, ("inputs MB", 10), ("widest", 7))))
     for size in sizes:
         r, inputs_ms = size["refresh_ms"], size["of_which_inputs_ms"]["p50"]
         print(
             f"{size['devices']:>8} {size['pending']:>9} {r['p50']:>15} {r['max']:>8} {inputs_ms:>14} "
-            f"{size['inputs_mb']:>10}"
+            f"{size['inputs_mb']:>10} {size['widest_list']:>7}"
         )
     if rss is not None:
         rss_mb, peak_mb = rss["rss_mb"], rss["peak_rss_mb"]

@@ -18,7 +18,7 @@ from hlb.bench.cli import machine
 from hlb.bench.latency import add_arguments, synthetic_devices
 from hlb.cli import main
 from hlb.daemon import config
-from hlb.daemon.decide.gnn.features import PENDING_ENCODED_MAX
+from hlb.daemon.decide.gnn.features import PENDING_ENCODED_MAX, TASK_NEIGHBOURS_MAX
 from hlb.daemon.decide.presets import PRESETS
 
 
@@ -145,7 +145,7 @@ def test_scale_prints_refresh_times_and_the_daemon_rss(capsys: pytest.CaptureFix
     assert result["met"] == {}  # the target is for 100,000 devices
 
 
-def test_scale_with_a_long_queue_encodes_the_running_tasks_and_a_bounded_sample(
+def test_scale_with_a_long_queue_or_a_crowded_device_reads_bounded_inputs(
     capsys: pytest.CaptureFixture[str], gnn_model_dir: Path
 ) -> None:
     args = ["--devices", "40", "--pending", "0", "3000", "--repeats", "1", "--rss-devices", "0"]
@@ -158,6 +158,11 @@ def test_scale_with_a_long_queue_encodes_the_running_tasks_and_a_bounded_sample(
     assert long["inputs_mb"] > empty["inputs_mb"]
     assert main(["bench", "scale", "--devices", "40", "--pending", "-1", "--rss-devices", "0"]) == 2
     assert "--pending" in capsys.readouterr().err
+    args = ["--devices", "40", "--one-device-tasks", "100", "--repeats", "1", "--rss-devices", "0"]
+    assert main(["bench", "scale", *args, "--model", str(gnn_model_dir), "--json"]) == 0
+    (crowded,) = json.loads(capsys.readouterr().out)["sizes"]
+    assert crowded["tasks"] == crowded["encoded_tasks"] == 108
+    assert crowded["widest_list"] == TASK_NEIGHBOURS_MAX
 
 
 def test_an_unknown_policy_is_refused_naming_every_one(capsys: pytest.CaptureFixture[str]) -> None:

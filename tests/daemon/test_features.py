@@ -75,6 +75,40 @@ def test_padded_lists_keep_duplicates_and_pad_with_the_source_count() -> None:
     assert list(lists.degree) == [1, 0, 3, 0]
 
 
+def test_a_row_longer_than_the_widest_keeps_an_evenly_spaced_sample_in_edge_order() -> None:
+    # Node 1 has ten neighbours (sources 10..19, interleaved with node 0's three), node 2 has four.
+    dst = np.array([1, 0, 1, 1, 0, 1, 1, 1, 2, 1, 1, 2, 1, 0, 1, 2, 2])
+    src = np.array([10, 0, 11, 12, 1, 13, 14, 15, 20, 16, 17, 21, 18, 2, 19, 22, 23])
+    lists = feat.neighbours(dst, src, n_dst=4, n_src=30, k_max=4)
+    assert lists.index.shape == (4, 4)
+    assert real_neighbours(lists, 1) == [10, 12, 15, 17]  # slots floor(j * 10 / 4): 0, 2, 5, 7
+    assert real_neighbours(lists, 2) == [20, 21, 22, 23]  # as many as the widest: whole
+    assert real_neighbours(lists, 0) == [0, 1, 2]
+    assert real_neighbours(lists, 3) == []
+    whole = feat.neighbours(dst, src, n_dst=4, n_src=30)
+    assert whole.index.shape == (4, 10)
+    assert real_neighbours(whole, 1) == list(range(10, 20))
+    narrow = feat.neighbours(dst, src, n_dst=4, n_src=30, k_max=1)
+    assert [real_neighbours(narrow, node) for node in range(4)] == [[0], [10], [20], []]
+    assert feat.neighbours(dst, src, n_dst=4, n_src=30, k_max=16).index.shape == (4, 10)
+
+
+def test_a_device_holding_many_tasks_widens_no_list_beyond_the_bound() -> None:
+    graph = small_graph()
+    d0 = graph.devices.index["d0"]
+    count = feat.TASK_NEIGHBOURS_MAX * 3 + 1
+    for i in range(count):
+        graph.add_task(ev.TaskSpec(id=f"t{i}", memory_per_device_gb=0.01, work_ref_s=60.0), "c0")
+        graph.bind(graph.tasks[f"t{i}"], [d0])
+    inputs = feat.encoder_inputs(graph)
+    device_task = inputs.lists["device_task"]
+    assert device_task.index.shape == (4, feat.TASK_NEIGHBOURS_MAX)
+    row = list(inputs.device_rows).index(d0)
+    assert real_neighbours(device_task, row) == [3 * j for j in range(feat.TASK_NEIGHBOURS_MAX)]
+    column = feat.names(feat.DEVICE_FEATURES).index("n_tasks")
+    assert inputs.device_x[row, column] > inputs.device_x[row - 1 if row else row + 1, column]  # the count stays
+
+
 def test_a_list_without_edges_is_one_padding_column_even_with_no_sources() -> None:
     lists = feat.neighbours(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), n_dst=3, n_src=0)
     assert lists.index.shape == (3, 1)
