@@ -7,7 +7,8 @@ embedding refresh (the encoder's inputs read from the graph, the encoder run, th
 ``--pending``, at each size once per queue length given, that many tasks queued besides (pending,
 never placed), with the tasks the encoder read and the bytes of its inputs; with
 ``--one-device-tasks``, that many tasks more on one device (small shares, as a tenant may ask for),
-which widen the padded device-to-task list. Then, in a
+which widen the padded device-to-task list; with ``--dependencies``, each queued task lists that
+many dependencies on tasks never submitted. Then, in a
 fresh process, the resident memory of a daemon (``hlb.daemon.main`` imported) holding a graph of
 ``--rss-devices`` devices with the GNN loaded and its embeddings built (docs/design.md §7: 100,000
 devices in under 1 GB), and the pause of a full garbage collection there.
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--one-device-tasks", type=int, default=0, help="tasks more running on one device (default: %(default)s)"
     )
+    parser.add_argument(
+        "--dependencies", type=int, default=0, help="dependencies each queued task lists (default: %(default)s)"
+    )
     parser.add_argument("--rss-devices", type=int, default=100_000, help="devices for the RSS figure; 0: skip")
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: shipped, else random)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: 1)")
@@ -60,10 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child-ended", type=float, nargs=2, default=None, help=argparse.SUPPRESS)
 
 
-def build_graph(devices: int, pending: int = 0, one_device_tasks: int = 0) -> Any:
+def build_graph(devices: int, pending: int = 0, one_device_tasks: int = 0, dependencies: int = 0) -> Any:
     """``hlb bench graph``'s inventory, metrics for every device, a fifth of them running a task,
-    ``pending`` tasks queued (pending, never placed) and ``one_device_tasks`` more running on the
-    second device."""
+    ``pending`` tasks queued (pending, never placed; each listing ``dependencies`` tasks never
+    submitted) and ``one_device_tasks`` more running on the second device."""
     from hlb.bench.ingest import _inventory
     from hlb.daemon.state.graph import InfraGraph
     from hlb.v1 import events_pb2 as ev
@@ -92,7 +96,9 @@ def build_graph(devices: int, pending: int = 0, one_device_tasks: int = 0) -> An
         task = graph.add_task(ev.TaskSpec(id=f"small{i}", memory_per_device_gb=0.01, work_ref_s=60.0), "bench")
         graph.bind(task, crowded)
     for i in range(pending):
-        graph.add_task(ev.TaskSpec(id=f"queued{i}", memory_per_device_gb=4.0, work_ref_s=60.0 * (1 + i % 97)), "bench")
+        spec = ev.TaskSpec(id=f"queued{i}", memory_per_device_gb=4.0, work_ref_s=60.0 * (1 + i % 97))
+        spec.dependencies.extend(ev.Dependency(task_id=f"never{i}-{j}") for j in range(dependencies))
+        graph.add_task(spec, "bench")
     return graph
 
 
@@ -110,13 +116,19 @@ def _policy(model: Path, threads: int) -> Any:
 
 
 def refresh_times(
-    devices: int, model: Path, threads: int, repeats: int, pending: int = 0, one_device_tasks: int = 0
+    devices: int,
+    model: Path,
+    threads: int,
+    repeats: int,
+    pending: int = 0,
+    one_device_tasks: int = 0,
+    dependencies: int = 0,
 ) -> dict[str, Any]:
     from hlb.daemon.decide.gnn import features as feat
     from hlb.v1 import events_pb2 as ev
 
     start = time.perf_counter()
-    graph = build_graph(devices, pending, one_device_tasks)
+    graph = build_graph(devices, pending, one_device_tasks, dependencies)
     build_s = time.perf_counter() - start
     policy = _policy(model, threads)
     start = time.perf_counter()
@@ -151,6 +163,7 @@ def refresh_times(
         "tasks": len(graph.tasks),
         "pending": pending,
         "one_device_tasks": one_device_tasks,
+        "dependencies": dependencies,
         "encoded_tasks": len(inputs.task_ids),
         "widest_list": max(lists.index.shape[1] for lists in inputs.lists.values()),
         "inputs_mb": round(sum(a.nbytes for a in arrays) / 2**20, 1),
@@ -268,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with logs_to_stderr(), model_folder(args.model) as (folder, what):
             sizes = [
-                refresh_times(n, folder, args.threads, args.repeats, pending, args.one_device_tasks)
+                refresh_times(n, folder, args.threads, args.repeats, pending, args.one_device_tasks, args.dependencies)
                 for n in args.devices
                 for pending in args.pending
             ]

@@ -424,3 +424,18 @@ def test_inputs_from_a_copy_of_the_read_task_rows_equal_those_from_the_graph() -
         for name, lists in direct.lists.items():
             np.testing.assert_array_equal(copied.lists[name].index, lists.index)
             np.testing.assert_array_equal(copied.lists[name].mask, lists.mask)
+
+
+def test_a_long_dependency_list_is_read_evenly_spaced_and_bounded() -> None:
+    graph = small_graph()
+    count = feat.DEPENDENCIES_READ + 36
+    for k in range(count):
+        submit(graph, f"p{k}")
+    submit(graph, "big", deps=tuple((f"p{k}", 1.0) for k in range(count)))
+    inputs = feat.encoder_inputs(graph)
+    read = {f"p{j}" for j in np.linspace(0, count - 1, feat.DEPENDENCIES_READ).astype(np.int64)}
+    parents = [inputs.task_ids[p] for p in real_neighbours(inputs.lists["task_parent"], inputs.task_ids.index("big"))]
+    assert len(parents) == feat.TASK_NEIGHBOURS_MAX
+    assert parents[0] == "p0"
+    assert set(parents) <= read
+    assert len(read) == feat.DEPENDENCIES_READ

@@ -66,6 +66,9 @@ PENDING_ENCODED_MAX = 1024
 # the counts stay features. Training never reaches it: gangs of at most 8 devices, at most 9
 # shares on a device, a few parents or children a task.
 TASK_NEIGHBOURS_MAX = 16
+# The dependencies of one task looked up for its parent edges (evenly spaced in its list beyond
+# this): four times the parents its list keeps, so that some are live when most have finished.
+DEPENDENCIES_READ = 4 * TASK_NEIGHBOURS_MAX
 
 Transform = Literal["linear", "log1p", "symlog"]
 Matrix = NDArray[np.float32]
@@ -651,12 +654,25 @@ def _holders(graph: InfraGraph, task_rows: Rows, task_ids: list[str], device_pos
 
 def _dependency_edges(graph: InfraGraph, task_rows: Rows, task_ids: list[str], task_pos: Index) -> tuple[Index, Index]:
     """Edges parent -> child (task positions) between the encoded tasks, in child order. Shapes:
-    -> [E], [E]."""
+    -> [E], [E].
+
+    Only a pending task can have a live parent (a task is placed once every dependency finished,
+    and a finished task leaves the table), and of a task's dependencies at most
+    :data:`DEPENDENCIES_READ` are looked up, evenly spaced in its list: a refresh costs no more
+    than that a pending task, however long its list (``limits.list_items``, 4,096 by default)."""
     t = graph.task_table
     parents: list[int] = []
     children: list[int] = []
-    for i in np.flatnonzero(t.n_dependencies[task_rows] > 0).tolist():
-        for dep in graph.tasks[task_ids[i]].spec.dependencies:
+    waiting = (t.n_dependencies[task_rows] > 0) & (t.state[task_rows] == TaskState.PENDING)
+    for i in np.flatnonzero(waiting).tolist():
+        dependencies = graph.tasks[task_ids[i]].spec.dependencies
+        count = len(dependencies)
+        read = (
+            dependencies
+            if count <= DEPENDENCIES_READ
+            else [dependencies[j] for j in np.linspace(0, count - 1, DEPENDENCIES_READ).astype(np.int64).tolist()]
+        )
+        for dep in read:
             row = t.index.get(dep.task_id)
             if row is not None and task_pos[row] >= 0:  # a pending parent left out of a long queue: none
                 parents.append(int(task_pos[row]))
