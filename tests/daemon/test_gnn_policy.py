@@ -510,6 +510,32 @@ def test_requests_during_a_refresh_use_the_old_cache_entirely(model_dir: Path) -
         policy.stop()
 
 
+def test_background_refresh_waits_its_interval_after_an_inventory_event_that_adds_no_device(
+    model_dir: Path,
+) -> None:
+    graph = cluster()
+    now = [0.0]
+    policy = GnnScorer(
+        settings(model_dir, poll_s=60.0, min_changed_rows=10), mode="background", monotonic=lambda: now[0]
+    )
+    policy.start(graph, threading.RLock())
+    try:
+        cache = policy.cache
+        assert cache is not None
+        again = next(e for e in synthetic_devices(48) if e.HasField("device_upsert"))
+        graph.apply_telemetry(again)  # an agent sends its inventory again: nothing added
+        assert graph.version != cache.version
+        assert not policy._due(cache, graph, staleness=True)
+        assert policy._due(cache, graph, staleness=False)  # a sync caller re-encodes at once
+        now[0] = 0.6
+        assert policy._due(cache, graph, staleness=True)  # once min_interval_s has passed
+        now[0] = 0.0
+        graph.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id=again.device_upsert.id)))
+        assert policy._due(cache, graph, staleness=True)  # a device removed: at once
+    finally:
+        policy.stop()
+
+
 def test_background_refresh_follows_changed_rows_and_the_staleness_budget(model_dir: Path) -> None:
     graph = cluster()
     now = [0.0]

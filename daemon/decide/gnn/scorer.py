@@ -104,6 +104,7 @@ class EmbeddingCache:
     device_ids: tuple[str | None, ...]
     version: int  # graph.version (inventory) when built
     changes: int  # graph.changes when built
+    device_generation: int  # graph.devices.generation (devices added or removed) when built
     built_at: float  # monotonic seconds
     serial: int  # counts the caches one scorer built
     # Per task shape: the head's output for every position [D, 2] (filled as shapes are asked for).
@@ -554,7 +555,7 @@ class GnnScorer(Policy):
             raise ModelError("encoder returned values that are not finite")
         # Never written again: the feature log keeps references to them until its records are built.
         device_emb.flags.writeable = context.flags.writeable = False
-        version, changes, capacity, ids = marks
+        version, changes, capacity, ids, device_generation = marks
         positions = np.full(capacity, -1, dtype=np.int64)
         positions[inputs.device_rows] = np.arange(n, dtype=np.int64)
         return EmbeddingCache(
@@ -567,6 +568,7 @@ class GnnScorer(Policy):
             device_ids=ids,
             version=version,
             changes=changes,
+            device_generation=device_generation,
             built_at=self._monotonic(),
             serial=self._next_serial(),
             predictions={},
@@ -577,11 +579,17 @@ class GnnScorer(Policy):
         self._serial += 1
         return self._serial
 
-    def _read(self, graph: InfraGraph) -> tuple[InfraGraph, int, tuple[int, int, int, tuple[str | None, ...]]]:
+    def _read(self, graph: InfraGraph) -> tuple[InfraGraph, int, tuple[int, int, int, tuple[str | None, ...], int]]:
         """What the encoder reads, taken at one moment (under the lock): copies of the graph's
         tables, from which its inputs are built once the lock is released, the time (Unix ms) and
         the marks that date the cache."""
-        marks = (graph.version, graph.changes, graph.devices.capacity, tuple(graph.devices.ids))
+        marks = (
+            graph.version,
+            graph.changes,
+            graph.devices.capacity,
+            tuple(graph.devices.ids),
+            graph.devices.generation,
+        )
         return graph.tables_copy(feat.encoded_task_rows(graph.task_table)), int(self.clock_ms()), marks
 
     def _warm_up_scorer(self, cache: EmbeddingCache, graph: InfraGraph) -> None:
@@ -604,12 +612,18 @@ class GnnScorer(Policy):
             raise ModelError(f"scorer returned shape {out.shape} or values that are not finite for {len(prior)}")
 
     def _due(self, cache: EmbeddingCache, graph: InfraGraph, staleness: bool) -> bool:
-        """Whether to re-encode now; ``staleness``: for the background thread (which also keeps
-        ``min_interval_s`` between refreshes for changed rows), else for a sync caller."""
-        if graph.version != cache.version:
+        """Whether to re-encode now; ``staleness``: for the background thread, else for a sync
+        caller, which re-encodes at once after any inventory change. The thread re-encodes at once
+        when a device was added or removed; for any other change (an inventory event updating a
+        device, host, switch or link, as agents send the whole inventory again every few minutes,
+        or changed rows) it keeps ``min_interval_s`` between refreshes."""
+        inventory_changed = graph.version != cache.version
+        if inventory_changed and (not staleness or graph.devices.generation != cache.device_generation):
             return True
         if staleness and self._monotonic() - cache.built_at < self.settings.refresh.min_interval_s:
             return False
+        if inventory_changed:
+            return True
         changed = graph.changes - cache.changes
         if changed >= self.settings.refresh.min_changed_rows:
             return True
