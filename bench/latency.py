@@ -30,6 +30,10 @@ goes to the decision journal (``hlb.daemon.record.journal``, in a temporary dire
 request path (``--journal-sync write``, the default, as the daemon's ``journal.sync``), or on disk
 (``--journal-sync fsync``: one fsync per call, group commit).
 Nothing is sent to a broker either way.
+
+``--inventory-per-s R``: while the calls are measured, a thread applies R device upserts a second
+(the cluster's own devices, unchanged, in turn, under the server's lock), as a daemon receives the
+whole inventory that every agent sends again every few minutes (``agent.inventory_interval_s``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("write", "fsync"),
         default="write",
         help="with --journal: what an answer waits for, as the daemon's journal.sync (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--inventory-per-s",
+        type=float,
+        default=0.0,
+        help="device upserts applied a second meanwhile, as agents send their inventory again (default: 0)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (default: a short table)")
 
@@ -306,6 +317,29 @@ def build_scheduler(devices: int, pending: int, policy: str | Any) -> Any:
     return scheduler
 
 
+class Resend(threading.Thread):
+    """Applies the cluster's own device upserts again, ``per_s`` a second, under ``lock``."""
+
+    def __init__(self, scheduler: Any, lock: Any, devices: int, per_s: float) -> None:
+        super().__init__(name="bench-inventory", daemon=True)
+        self.scheduler, self.lock, self.period_s = scheduler, lock, 1.0 / per_s
+        self.events = [e for e in synthetic_devices(devices) if e.HasField("device_upsert")]
+        self.applied = 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        due = time.monotonic()
+        while not self._done.wait(max(0.0, due - time.monotonic())):
+            with self.lock:
+                self.scheduler.apply_telemetry(self.events[self.applied % len(self.events)])
+            self.applied += 1
+            due += self.period_s
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
 def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, n: int) -> dict[str, list[int]]:
     """Each call's latency (ns), ``n`` times after ``warmup``, the calls taken in turn."""
     timings: dict[str, list[int]] = {name: [] for name in calls}
@@ -347,8 +381,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    import threading
-
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -369,7 +401,10 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
+    resend = Resend(scheduler, lock, args.devices, args.inventory_per_s) if args.inventory_per_s > 0 else None
     try:
+        if resend is not None:
+            resend.start()
         with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             stub = api_grpc.SchedulerStub(channel)
@@ -391,10 +426,16 @@ def measure_with(args: argparse.Namespace, policy: Any, extra: dict[str, Any]) -
                 batch_ns += time.perf_counter_ns() - start_ns
                 batch_placed += sum(r.HasField("placement") for r in reply.results)
     finally:
+        if resend is not None:
+            resend.stop()
         server.close()
         if journal_dir is not None:
             journal_dir.cleanup()
-    return {**summarize(args, timings, batch_placed, batch_ns, scheduler), **extra}
+    result = summarize(args, timings, batch_placed, batch_ns, scheduler)
+    if resend is not None:
+        result["inventory_per_s"] = args.inventory_per_s
+        result["inventory_applied"] = resend.applied
+    return {**result, **extra}
 
 
 def summarize(
@@ -445,8 +486,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"hlb bench latency: --{name} must be at least 1", file=sys.stderr)
             return 2
-    if args.pending < 0 or args.warmup < 0:
-        print("hlb bench latency: --pending and --warmup must be >= 0", file=sys.stderr)
+    if args.pending < 0 or args.warmup < 0 or not 0 <= args.inventory_per_s < float("inf"):
+        print("hlb bench latency: --pending, --warmup and --inventory-per-s must be >= 0", file=sys.stderr)
         return 2
     try:
         with logs_to_stderr():

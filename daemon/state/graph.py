@@ -306,10 +306,15 @@ class InfraGraph:
         d = self.devices
         row = d.row(spec.id)
         self._check_sharing(spec, row)
+        model = self._intern_model(spec.model)
         if row is None:
-            row = d.add(spec.id)
+            row, regroup = d.add(spec.id), True
         else:  # an update keeps what was measured and reserved; it may move group or host
-            self._leave_group(row)
+            # The same kind and model (an agent sending its inventory again): the feasibility
+            # index keeps the row, and its cached rows of the group.
+            regroup = (int(d.kind[row]), int(d.model[row])) != (int(spec.kind), model)
+            if regroup:
+                self._leave_group(row)
             if self.hosts.ids[d.host[row]] != spec.host_id:
                 self._leave_host(row)
         if d.host[row] < 0 or self.hosts.ids[d.host[row]] != spec.host_id:
@@ -317,13 +322,14 @@ class InfraGraph:
             self.hosts.n_devices[host] += 1
             d.host[row] = host
         d.kind[row] = spec.kind
-        d.model[row] = self._intern_model(spec.model)
+        d.model[row] = model
         d.memory_gb[row] = spec.memory_gb
         d.peak_tflops[row] = spec.peak_tflops
         d.idle_power_w[row] = spec.idle_power_w
         d.peak_power_w[row] = spec.peak_power_w
         self._set_sharing(spec, row)
-        self.feasibility.join(row, int(spec.kind), int(d.model[row]))
+        if regroup:
+            self.feasibility.join(row, int(spec.kind), model)
 
     def _check_sharing(self, spec: ev.Device, row: int | None) -> None:
         """What the graph must know to accept a device's sharing (docs/fractional.md): a partition's

@@ -100,6 +100,20 @@ def test_the_synthetic_cluster_has_hosts_of_eight_in_racks_of_sixteen() -> None:
     assert {d.host_id for d in devices} == set(hosts)
 
 
+def test_latency_applies_inventory_sent_again_while_it_measures(
+    capsys: pytest.CaptureFixture[str], gnn_model_dir: Path
+) -> None:
+    args = ["--devices", "24", "--calls", "40", "--warmup", "1", "--batch", "4", "--batches", "2"]
+    args += ["--policy", "gnn", "--model", str(gnn_model_dir), "--inventory-per-s", "500"]
+    assert main(["bench", "latency", *args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["inventory_per_s"] == 500
+    assert result["inventory_applied"] > 0
+    assert result["gnn"]["fallback_decisions"] == 0
+    assert main(["bench", "latency", "--devices", "8", "--inventory-per-s", "-1"]) == 2
+    assert "--inventory-per-s" in capsys.readouterr().err
+
+
 def test_latency_with_the_gnn_says_which_model_decided(capsys: pytest.CaptureFixture[str], gnn_model_dir: Path) -> None:
     args = ["--devices", "24", "--pending", "2", "--calls", "5", "--warmup", "1", "--batch", "4", "--batches", "2"]
     assert main(["bench", "latency", *args, "--policy", "gnn", "--model", str(gnn_model_dir), "--json"]) == 0

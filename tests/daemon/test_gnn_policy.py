@@ -688,3 +688,30 @@ def test_a_batch_on_exclusive_devices_decides_as_one_place_after_another(model_d
     finally:
         batch_policy.stop()
         one_policy.stop()
+
+
+def test_estimates_outlive_inventory_sent_again_and_a_reused_row_is_unknown(model_dir: Path) -> None:
+    graph = cluster()
+    policy = GnnScorer(settings(model_dir), mode="sync")
+    assert policy.refresh_if_changed(graph)
+    cache = policy.cache
+    assert cache is not None
+    first = policy.speed_factors(SPEC, graph, 1, True)
+    assert first is not None
+    again = next(e for e in synthetic_devices(48) if e.HasField("device_upsert"))
+    graph.apply_telemetry(again)  # an agent sends the same device again: rows still hold the same devices
+    assert policy.speed_factors(SPEC, graph, 1, True) is first
+    row = graph.devices.row(again.device_upsert.id)
+    assert row is not None
+    assert cache.known_positions(graph, np.array([row]))[0] == cache.positions[row] >= 0
+    graph.apply_telemetry(ev.TelemetryEvent(device_removed=ev.EntityRef(id=again.device_upsert.id)))
+    newcomer = ev.TelemetryEvent()
+    newcomer.device_upsert.CopyFrom(again.device_upsert)
+    newcomer.device_upsert.id = "newcomer"
+    graph.apply_telemetry(newcomer)
+    assert graph.devices.row("newcomer") == row  # the freed row, holding another device now
+    assert cache.known_positions(graph, np.array([row]))[0] == -1
+    factors = policy.speed_factors(SPEC, graph, 1, True)
+    assert factors is not None
+    assert factors is not first
+    assert factors[row] == 1.0  # no embedding of the newcomer: its profiled speed

@@ -169,6 +169,31 @@ def test_a_tables_copy_of_some_task_rows_holds_those_alone_renumbered() -> None:
     assert copy.devices.reserved_gb[0] == 3.0  # the devices whole, as they were
 
 
+def test_a_device_sent_again_keeps_its_group_and_a_new_model_moves_it() -> None:
+    graph = InfraGraph()
+    for i in range(3):
+        graph.apply_telemetry(upsert(f"d{i}", "h0", model="A100"))
+    graph.apply_telemetry(upsert("d3", "h0", model="H100"))
+    on = {
+        m: ev.TaskSpec(id=f"t-{m}", memory_per_device_gb=1, allowed_models=[m], allowed_kinds=[GPU])
+        for m in ("A100", "H100")
+    }
+
+    def ids(model: str) -> list[str]:
+        return sorted(graph.device_ids_of(graph.feasible_rows(on[model]).tolist()))
+
+    assert ids("A100") == ["d0", "d1", "d2"]
+    graph.apply_telemetry(upsert("d1", "h0", model="A100"))  # sent again, as agents do
+    assert ids("A100") == ["d0", "d1", "d2"]
+    graph.apply_telemetry(upsert("d1", "h0", model="A100", memory_gb=0.5))  # too small for the task now
+    assert ids("A100") == ["d0", "d2"]
+    graph.apply_telemetry(upsert("d1", "h0", model="H100"))
+    assert ids("A100") == ["d0", "d2"]
+    assert ids("H100") == ["d1", "d3"]
+    graph.apply_telemetry(upsert("d1", "h0", kind=ev.DEVICE_KIND_TPU, model="H100"))
+    assert ids("H100") == ["d3"]
+
+
 def test_finished_tasks_leave_the_task_table_and_free_their_devices() -> None:
     graph = InfraGraph()
     graph.apply_telemetry(upsert("d0", "h0"))

@@ -109,7 +109,7 @@ class EmbeddingCache:
     serial: int  # counts the caches one scorer built
     # Per task shape: the head's output for every position [D, 2] (filled as shapes are asked for).
     predictions: dict[ShapeKey, NDArray[np.float64]]
-    # Per task shape and inventory version: the predicted speed ratio of every graph row [capacity]
+    # Per task shape, devices' generation and capacity: the predicted speed ratio of every graph row [capacity]
     # (1 for a row without an embedding), what an estimate multiplies the profiles' speeds by.
     factors: dict[tuple[ShapeKey, int, int], NDArray[np.float64]]
     # Per task shape: the head's prior features of every position [D, len(PRIOR_FEATURES)], kept
@@ -129,7 +129,7 @@ class EmbeddingCache:
         inside = rows < len(self.positions)
         out: NDArray[np.int64] = np.full(len(rows), -1, dtype=np.int64)
         out[inside] = self.positions[rows[inside]]
-        if graph.version != self.version:  # devices came or went since: a row may hold another device now
+        if graph.devices.generation != self.device_generation:  # devices came or went: a row may hold another now
             ids = graph.devices.ids
             for i in np.flatnonzero(out >= 0).tolist():
                 row = int(rows[i])
@@ -288,12 +288,14 @@ class GnnScorer(Policy):
         self, spec: ev.TaskSpec, graph: InfraGraph, gang: int, consolidated: bool
     ) -> NDArray[np.float64] | None:
         """The predicted speed ratio of every device row of ``graph`` for ``spec``'s shape (1 where
-        the model has no embedding), kept with the cache per inventory version; None while the model
-        does not serve (or just failed). -> [capacity]."""
+        the model has no embedding), kept with the cache until a device is added or removed; None
+        while the model does not serve (or just failed). -> [capacity]."""
         cache = self._cache
         if cache is None:
             return None
-        key = (shape_key(spec, gang, consolidated), graph.version, graph.devices.capacity)
+        # Rows map to the same devices until one is added or removed (an inventory event that only
+        # updates one, as agents send theirs again every few minutes, keeps the factors).
+        key = (shape_key(spec, gang, consolidated), graph.devices.generation, graph.devices.capacity)
         known = cache.factors.get(key) if graph is cache.graph else None
         if known is not None:
             return known
