@@ -14,6 +14,9 @@ times:
   bucket: a bucket whose shape does not fit is left whole after its first task);
 - ``snapshot_capture``: what a snapshot holds the daemon's lock for (``snapshot.capture``; the
   packing and writing happen after the lock is released);
+- ``inventory_resent``: a device's upsert applied again unchanged (as agents send their whole
+  inventory every few minutes) with the pass after it; ``inventory_changed``: the same with its
+  peak power changed (then changed back, off the clock), which ranks the queue anew;
 - memory per queued task (RSS growth while filling the queue, divided by the tasks added);
 - with ``--restart``, a start from a snapshot of that queue: decode and restore, install, and the
   first pass, which rebuilds the queue's order and fit buckets (before the daemon serves).
@@ -82,12 +85,21 @@ class _Bench:
                 ev.TelemetryEvent(cell="bench", host_upsert=ev.Host(id=f"h{host}", cpu_cores=64))
             )
         for i in range(args.devices):
-            device = ev.Device(
-                id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=ev.DEVICE_KIND_GPU, model="A100", memory_gb=80,
-                peak_tflops=312, idle_power_w=60, peak_power_w=400,
-            )  # fmt: skip
-            self.scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", device_upsert=device))
+            self.scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", device_upsert=self.device(i)))
         self.count = 0
+
+    def device(self, i: int, peak_power_w: float = 400.0) -> Any:
+        return self.ev.Device(
+            id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=self.ev.DEVICE_KIND_GPU, model="A100", memory_gb=80,
+            peak_tflops=312, idle_power_w=60, peak_power_w=peak_power_w,
+        )  # fmt: skip
+
+    def inventory_pass_s(self, device: Any) -> float:
+        """Seconds to apply ``device``'s upsert and the pass after it, as ingest does."""
+        start = time.perf_counter()
+        self.scheduler.apply_telemetry(self.ev.TelemetryEvent(cell="bench", device_upsert=device))
+        self.scheduler.schedule_pending()
+        return time.perf_counter() - start
 
     def backlog_spec(self) -> Any:
         """A task that stays queued: it asks for more devices than the cluster has, with one of four
@@ -178,6 +190,9 @@ class _Bench:
         captured = snapshot.capture(scheduler, {})
         capture_s = time.perf_counter() - start
         del captured
+        resent_s = self.inventory_pass_s(self.device(0))
+        changed_s = self.inventory_pass_s(self.device(0, peak_power_w=450.0))
+        self.inventory_pass_s(self.device(0))
         submit_s: list[float] = []
         for _ in range(ops):
             spec = self.backlog_spec()
@@ -193,6 +208,8 @@ class _Bench:
             "submit_mean_ms": round(statistics.fmean(submit_s) * 1e3, 4),
             "release_pass_ms": round(release_pass_s * 1e3, 2),
             "snapshot_capture_ms": round(capture_s * 1e3, 1),
+            "inventory_resent_ms": round(resent_s * 1e3, 2),
+            "inventory_changed_ms": round(changed_s * 1e3, 2),
             "kb_per_queued_task": round(grown_mb * 1024 / added, 2) if added else None,
         }
 

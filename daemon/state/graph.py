@@ -242,8 +242,7 @@ class InfraGraph:
             self._set_link_utilization(links, event.metrics_batch.links)
         elif kind == "link_metrics":
             self._set_link_utilization(self._link_metric_rows([event.link_metrics]), [event.link_metrics])
-        else:
-            self._apply_inventory(kind, event)
+        elif self._apply_inventory(kind, event):
             self.version += 1
             self.changes += 1
         self.saw_telemetry(event.event_time_ms)
@@ -266,23 +265,91 @@ class InfraGraph:
         self.newest_telemetry_ms = int(live.max()) if live.size else 0
         return True
 
-    def _apply_inventory(self, kind: str, event: ev.TelemetryEvent) -> None:
+    def _apply_inventory(self, kind: str, event: ev.TelemetryEvent) -> bool:
+        """Apply an inventory event; False when it changed nothing: an upsert of a device, host or
+        link exactly as the graph has it (agents send their whole inventory again every few
+        minutes), which then leaves the inventory's version, and every cache kept by it, alone."""
         if kind == "device_upsert":
+            check_device(event.device_upsert)
+            self._check_sharing(event.device_upsert, self.devices.row(event.device_upsert.id))  # refused as before
+            if self._device_as_known(event.device_upsert):
+                return False
             self._upsert_device(event.device_upsert)
+        elif kind == "host_upsert":
+            check_host(event.host_upsert)
+            if self._host_as_known(event.host_upsert):
+                return False
+            self._upsert_host(event.host_upsert)
+        elif kind == "link_upsert":
+            check_link(event.link_upsert)
+            if self._link_as_known(event.link_upsert):
+                return False
+            self._upsert_link(event.link_upsert)
         elif kind == "device_removed":
             self._remove_device(event.device_removed.id)
-        elif kind == "host_upsert":
-            self._upsert_host(event.host_upsert)
         elif kind == "host_removed":
             self._remove_host(event.host_removed.id)
         elif kind == "switch_upsert":
             self._upsert_switch(event.switch_upsert)
         elif kind == "switch_removed":
             self._remove_switch(event.switch_removed.id)
-        elif kind == "link_upsert":
-            self._upsert_link(event.link_upsert)
         elif kind == "link_removed":
             self.links.remove(event.link_removed.id)
+        return True
+
+    def _device_as_known(self, spec: ev.Device) -> bool:
+        """Whether upserting ``spec`` would change nothing: every field the graph keeps of it
+        (:meth:`_upsert_device`, :meth:`_set_sharing`) already has its value."""
+        d = self.devices
+        row = d.row(spec.id)
+        if row is None:
+            return False
+        host, model = int(d.host[row]), self._model_index.get(spec.model)
+        parent = d.row(spec.parent_id) if spec.parent_id else None
+        partition = self.partitions.get(spec.id)
+        return (
+            host >= 0
+            and self.hosts.ids[host] == spec.host_id
+            and model is not None
+            and int(d.model[row]) == model
+            and int(d.kind[row]) == int(spec.kind)
+            and (d.memory_gb[row], d.peak_tflops[row], d.idle_power_w[row], d.peak_power_w[row])
+            == (spec.memory_gb, spec.peak_tflops, spec.idle_power_w, spec.peak_power_w)
+            and int(d.sharing[row]) == int(spec.sharing)
+            and bool(d.partition[row]) == bool(spec.parent_id)
+            and int(d.share_capacity[row])
+            == (spec.compute_share_milli if spec.parent_id else spec.share_capacity_milli or WHOLE_SHARE)
+            and int(d.parent[row]) == (-1 if parent is None else parent)
+            and partition == ((spec.parent_id, spec.partition_profile) if spec.parent_id else None)
+        )
+
+    def _host_as_known(self, spec: ev.Host) -> bool:
+        """Whether upserting ``spec`` would change nothing (:meth:`_upsert_host`)."""
+        h = self.hosts
+        row = h.row(spec.id)
+        if row is None or h.placeholder[row]:
+            return False
+        rack = self.switches.row(spec.rack_id) if spec.rack_id else -1
+        return (
+            rack is not None
+            and int(h.rack[row]) == rack
+            and (h.cpu_cores[row], h.memory_gb[row]) == (spec.cpu_cores, spec.memory_gb)
+        )
+
+    def _link_as_known(self, link: ev.Link) -> bool:
+        """Whether upserting ``link`` would change nothing (:meth:`_upsert_link`); raises as it
+        would for an endpoint that is not known."""
+        t = self.links
+        row = t.row(link.id)
+        if row is None:
+            return False
+        src = self._endpoint(link.src_id, f"link {link.id} src")
+        dst = self._endpoint(link.dst_id, f"link {link.id} dst")
+        return (
+            (int(t.src_type[row]), int(t.src[row]), int(t.dst_type[row]), int(t.dst[row])) == (*src, *dst)
+            and int(t.kind[row]) == int(link.kind)
+            and (t.bandwidth_gbps[row], t.latency_us[row]) == (link.bandwidth_gbps, link.latency_us)
+        )
 
     def _intern_model(self, model: str) -> int:
         index = self._model_index.get(model)

@@ -510,7 +510,7 @@ def test_requests_during_a_refresh_use_the_old_cache_entirely(model_dir: Path) -
         policy.stop()
 
 
-def test_background_refresh_waits_its_interval_after_an_inventory_event_that_adds_no_device(
+def test_background_refresh_waits_its_interval_after_an_inventory_change_that_adds_no_device(
     model_dir: Path,
 ) -> None:
     graph = cluster()
@@ -523,7 +523,8 @@ def test_background_refresh_waits_its_interval_after_an_inventory_event_that_add
         cache = policy.cache
         assert cache is not None
         again = next(e for e in synthetic_devices(48) if e.HasField("device_upsert"))
-        graph.apply_telemetry(again)  # an agent sends its inventory again: nothing added
+        again.device_upsert.memory_gb += 8.0
+        graph.apply_telemetry(again)  # a device updated: nothing added
         assert graph.version != cache.version
         assert not policy._due(cache, graph, staleness=True)
         assert policy._due(cache, graph, staleness=False)  # a sync caller re-encodes at once
@@ -699,7 +700,12 @@ def test_estimates_outlive_inventory_sent_again_and_a_reused_row_is_unknown(mode
     first = policy.speed_factors(SPEC, graph, 1, True)
     assert first is not None
     again = next(e for e in synthetic_devices(48) if e.HasField("device_upsert"))
-    graph.apply_telemetry(again)  # an agent sends the same device again: rows still hold the same devices
+    version = graph.version
+    graph.apply_telemetry(again)  # an agent sends the same device again: nothing changes
+    assert graph.version == version
+    again.device_upsert.memory_gb += 8.0
+    graph.apply_telemetry(again)  # updated, on the same row: the rows still hold the same devices
+    assert graph.version == version + 1
     assert policy.speed_factors(SPEC, graph, 1, True) is first
     row = graph.devices.row(again.device_upsert.id)
     assert row is not None

@@ -426,3 +426,199 @@ def test_times_later_than_a_limit_are_forgotten_and_the_newest_is_the_latest_lef
     assert graph.devices.utilization[2] == 0.5  # the report itself stays
     assert graph.forget_times_after(0)
     assert graph.newest_telemetry_ms == 0  # nothing left: as before any telemetry
+
+
+class AlwaysApplies(InfraGraph):
+    """The graph as it was: every upsert applied, none recognized as changing nothing."""
+
+    def _device_as_known(self, spec: ev.Device) -> bool:
+        return False
+
+    def _host_as_known(self, spec: ev.Host) -> bool:
+        return False
+
+    def _link_as_known(self, link: ev.Link) -> bool:
+        return False
+
+
+def _state(graph: InfraGraph) -> dict[str, Any]:
+    tables = {"devices": graph.devices, "hosts": graph.hosts, "switches": graph.switches, "links": graph.links}
+    state: dict[str, Any] = {
+        f"{name}.{column}": getattr(table, column)[table.alive].tolist()
+        for name, table in tables.items()
+        for column in table.COLUMNS
+    }
+    state |= {f"{name}.ids": sorted(table.index.items()) for name, table in tables.items()}
+    state["partitions"] = dict(graph.partitions)
+    state["shared_devices"] = graph.shared_devices
+    state["groups"] = {g: sorted(rows) for g, rows in graph.feasibility._groups.items() if rows}
+    return state
+
+
+_DEVICE_VARIANTS = st.fixed_dictionaries(
+    {
+        "id": st.sampled_from(["d0", "d1", "p0"]),
+        "host_id": st.sampled_from(["h0", "h1"]),
+        "kind": st.sampled_from([GPU, ev.DEVICE_KIND_TPU]),
+        "model": st.sampled_from(["A100", "H100"]),
+        "memory_gb": st.sampled_from([40.0, 80.0]),
+        "peak_tflops": st.sampled_from([0.0, 312.0]),
+        "peak_power_w": st.sampled_from([0.0, 400.0]),
+        "sharing": st.sampled_from([0, ev.DEVICE_SHARING_TIME_SLICED]),
+        "share_capacity_milli": st.sampled_from([0, 2000]),
+    }
+)
+
+
+def _device_event(fields: dict[str, Any]) -> ev.TelemetryEvent:
+    """A device upsert; "p0" is a partition of "d0" (on h0, half its compute, no sharing of its own)."""
+    if fields["id"] == "p0":
+        partition = {"parent_id": "d0", "compute_share_milli": 500, "partition_profile": "3g"}
+        fields = {**fields, "host_id": "h0", "sharing": 0, "share_capacity_milli": 0, **partition}
+    return ev.TelemetryEvent(device_upsert=ev.Device(**fields))
+
+
+_EVENTS = st.one_of(
+    _DEVICE_VARIANTS.map(_device_event),
+    st.builds(
+        lambda host, rack, cores: ev.TelemetryEvent(host_upsert=ev.Host(id=host, rack_id=rack, cpu_cores=cores)),
+        st.sampled_from(["h0", "h1"]),
+        st.sampled_from(["", "r0", "r1"]),
+        st.sampled_from([32, 64]),
+    ),
+    st.builds(
+        lambda src, dst, gbps: ev.TelemetryEvent(
+            link_upsert=ev.Link(id="l0", src_id=src, dst_id=dst, kind=ev.LINK_KIND_NVLINK, bandwidth_gbps=gbps)
+        ),
+        st.sampled_from(["d0", "d1", "h0"]),
+        st.sampled_from(["d1", "h1"]),
+        st.sampled_from([50.0, 100.0]),
+    ),
+    st.sampled_from(["d0", "d1", "p0"]).map(lambda d: ev.TelemetryEvent(device_removed=ev.EntityRef(id=d))),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_EVENTS, min_size=1, max_size=25))
+def test_an_upsert_recognized_as_changing_nothing_changes_nothing(events: list[ev.TelemetryEvent]) -> None:
+    graph, reference = InfraGraph(), AlwaysApplies()
+    for event in events:
+        version = graph.version
+        outcomes = []
+        for g in (graph, reference):
+            try:
+                g.apply_telemetry(event)
+                outcomes.append("applied")
+            except InvalidEventError as error:
+                outcomes.append(error.reason)
+        assert outcomes[0] == outcomes[1]
+        assert _state(graph) == _state(reference)
+        if graph.version == version and outcomes[0] == "applied":
+            assert event.WhichOneof("payload") in ("device_upsert", "host_upsert", "link_upsert")
+
+
+_BASE_DEVICE = {
+    "id": "d0",
+    "host_id": "h0",
+    "kind": GPU,
+    "model": "A100",
+    "memory_gb": 80.0,
+    "peak_tflops": 312.0,
+    "idle_power_w": 60.0,
+    "peak_power_w": 400.0,
+    "sharing": ev.DEVICE_SHARING_TIME_SLICED,
+    "share_capacity_milli": 2000,
+}
+_CHANGED_DEVICE = {
+    "host_id": "h1",
+    "kind": ev.DEVICE_KIND_TPU,
+    "model": "H100",
+    "memory_gb": 40.0,
+    "peak_tflops": 100.0,
+    "idle_power_w": 50.0,
+    "peak_power_w": 300.0,
+    "sharing": ev.DEVICE_SHARING_MPS,
+    "share_capacity_milli": 3000,
+}
+_BASE_PARTITION = {
+    "id": "p0",
+    "host_id": "h2",
+    "kind": GPU,
+    "model": "A100",
+    "memory_gb": 40.0,
+    "parent_id": "big",
+    "compute_share_milli": 500,
+    "partition_profile": "3g.40gb",
+}
+_CHANGED_PARTITION = {"parent_id": "other", "compute_share_milli": 250, "partition_profile": "2g.20gb"}
+
+
+@pytest.mark.parametrize(
+    ("base", "field", "value"),
+    [(_BASE_DEVICE, f, v) for f, v in _CHANGED_DEVICE.items()]
+    + [(_BASE_PARTITION, f, v) for f, v in _CHANGED_PARTITION.items()],
+)
+def test_each_field_of_a_device_sent_again_counts_and_nothing_else_does(
+    base: dict[str, Any], field: str, value: Any
+) -> None:
+    graph, reference = InfraGraph(), AlwaysApplies()
+    parents = [ev.Device(id=p, host_id="h2", kind=GPU, model="A100", memory_gb=80.0) for p in ("big", "other")]
+    events = [ev.TelemetryEvent(device_upsert=p) for p in parents]
+    events.append(ev.TelemetryEvent(device_upsert=ev.Device(**base)))
+    for event in events:
+        graph.apply_telemetry(event)
+        reference.apply_telemetry(event)
+    version = graph.version
+    graph.apply_telemetry(events[-1])  # sent again: nothing changes
+    assert graph.version == version
+    changed = ev.TelemetryEvent(device_upsert=ev.Device(**{**base, field: value}))
+    graph.apply_telemetry(changed)
+    reference.apply_telemetry(changed)
+    assert graph.version == version + 1
+    assert _state(graph) == _state(reference)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("rack_id", "r1"), ("rack_id", ""), ("cpu_cores", 32), ("memory_gb", 1.0)]
+)
+def test_each_field_of_a_host_sent_again_counts(field: str, value: Any) -> None:
+    graph = InfraGraph()
+    base = ev.Host(id="h0", rack_id="r0", cpu_cores=64, memory_gb=512.0)
+    graph.apply_telemetry(ev.TelemetryEvent(host_upsert=base))
+    version = graph.version
+    graph.apply_telemetry(ev.TelemetryEvent(host_upsert=base))
+    assert graph.version == version
+    changed = ev.Host()
+    changed.CopyFrom(base)
+    setattr(changed, field, value)
+    graph.apply_telemetry(ev.TelemetryEvent(host_upsert=changed))
+    assert graph.version == version + 1
+    row = graph.hosts.row("h0")
+    assert row is not None
+    if field == "rack_id":
+        assert graph.hosts.rack[row] == (graph.switches.row(value) if value else -1)
+    else:
+        assert getattr(graph.hosts, field)[row] == value
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("src_id", "d2"), ("dst_id", "h0"), ("kind", ev.LINK_KIND_PCIE), ("bandwidth_gbps", 25.0), ("latency_us", 2.0)],
+)
+def test_each_field_of_a_link_sent_again_counts(field: str, value: Any) -> None:
+    graph, reference = InfraGraph(), AlwaysApplies()
+    base = ev.Link(id="l0", src_id="d0", dst_id="d1", kind=ev.LINK_KIND_NVLINK, bandwidth_gbps=50.0, latency_us=1.0)
+    events = [upsert(f"d{i}", "h0") for i in range(3)] + [ev.TelemetryEvent(link_upsert=base)]
+    for event in events:
+        graph.apply_telemetry(event)
+        reference.apply_telemetry(event)
+    version = graph.version
+    graph.apply_telemetry(events[-1])
+    assert graph.version == version
+    changed = ev.Link()
+    changed.CopyFrom(base)
+    setattr(changed, field, value)
+    graph.apply_telemetry(ev.TelemetryEvent(link_upsert=changed))
+    reference.apply_telemetry(ev.TelemetryEvent(link_upsert=changed))
+    assert graph.version == version + 1
+    assert _state(graph) == _state(reference)
