@@ -16,7 +16,8 @@ times:
   packing and writing happen after the lock is released);
 - ``inventory_resent``: a device's upsert applied again unchanged (as agents send their whole
   inventory every few minutes) with the pass after it; ``inventory_changed``: the same with its
-  peak power changed (then changed back, off the clock), which ranks the queue anew;
+  peak power changed, which no run-time estimate reads; ``inventory_speed_changed``: with its
+  model changed, which ranks the queue anew (each change undone afterwards, off the clock);
 - memory per queued task (RSS growth while filling the queue, divided by the tasks added);
 - with ``--restart``, a start from a snapshot of that queue: decode and restore, install, and the
   first pass, which rebuilds the queue's order and fit buckets (before the daemon serves).
@@ -88,9 +89,9 @@ class _Bench:
             self.scheduler.apply_telemetry(ev.TelemetryEvent(cell="bench", device_upsert=self.device(i)))
         self.count = 0
 
-    def device(self, i: int, peak_power_w: float = 400.0) -> Any:
+    def device(self, i: int, peak_power_w: float = 400.0, model: str = "A100") -> Any:
         return self.ev.Device(
-            id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=self.ev.DEVICE_KIND_GPU, model="A100", memory_gb=80,
+            id=f"d{i}", host_id=f"h{i // DEVICES_PER_HOST}", kind=self.ev.DEVICE_KIND_GPU, model=model, memory_gb=80,
             peak_tflops=312, idle_power_w=60, peak_power_w=peak_power_w,
         )  # fmt: skip
 
@@ -193,6 +194,8 @@ class _Bench:
         resent_s = self.inventory_pass_s(self.device(0))
         changed_s = self.inventory_pass_s(self.device(0, peak_power_w=450.0))
         self.inventory_pass_s(self.device(0))
+        speed_s = self.inventory_pass_s(self.device(0, model="H100-SXM5-80GB"))
+        self.inventory_pass_s(self.device(0))
         submit_s: list[float] = []
         for _ in range(ops):
             spec = self.backlog_spec()
@@ -210,6 +213,7 @@ class _Bench:
             "snapshot_capture_ms": round(capture_s * 1e3, 1),
             "inventory_resent_ms": round(resent_s * 1e3, 2),
             "inventory_changed_ms": round(changed_s * 1e3, 2),
+            "inventory_speed_changed_ms": round(speed_s * 1e3, 2),
             "kb_per_queued_task": round(grown_mb * 1024 / added, 2) if added else None,
         }
 

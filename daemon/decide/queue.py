@@ -42,7 +42,7 @@ class PendingQueue:
         self._buckets: dict[FitKey, SortedKeyList[str, QueueKey]] = {}  # the same, per fit bucket
         self._parked: set[str] = set()  # queued, but in no bucket (see park)
         self._order: list[Task] | None = None  # a whole-queue sort, else None when stale
-        self._epoch: tuple[int, int, bool, bool] | None = None
+        self._epoch: tuple[tuple[object, ...], int, bool, bool] | None = None
         self._staged: dict[str, Task] = {}  # queued, not yet in the sorted lists (see the module docstring)
 
     def __len__(self) -> int:
@@ -140,8 +140,8 @@ class PendingQueue:
     # -- internals -------------------------------------------------------------------------
 
     @staticmethod
-    def _epoch_of(graph: InfraGraph, policy: Policy) -> tuple[int, int, bool, bool]:
-        return (graph.version, id(policy), policy.ready, policy.rank_per_task)
+    def _epoch_of(graph: InfraGraph, policy: Policy) -> tuple[tuple[object, ...], int, bool, bool]:
+        return (graph.speed_marks(), id(policy), policy.ready, policy.rank_per_task)
 
     def _sync(self, graph: InfraGraph, policy: Policy) -> bool:
         """Bring the sorted list up to date; False when ranks are not per task (a whole-queue sort)."""

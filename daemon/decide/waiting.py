@@ -74,13 +74,15 @@ SHARED_HEADROOM = 0.5
 class RunTimes:
     """A task shape's estimated run time on each device model (the device profiles' estimate on one
     device of each (kind, model) group the task may use; ``NEVER_S`` on the others), kept per shape
-    until the inventory changes; the queue ranks of shortest-first order from them."""
+    until what they read of the inventory changes (:meth:`InfraGraph.speed_marks`) or the profiles
+    do; the queue ranks of shortest-first order from them."""
 
     def __init__(self, profiles: DeviceProfiles) -> None:
         self.profiles = profiles
         self._known: dict[tuple[object, ...], NDArray[np.float64]] = {}
         self._fastest: dict[tuple[object, ...], float] = {}  # the least of each table, as ranks read it
-        self._graph_version = (0, -1, -1)  # (graph, its inventory version, the profiles' version)
+        # (graph, its speed marks (InfraGraph.speed_marks), the profiles' version)
+        self._graph_version: tuple[int, tuple[object, ...], int] = (0, (), -1)
 
     def by_model(self, spec: ev.TaskSpec, graph: InfraGraph, plain: bool = False) -> NDArray[np.float64]:
         """Run time (s) per model index [len(graph.model_names) + 1]; the last entry is for
@@ -93,7 +95,7 @@ class RunTimes:
         return (spec.workload_class, spec.kind, spec.num_devices, spec.work_ref_s, *lists)
 
     def _table(self, key: tuple[object, ...], spec: ev.TaskSpec, graph: InfraGraph) -> NDArray[np.float64]:
-        marks = (id(graph), graph.version, self.profiles.version)
+        marks = (id(graph), graph.speed_marks(), self.profiles.version)
         if self._graph_version != marks or len(self._known) > MAX_SHAPES:
             self._graph_version, self._known, self._fastest = marks, {}, {}
         table = self._known.get(key)

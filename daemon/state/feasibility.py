@@ -228,6 +228,11 @@ class FeasibilityFilter:
         busy: Rows = rows[(d.memory_gb[rows] >= spec.memory_per_device_gb) & ~self.room(graph, spec, rows)]
         return busy
 
+    def representatives(self) -> dict[Group, int]:
+        """Each (kind, model) group's lowest live row, the one :meth:`group_representatives` gives,
+        for every group with a device."""
+        return {group: min(rows) for group, rows in self._groups.items() if rows}
+
     def group_representatives(self, graph: GraphView, spec: ev.TaskSpec) -> Rows:
         """One live row of each (kind, model) group ``spec`` may run on (its allow-lists). -> [G]."""
         groups = self._candidate_groups(graph, spec)

@@ -85,6 +85,20 @@ class InfraGraph:
         self.metrics_version = 0
         self.changes = 0
         self._arrivals = 0
+        self._speed_marks: tuple[int, tuple[object, ...]] = (-1, ())  # (version, speed_marks())
+
+    def speed_marks(self) -> tuple[object, ...]:
+        """What a task's estimated run time per device group reads of the inventory: the model
+        names known, and each (kind, model) group's representative row (the lowest) with its peak
+        TFLOPS (the speed of a model the profiles do not list). Equal marks, equal estimates: an
+        inventory change that moves none of them (a device's memory or host, a link, a device
+        added to a group above its lowest row) leaves the queue's ranks as they are. Kept per
+        inventory version."""
+        if self._speed_marks[0] != self.version:
+            peak = self.devices.peak_tflops
+            groups = sorted((group, row, float(peak[row])) for group, row in self.feasibility.representatives().items())
+            self._speed_marks = (self.version, (len(self.model_names), tuple(groups)))
+        return self._speed_marks[1]
 
     @property
     def arrivals(self) -> int:

@@ -201,6 +201,7 @@ def test_queue_prints_each_length_against_the_empty_queue(capsys: pytest.Capture
     assert all(long[name] > 0 for name in ("place_p99_ms", "place_batch_ms", "submit_mean_ms", "release_pass_ms"))
     assert long["inventory_changed_ms"] > 0
     assert long["inventory_resent_ms"] > 0
+    assert long["inventory_speed_changed_ms"] > 0
 
 
 def test_queue_times_a_start_from_a_snapshot_of_each_queue(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,9 +3,13 @@ only what arrived (and what waits for a busy device)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
 from hlb.daemon.decide.presets import make_policy
 from hlb.daemon.decide.queue import PendingQueue
@@ -13,6 +17,7 @@ from hlb.daemon.decide.scheduler import Scheduler
 from hlb.daemon.errors import QueueFullError
 from hlb.daemon.state.graph import InfraGraph
 from hlb.daemon.state.ledger import PlacementLedger
+from hlb.daemon.state.task import Task
 from hlb.v1 import events_pb2 as ev
 
 MODELS = ("V100", "K80", "A100")
@@ -26,6 +31,25 @@ def cluster() -> InfraGraph:
     return graph
 
 
+def device(device_id: str, model: str, peak_tflops: float = 0.0, memory_gb: float = 32.0) -> ev.TelemetryEvent:
+    spec = ev.Device(
+        id=device_id, host_id="h9", kind=ev.DEVICE_KIND_GPU, model=model, memory_gb=memory_gb, peak_tflops=peak_tflops
+    )
+    return ev.TelemetryEvent(cell="c", event_time_ms=1, device_upsert=spec)
+
+
+# Inventory changes between queue reads: the same device again, a model the profiles do not list
+# (its speed is its peak TFLOPS) coming, changing speed and going, a device's memory.
+INVENTORY = (
+    device("d0", "V100"),
+    device("d0", "X1", peak_tflops=50.0),
+    device("d0", "X1", peak_tflops=500.0),
+    device("d7", "X1", peak_tflops=200.0),
+    ev.TelemetryEvent(cell="c", event_time_ms=1, device_removed=ev.EntityRef(id="d7")),
+    device("d1", "K80", memory_gb=64.0),
+)
+
+
 def full_sort(queue: PendingQueue, graph: InfraGraph, policy_name: str) -> list[str]:
     """The order a whole-queue sort gives: priority, then rank, then arrival."""
     policy = make_policy(policy_name)
@@ -36,11 +60,11 @@ def full_sort(queue: PendingQueue, graph: InfraGraph, policy_name: str) -> list[
     return [t.spec.id for t in sorted(tasks, key=lambda t: (-t.spec.priority, -rank[t.spec.id], t.arrival))]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["add", "add", "remove", "park", "unpark"]),
+            st.sampled_from(["add", "add", "remove", "park", "unpark", "inventory", "inventory"]),
             st.integers(0, 2),
             st.sampled_from([0.0, 60.0, 600.0, 7200.0]),
             st.integers(0, 30),
@@ -57,9 +81,14 @@ def test_the_queue_order_and_positions_equal_a_full_sort_after_any_adds_and_remo
     policy = make_policy(policy_name)
     queue = PendingQueue()
     for n, (op, priority, work, victim, read) in enumerate(ops):
-        if op == "add" or not queue.tasks:
+        if op == "inventory":
+            graph.apply_telemetry(INVENTORY[victim % len(INVENTORY)])
+        elif op == "add" or not queue.tasks:
             memory = 1.0 + n % 2  # two fit buckets
-            spec = ev.TaskSpec(id=f"t{n}", priority=priority, work_ref_s=work, memory_per_device_gb=memory)
+            models = ["X1"] if n % 2 == 0 else []  # some may run on the unlisted model only
+            spec = ev.TaskSpec(
+                id=f"t{n}", priority=priority, work_ref_s=work, memory_per_device_gb=memory, allowed_models=models
+            )
             queue.add(graph.add_task(spec, "c"), graph, policy)
         else:
             chosen = sorted(queue.tasks)[victim % len(queue.tasks)]
@@ -155,7 +184,7 @@ def _run(
     return placed, reasons
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
@@ -190,3 +219,36 @@ def test_a_full_pass_leaves_a_bucket_that_does_not_fit_whole() -> None:
     assert scheduler.schedule_pending() == []
     assert tried == ["big0"]  # the other 999 are left with their bucket
     assert "needs 4 devices" in scheduler.lookup("big999").pending.reason  # type: ignore[union-attr]
+
+
+def test_the_order_follows_a_speed_change_and_an_unrelated_change_ranks_nothing_again() -> None:
+    graph = cluster()
+    # Models the profiles do not list: their speed is their peak TFLOPS (X2: 600 s for these tasks).
+    graph.apply_telemetry(device("x", "X1", peak_tflops=50.0))
+    graph.apply_telemetry(device("x2", "X2", peak_tflops=125.0))
+    policy = make_policy("rules")
+    ranked: list[int] = []
+    rank = policy.rank
+
+    def counted(graph: InfraGraph, tasks: Sequence[Task]) -> NDArray[np.float64] | None:
+        ranked.append(len(tasks))
+        return rank(graph, tasks)
+
+    policy.rank = counted  # type: ignore[method-assign]
+    queue = PendingQueue()
+    for task_id, models in (("only-x1", ["X1"]), ("only-x2", ["X2"])):
+        spec = ev.TaskSpec(id=task_id, work_ref_s=600.0, memory_per_device_gb=1.0, allowed_models=models)
+        queue.add(graph.add_task(spec, "c"), graph, policy)
+
+    def order() -> list[str]:
+        return [t.spec.id for t in queue.ordered(graph, policy)]
+
+    assert order() == ["only-x2", "only-x1"]  # 600 s before 1,500 s
+    ranked.clear()
+    graph.apply_telemetry(device("d1", "K80", memory_gb=64.0))  # memory: no run time changes
+    graph.apply_telemetry(device("y", "X2", peak_tflops=125.0))  # another device of a group, above its lowest row
+    assert order() == ["only-x2", "only-x1"]
+    assert ranked == []
+    graph.apply_telemetry(device("x", "X1", peak_tflops=5000.0))  # 15 s now
+    assert order() == ["only-x1", "only-x2"]
+    assert ranked == [2]
