@@ -283,14 +283,15 @@ class ModelRefreshSettings(_Section):
     # first when the graph changed (the simulator and `hlb eval`, which own their graph).
     mode: Literal["background", "sync"] = "background"
     # Re-encode once this many device rows changed (metrics reports, bindings, releases) since the
-    # last refresh; a device added or removed re-encodes at once, any other inventory change (an
-    # agent sends its whole inventory again every few minutes) too, but within min_interval_s.
+    # last refresh; a device added or removed re-encodes at once, any other inventory change (a
+    # device's fields, a host, a link) too, but within min_interval_s. An upsert that changes
+    # nothing (agents send their whole inventory again every few minutes) is no change.
     min_changed_rows: int = Field(256, ge=1, le=10_000_000)
     # Re-encode after this long when anything changed at all, however little.
     staleness_s: float = Field(5.0, gt=0, le=86400)
     # Background mode: at most one re-encode for changed rows or inventory per this long (a device
-    # added or removed re-encodes at once), so that a stream of batches, or of inventory sent
-    # again, is not slowed by one refresh after another.
+    # added or removed re-encodes at once), so that a stream of batches, or of inventory changes,
+    # is not slowed by one refresh after another.
     min_interval_s: float = Field(0.5, ge=0, le=3600)
     # How often the refresh thread looks at the graph's change counter and the model files.
     poll_s: float = Field(0.05, gt=0, le=60)

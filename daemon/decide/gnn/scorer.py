@@ -16,12 +16,12 @@ last) sees one cache from start to end, never a mix.
 Refresh modes (``model.refresh.mode``):
 
 - ``background`` (the daemon): a thread re-encodes when ``min_changed_rows`` device rows changed
-  since the last refresh (``InfraGraph.changes``), at once when the inventory changed, and after
+  since the last refresh (``InfraGraph.changes``), after any other inventory change, and after
   ``staleness_s`` when anything changed; never sooner than ``min_interval_s`` after the last
-  refresh but for an inventory change (under a stream of batches, each of which changes a
-  thousand rows, refreshing after every one took the cores from the batches). It copies the
-  graph's tables under the lock (memory copies, under a millisecond at 1,000 devices and 12,000
-  tasks), then builds the encoder's inputs from the copies and runs the encoder outside it, so
+  refresh but when a device was added or removed (under a stream of batches, each of which
+  changes a thousand rows, refreshing after every one took the cores from the batches). It copies
+  the graph's tables under the lock (memory copies, of the task rows the encoder reads only), then
+  builds the encoder's inputs from the copies and runs the encoder outside it, so
   requests never wait for either. A request naming a device the cache does not know yet (added
   since the refresh) is decided by the fallback and wakes the thread.
 - ``sync`` (the simulator, ``hlb eval``): :meth:`GnnScorer.refresh_if_changed` runs before each
@@ -294,7 +294,7 @@ class GnnScorer(Policy):
         if cache is None:
             return None
         # Rows map to the same devices until one is added or removed (an inventory event that only
-        # updates one, as agents send theirs again every few minutes, keeps the factors).
+        # updates one keeps the factors).
         key = (shape_key(spec, gang, consolidated), graph.devices.generation, graph.devices.capacity)
         known = cache.factors.get(key) if graph is cache.graph else None
         if known is not None:
@@ -617,8 +617,8 @@ class GnnScorer(Policy):
         """Whether to re-encode now; ``staleness``: for the background thread, else for a sync
         caller, which re-encodes at once after any inventory change. The thread re-encodes at once
         when a device was added or removed; for any other change (an inventory event updating a
-        device, host, switch or link, as agents send the whole inventory again every few minutes,
-        or changed rows) it keeps ``min_interval_s`` between refreshes."""
+        device, host, switch or link, or changed rows) it keeps ``min_interval_s`` between
+        refreshes."""
         inventory_changed = graph.version != cache.version
         if inventory_changed and (not staleness or graph.devices.generation != cache.device_generation):
             return True
