@@ -282,23 +282,29 @@ class InfraGraph:
     def _apply_inventory(self, kind: str, event: ev.TelemetryEvent) -> bool:
         """Apply an inventory event; False when it changed nothing: an upsert of a device, host or
         link exactly as the graph has it (agents send their whole inventory again every few
-        minutes), which then leaves the inventory's version, and every cache kept by it, alone."""
+        minutes), which then leaves the inventory's version, and every cache kept by it, alone.
+        Each upsert is validated here, once, whether or not it changes anything."""
         if kind == "device_upsert":
-            check_device(event.device_upsert)
-            self._check_sharing(event.device_upsert, self.devices.row(event.device_upsert.id))  # refused as before
-            if self._device_as_known(event.device_upsert):
+            device = event.device_upsert
+            check_device(device)
+            row = self.devices.row(device.id)
+            self._check_sharing(device, row)
+            if self._device_as_known(device, row):
                 return False
-            self._upsert_device(event.device_upsert)
+            self._upsert_device(device, row)
         elif kind == "host_upsert":
             check_host(event.host_upsert)
             if self._host_as_known(event.host_upsert):
                 return False
             self._upsert_host(event.host_upsert)
         elif kind == "link_upsert":
-            check_link(event.link_upsert)
-            if self._link_as_known(event.link_upsert):
+            link = event.link_upsert
+            check_link(link)
+            src = self._endpoint(link.src_id, f"link {link.id} src")
+            dst = self._endpoint(link.dst_id, f"link {link.id} dst")
+            if self._link_as_known(link, src, dst):
                 return False
-            self._upsert_link(event.link_upsert)
+            self._upsert_link(link, src, dst)
         elif kind == "device_removed":
             self._remove_device(event.device_removed.id)
         elif kind == "host_removed":
@@ -311,11 +317,11 @@ class InfraGraph:
             self.links.remove(event.link_removed.id)
         return True
 
-    def _device_as_known(self, spec: ev.Device) -> bool:
-        """Whether upserting ``spec`` would change nothing: every field the graph keeps of it
-        (:meth:`_upsert_device`, :meth:`_set_sharing`) already has its value."""
+    def _device_as_known(self, spec: ev.Device, row: int | None) -> bool:
+        """Whether upserting ``spec`` (its device's ``row``, None for a new one) would change
+        nothing: every field the graph keeps of it (:meth:`_upsert_device`, :meth:`_set_sharing`)
+        already has its value."""
         d = self.devices
-        row = d.row(spec.id)
         if row is None:
             return False
         host, model = int(d.host[row]), self._model_index.get(spec.model)
@@ -350,15 +356,13 @@ class InfraGraph:
             and (h.cpu_cores[row], h.memory_gb[row]) == (spec.cpu_cores, spec.memory_gb)
         )
 
-    def _link_as_known(self, link: ev.Link) -> bool:
-        """Whether upserting ``link`` would change nothing (:meth:`_upsert_link`); raises as it
-        would for an endpoint that is not known."""
+    def _link_as_known(self, link: ev.Link, src: tuple[int, int], dst: tuple[int, int]) -> bool:
+        """Whether upserting ``link`` between ``src`` and ``dst`` (node type and row of each end)
+        would change nothing (:meth:`_upsert_link`)."""
         t = self.links
         row = t.row(link.id)
         if row is None:
             return False
-        src = self._endpoint(link.src_id, f"link {link.id} src")
-        dst = self._endpoint(link.dst_id, f"link {link.id} dst")
         return (
             (int(t.src_type[row]), int(t.src[row]), int(t.dst_type[row]), int(t.dst[row])) == (*src, *dst)
             and int(t.kind[row]) == int(link.kind)
@@ -382,11 +386,10 @@ class InfraGraph:
         row = self.switches.row(switch_id)
         return self.switches.add(switch_id) if row is None else row
 
-    def _upsert_device(self, spec: ev.Device) -> None:
-        check_device(spec)
+    def _upsert_device(self, spec: ev.Device, row: int | None) -> None:
+        """Apply ``spec`` to its device's ``row`` (None: a new device); validated by the caller
+        (``check_device``, :meth:`_check_sharing`)."""
         d = self.devices
-        row = d.row(spec.id)
-        self._check_sharing(spec, row)
         model = self._intern_model(spec.model)
         if row is None:
             row, regroup = d.add(spec.id), True
@@ -507,7 +510,7 @@ class InfraGraph:
         self.devices.remove(self.devices.ids[row] or "")
 
     def _upsert_host(self, spec: ev.Host) -> None:
-        check_host(spec)
+        """Apply ``spec``; validated by the caller (``check_host``)."""
         h = self.hosts
         row = self._host_row(spec.id)
         if h.rack[row] >= 0:
@@ -573,10 +576,10 @@ class InfraGraph:
                 return node_type, row
         raise InvalidEventError(f"{what} names unknown device, host or switch {node_id!r}", "unknown_id")
 
-    def _upsert_link(self, link: ev.Link) -> None:
-        check_link(link)
-        src_type, src = self._endpoint(link.src_id, f"link {link.id} src")
-        dst_type, dst = self._endpoint(link.dst_id, f"link {link.id} dst")
+    def _upsert_link(self, link: ev.Link, src_end: tuple[int, int], dst_end: tuple[int, int]) -> None:
+        """Apply ``link`` between its ends (node type and row of each); validated by the caller
+        (``check_link``, :meth:`_endpoint`)."""
+        (src_type, src), (dst_type, dst) = src_end, dst_end
         t = self.links
         row = t.row(link.id)
         if row is None:

@@ -431,13 +431,13 @@ def test_times_later_than_a_limit_are_forgotten_and_the_newest_is_the_latest_lef
 class AlwaysApplies(InfraGraph):
     """The graph as it was: every upsert applied, none recognized as changing nothing."""
 
-    def _device_as_known(self, spec: ev.Device) -> bool:
+    def _device_as_known(self, spec: ev.Device, row: int | None) -> bool:
         return False
 
     def _host_as_known(self, spec: ev.Host) -> bool:
         return False
 
-    def _link_as_known(self, link: ev.Link) -> bool:
+    def _link_as_known(self, link: ev.Link, src: tuple[int, int], dst: tuple[int, int]) -> bool:
         return False
 
 
